@@ -1,0 +1,109 @@
+"""ClickHouse access with one code path for the embedded engine and a real server.
+
+``chdb:///DIR`` opens the embedded engine (chDB) in DIR through
+clickhouse-connect's ``chdb`` interface; ``http(s)://user:pass@host:port/db``
+talks to a server. Everything else (DDL, inserts, reads) is the same.
+chDB allows one process per data directory; inside a process the client of a
+directory is shared.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import msgspec
+
+from schemas.tables import TABLES, Table, table_for
+
+
+class ClickHouseError(RuntimeError):
+    """ClickHouse could not be reached or refused a statement."""
+
+
+_embedded: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def connect(url: str) -> Any:
+    """A clickhouse-connect client for ``url`` (see the module docstring)."""
+    try:
+        import clickhouse_connect
+    except ImportError:
+        raise ClickHouseError("pip install 'clickhouse-connect[chdb]>=1.12'") from None
+    parts = urlsplit(url)
+    if parts.scheme == "chdb":
+        path = str(Path(unquote(parts.netloc + parts.path)).resolve())
+        with _lock:
+            if path not in _embedded:
+                if _embedded:
+                    raise ClickHouseError(
+                        f"this process already opened the embedded ClickHouse at "
+                        f"{next(iter(_embedded))}; chDB allows one data directory per process, "
+                        f"so {path} cannot be opened too"
+                    )
+                Path(path).mkdir(parents=True, exist_ok=True)
+                _embedded[path] = clickhouse_connect.get_client(interface="chdb", path=path)
+            return _embedded[path]
+    if parts.scheme in ("http", "https"):
+        return clickhouse_connect.get_client(
+            host=parts.hostname or "localhost",
+            port=parts.port or (8443 if parts.scheme == "https" else 8123),
+            username=unquote(parts.username or "default"),
+            password=unquote(parts.password or ""),
+            database=parts.path.strip("/") or "default",
+            secure=parts.scheme == "https",
+        )
+    raise ClickHouseError(
+        f"unsupported ClickHouse URL scheme {parts.scheme!r}: use chdb:///DIR or http(s)://..."
+    )
+
+
+def init_db(client: Any, database: str, retention_days: int) -> list[str]:
+    """Create the database and every table (idempotent); return the table names."""
+    client.command(f"CREATE DATABASE IF NOT EXISTS {database}")
+    for table in TABLES.values():
+        client.command(table.ddl(database, retention_days))
+    return list(TABLES)
+
+
+def insert_records(client: Any, database: str, records: Iterable[msgspec.Struct]) -> int:
+    """Insert records into their tables, one insert per table; return rows written."""
+    by_table: dict[str, list[list[Any]]] = defaultdict(list)
+    tables: dict[str, Table] = {}
+    for rec in records:
+        t = table_for(rec)
+        tables[t.name] = t
+        by_table[t.name].append(t.to_row(rec))
+    for name, rows in by_table.items():
+        client.insert(f"{database}.{name}", rows, column_names=tables[name].column_names)
+    return sum(len(r) for r in by_table.values())
+
+
+def read_records(
+    client: Any,
+    database: str,
+    table: str,
+    where: str = "",
+    parameters: dict[str, Any] | None = None,
+    order_by: str = "",
+) -> Iterator[Any]:
+    """Read a table back as records (deduplicated with FINAL)."""
+    t = TABLES[table]
+    sql = f"SELECT {t.select_list()} FROM {database}.{t.name} FINAL"
+    if where:
+        sql += f" WHERE {where}"
+    if order_by:
+        sql += f" ORDER BY {order_by}"
+    result = client.query(
+        sql,
+        parameters=parameters or {},
+        column_formats={c: "bytes" for c in t.bytes_columns},
+    )
+    names = result.column_names
+    for row in result.result_rows:
+        yield t.from_row(dict(zip(names, row, strict=True)))

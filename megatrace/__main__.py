@@ -1,0 +1,3 @@
+from megatrace.cli import main
+
+main()

@@ -1,0 +1,206 @@
+"""Settings: the one home of configuration.
+
+Precedence, lowest to highest: built-in defaults, the TOML config file
+(``--config``, else ``$MEGATRACE_CONFIG``, else ``./megatrace.toml`` if present),
+environment variables ``MEGATRACE_<SECTION>__<KEY>``, then command-line flags.
+Only the command-line entry point calls :func:`load_settings`; everything
+else receives the resulting :class:`Settings` (or a section of it).
+
+>>> s = load_settings(env={"MEGATRACE_KAFKA__BOOTSTRAP_SERVERS": "k1:9092",
+...                        "MEGATRACE_KAFKA__SASL_PASSWORD": "hunter2"},
+...                   overrides={"clickhouse": {"retention_days": 7}})
+>>> s.kafka.bootstrap_servers, s.clickhouse.retention_days
+('k1:9092', 7)
+>>> s.kafka.sasl_password
+Secret('********')
+>>> "hunter2" in repr(s)
+False
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type."""
+
+
+class Secret:
+    """A string that never prints itself (passwords, tokens, webhook secrets)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def get(self) -> str:
+        """The secret itself; call only where it is handed to a client library."""
+        return self._value
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __repr__(self) -> str:
+        return "Secret('********')" if self._value else "Secret('')"
+
+    __str__ = __repr__
+
+
+class KafkaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where the broker is. ``bootstrap_servers`` empty means the local stack's broker."""
+
+    bootstrap_servers: str = ""
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str = ""
+    sasl_username: str = ""
+    sasl_password: Secret = Secret("")
+    ssl_ca_location: str = ""
+    topic_prefix: str = "megatrace."
+    partitions: int = 4
+    replication_factor: int = 1
+    client_options: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class ClickHouseSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where verdicts and summaries go.
+
+    ``url`` is ``chdb:///DIR`` for the embedded engine, ``http(s)://user:pass@host:port/db``
+    for a server; empty means the local stack's embedded directory.
+    """
+
+    url: Secret = Secret("")
+    database: str = "megatrace"
+    retention_days: int = 30
+
+
+class StackSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The local stack (broker process and embedded ClickHouse directory)."""
+
+    state_dir: str = ".megatrace"
+    broker_port: int = 0
+    start_timeout_s: float = 15.0
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    kafka: KafkaSettings = KafkaSettings()
+    clickhouse: ClickHouseSettings = ClickHouseSettings()
+    stack: StackSettings = StackSettings()
+
+    def public(self) -> dict[str, Any]:
+        """A printable view with secrets masked and passwords removed from URLs."""
+        return msgspec.to_builtins(self, enc_hook=_mask)
+
+
+def _mask(obj: Any) -> Any:
+    if isinstance(obj, Secret):
+        return redact_url(obj.get()) if "://" in obj.get() else repr(obj)
+    raise NotImplementedError(type(obj))
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ``***``.
+
+    >>> redact_url("http://bob:pw@ch:8123/db")
+    'http://bob:***@ch:8123/db'
+    """
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _dec_hook(tp: type, obj: Any) -> Any:
+    if tp is Secret:
+        if not isinstance(obj, str):
+            raise ValueError("expected a string")
+        return Secret(obj)
+    raise NotImplementedError(tp)
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
+    """``MEGATRACE_KAFKA__BOOTSTRAP_SERVERS=x`` -> ``{"kafka": {"bootstrap_servers": "x"}}``."""
+    sections = {f.name: f for f in msgspec.structs.fields(Settings)}
+    layer: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith("MEGATRACE_") or "__" not in name:
+            continue
+        section, _, key = name[len("MEGATRACE_") :].lower().partition("__")
+        if section not in sections:
+            raise ConfigError(f"{name}: unknown section {section!r} (known: {', '.join(sections)})")
+        typ = sections[section].type
+        fields = {f.name: f.type for f in msgspec.structs.fields(typ)}
+        if key not in fields:
+            raise ConfigError(f"{name}: unknown setting {key!r} (known: {', '.join(fields)})")
+        layer.setdefault(section, {})[key] = _parse_env_value(name, value, fields[key])
+    return layer
+
+
+def _parse_env_value(name: str, value: str, typ: Any) -> Any:
+    if typ in (int, float):
+        try:
+            return typ(value)
+        except ValueError:
+            raise ConfigError(f"{name}={value!r}: expected {typ.__name__}") from None
+    if typ is bool:
+        return value.lower() in ("1", "true", "yes", "on")
+    if getattr(typ, "__origin__", None) is dict:
+        pairs = [p.split("=", 1) for p in value.split(",") if p]
+        return {k.strip(): v.strip() for k, v in pairs}
+    return value
+
+
+def config_file_path(explicit: str | None, env: Mapping[str, str], cwd: Path) -> Path | None:
+    """Which config file applies (see the module docstring), or None."""
+    if explicit:
+        return Path(explicit)
+    if env.get("MEGATRACE_CONFIG"):
+        return Path(env["MEGATRACE_CONFIG"])
+    candidate = cwd / "megatrace.toml"
+    return candidate if candidate.is_file() else None
+
+
+def load_settings(
+    *,
+    file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build :class:`Settings` from the layers, highest precedence last."""
+    data: dict[str, Any] = {}
+    if file is not None:
+        try:
+            data = tomllib.loads(Path(file).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {file} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {file}: {e}") from None
+    data = _merge(data, _env_layer(env or {}))
+    data = _merge(data, overrides or {})
+    try:
+        return msgspec.convert(data, Settings, dec_hook=_dec_hook)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid configuration: {e}") from None

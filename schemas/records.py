@@ -1,0 +1,423 @@
+"""Every record that crosses Kafka, a file or ClickHouse, defined once.
+
+Records are frozen :class:`msgspec.Struct` types tagged by a ``type`` field and
+versioned by a ``v`` field. Timestamps are integer nanoseconds since the Unix
+epoch; durations end in ``_ns``; sizes end in ``_bytes``. Relations go by ids
+(job, rank, communicator hash, sequence number), never by nesting.
+
+Groups:
+
+* job metadata: :class:`JobInfo`, :class:`RankInfo`, :class:`CommInfo`;
+* node events: :class:`Collective`, :class:`ProxySummary`, :class:`Kernel`,
+  :class:`Heartbeat`, :class:`LinkSample`;
+* analysis results: :class:`AlignedCollective`, :class:`RankStep`,
+  :class:`StepSummary`, :class:`Verdict`;
+* plumbing: :class:`DeadLetter`, :class:`FaultLabel` (simulator ground truth).
+
+>>> c = Collective(job="j1", node="n0", rank=3, comm_hash=7, comm_size=8, rank_in_comm=3,
+...                op=CollOp.ALL_REDUCE, seq=12, count=1024, size_bytes=2048,
+...                dtype=DType.BFLOAT16, enqueue_ns=1_000, end_ns=2_000)
+>>> c.duration_ns
+1000
+"""
+
+from __future__ import annotations
+
+from msgspec import Struct, field
+
+from schemas.units import (
+    SCHEMA_VERSION,
+    Cause,
+    ClockSource,
+    CollOp,
+    CommHash,
+    CommRole,
+    Count,
+    DeadLetterReason,
+    Direction,
+    DType,
+    DurationNs,
+    Fraction,
+    JobId,
+    KernelKind,
+    NodeName,
+    Phase,
+    Positive,
+    Rank,
+    Schedule,
+    Seq,
+    TimeNs,
+    VerdictKind,
+    VerdictStatus,
+    Version,
+)
+
+
+class Record(Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Base of every job-scoped record."""
+
+    v: Version = SCHEMA_VERSION
+    job: JobId
+
+
+class NodeEvent(Record, frozen=True, kw_only=True):
+    """Base of records emitted by one rank's process on one node."""
+
+    node: NodeName
+    rank: Rank
+    clock: ClockSource = ClockSource.HOST_REALTIME
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+class JobInfo(Record, frozen=True, kw_only=True, tag="job"):
+    """The training job's parallel layout and schedule (one per job)."""
+
+    ts_ns: TimeNs
+    name: str = ""
+    source: str = "unknown"
+    world_size: Positive
+    tp: Positive = 1
+    pp: Positive = 1
+    dp: Positive = 1
+    cp: Positive = 1
+    ep: Positive = 1
+    vpp: Positive = 1
+    num_layers: Count = 0
+    global_batch_size: Count = 0
+    micro_batch_size: Count = 0
+    num_microbatches: Positive = 1
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    gpus_per_node: Positive = 8
+
+    def __post_init__(self) -> None:
+        if self.tp * self.pp * self.dp * self.cp > self.world_size:
+            raise ValueError(
+                f"tp*pp*dp*cp = {self.tp * self.pp * self.dp * self.cp} exceeds "
+                f"world_size {self.world_size}"
+            )
+
+
+class RankInfo(Record, frozen=True, kw_only=True, tag="rank"):
+    """Where one global rank runs and its coordinates in the parallel grid."""
+
+    ts_ns: TimeNs
+    rank: Rank
+    node: NodeName
+    gpu: Count
+    nic: str = ""
+    tp_rank: Count = 0
+    pp_stage: Count = 0
+    dp_rank: Count = 0
+    cp_rank: Count = 0
+    ep_rank: Count = 0
+
+
+class CommInfo(Record, frozen=True, kw_only=True, tag="comm"):
+    """A communicator: its members (in communicator-rank order) and its role."""
+
+    ts_ns: TimeNs
+    comm_hash: CommHash
+    role: CommRole
+    ranks: list[Rank]
+    name: str = ""
+    pp_stage: Count | None = None
+    inferred: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            raise ValueError("a communicator needs at least one member rank")
+
+
+# --------------------------------------------------------------------------- node events
+
+
+class Collective(NodeEvent, frozen=True, kw_only=True, tag="coll"):
+    """One rank's view of one collective or point-to-point call.
+
+    ``(comm_hash, seq)`` names the collective instance across all its members.
+    ``enqueue_ns`` is when the host issued the call; ``start_ns``/``end_ns`` are
+    the kernel's start and completion when the source knows them.
+    """
+
+    comm_hash: CommHash
+    comm_size: Positive
+    rank_in_comm: Count
+    op: CollOp
+    seq: Seq
+    count: Count
+    size_bytes: Count
+    dtype: DType
+    enqueue_ns: TimeNs
+    start_ns: TimeNs | None = None
+    end_ns: TimeNs | None = None
+    peer: Rank | None = None
+    stream: Count = 0
+    algo: str | None = None
+    proto: str | None = None
+    nchannels: Count | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank_in_comm >= self.comm_size:
+            raise ValueError(
+                f"rank_in_comm {self.rank_in_comm} is not below comm_size {self.comm_size}"
+            )
+        if self.end_ns is not None and self.end_ns < self.enqueue_ns:
+            raise ValueError(f"end_ns {self.end_ns} is before enqueue_ns {self.enqueue_ns}")
+
+    @property
+    def arrival_ns(self) -> int:
+        """When this rank joined the collective (kernel start if known, else enqueue)."""
+        return self.start_ns if self.start_ns is not None else self.enqueue_ns
+
+    @property
+    def duration_ns(self) -> int | None:
+        return None if self.end_ns is None else self.end_ns - self.enqueue_ns
+
+
+class ProxySummary(NodeEvent, frozen=True, kw_only=True, tag="proxy"):
+    """NCCL proxy steps of one (comm, seq, channel, peer, direction), summarised on the node.
+
+    ``steps_posted`` counts steps handed to the network, ``steps_done`` those
+    that completed: a network hang shows as ``steps_done < steps_posted``.
+    """
+
+    comm_hash: CommHash
+    seq: Seq
+    channel: Count
+    peer: Rank
+    direction: Direction
+    steps_posted: Count
+    steps_done: Count
+    size_bytes: Count
+    first_ns: TimeNs
+    last_ns: TimeNs
+    send_gpu_wait_ns: DurationNs = 0
+    send_peer_wait_ns: DurationNs = 0
+    send_wait_ns: DurationNs = 0
+    recv_wait_ns: DurationNs = 0
+    recv_flush_wait_ns: DurationNs = 0
+    recv_gpu_wait_ns: DurationNs = 0
+    nic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.steps_done > self.steps_posted:
+            raise ValueError(
+                f"steps_done {self.steps_done} exceeds steps_posted {self.steps_posted}"
+            )
+        if self.last_ns < self.first_ns:
+            raise ValueError(f"last_ns {self.last_ns} is before first_ns {self.first_ns}")
+
+
+class Kernel(NodeEvent, frozen=True, kw_only=True, tag="kernel"):
+    """A CUPTI kernel activity record, with NCCL metadata when it is a NCCL kernel."""
+
+    device: Count
+    stream: Count
+    name: str
+    kind: KernelKind
+    correlation_id: Count
+    start_ns: TimeNs
+    end_ns: TimeNs
+    comm_hash: CommHash | None = None
+    coll_op: CollOp | None = None
+    count: Count | None = None
+    group_size: Positive | None = None
+    pg_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.end_ns < self.start_ns:
+            raise ValueError(f"end_ns {self.end_ns} is before start_ns {self.start_ns}")
+
+
+class CommProgress(Struct, frozen=True, kw_only=True):
+    """Latest sequence numbers one rank issued and completed on one communicator (-1: none)."""
+
+    comm_hash: CommHash
+    issued_seq: int = -1
+    completed_seq: int = -1
+
+
+class Heartbeat(NodeEvent, frozen=True, kw_only=True, tag="hb"):
+    """Periodic liveness of one rank. Hangs are silence, so liveness is explicit."""
+
+    ts_ns: TimeNs
+    pid: Count = 0
+    step: Count | None = None
+    comms: list[CommProgress] = field(default_factory=list)
+
+
+class LinkSample(NodeEvent, frozen=True, kw_only=True, tag="link"):
+    """Throughput of one NIC towards one peer over a window of work requests."""
+
+    ts_ns: TimeNs
+    window_ns: DurationNs
+    nic: str
+    src_rank: Rank
+    dst_rank: Rank
+    dst_node: str = ""
+    comm_hash: CommHash | None = None
+    func: CollOp | None = None
+    size_bytes: Count = 0
+    throughput_gbps: float
+    wr_posted: Count = 0
+    wr_completed: Count = 0
+    outstanding_bytes: Count = 0
+
+
+# --------------------------------------------------------------------------- results
+
+
+class AlignedCollective(Record, frozen=True, kw_only=True, tag="aligned"):
+    """One collective instance with every member's arrival gathered."""
+
+    comm_hash: CommHash
+    role: CommRole
+    seq: Seq
+    op: CollOp
+    n_ranks: Positive
+    n_arrived: Count
+    size_bytes: Count
+    first_arrival_ns: TimeNs
+    last_arrival_ns: TimeNs
+    last_rank: Rank
+    end_ns: TimeNs | None = None
+    transfer_ns: DurationNs | None = None
+    busbw_gbps: float | None = None
+    missing_ranks: list[Rank] = field(default_factory=list)
+    unfinished_ranks: list[Rank] = field(default_factory=list)
+    step: Count | None = None
+    microbatch: Count | None = None
+    phase: Phase | None = None
+    pp_stage: Count | None = None
+
+    @property
+    def arrival_spread_ns(self) -> int:
+        return self.last_arrival_ns - self.first_arrival_ns
+
+
+class RankStep(Record, frozen=True, kw_only=True, tag="rank_step"):
+    """One rank's account of one training step."""
+
+    step: Count
+    rank: Rank
+    node: NodeName
+    pp_stage: Count = 0
+    start_ns: TimeNs
+    end_ns: TimeNs
+    compute_ns: DurationNs = 0
+    wait_ns: DurationNs = 0
+    lateness_ns: float = 0.0
+    blame_ns: DurationNs = 0
+
+
+class StepSummary(Record, frozen=True, kw_only=True, tag="step"):
+    """One training step of the whole job."""
+
+    step: Count
+    start_ns: TimeNs
+    end_ns: TimeNs
+    duration_ns: DurationNs
+    expected_ns: DurationNs | None = None
+    throughput_ratio: float | None = None
+    slowest_pp_group: Count | None = None
+    critical_path: list[str] = field(default_factory=list)
+
+
+class Verdict(Record, frozen=True, kw_only=True, tag="verdict"):
+    """A diagnosis: what went wrong, who is to blame, where in the schedule, and why we think so.
+
+    ``verdict_id`` is stable for an incident, so re-processing the same input
+    after a restart produces the same id; ``revision`` grows with each update.
+    """
+
+    verdict_id: str
+    revision: Count = 0
+    status: VerdictStatus = VerdictStatus.OPEN
+    kind: VerdictKind
+    cause: Cause
+    rank: Rank | None = None
+    node: str | None = None
+    gpu: Count | None = None
+    link: str | None = None
+    src_rank: Rank | None = None
+    dst_rank: Rank | None = None
+    step: Count | None = None
+    microbatch: Count | None = None
+    phase: Phase | None = None
+    pp_stage: Count | None = None
+    comm_hash: CommHash | None = None
+    seq: Seq | None = None
+    op: CollOp | None = None
+    onset_ns: TimeNs
+    onset_step: Count | None = None
+    detected_ns: TimeNs
+    resolved_ns: TimeNs | None = None
+    severity: Fraction = 0.0
+    confidence: Fraction = 0.0
+    summary: str = ""
+    evidence: dict[str, float] = field(default_factory=dict)
+
+
+class FaultLabel(Record, frozen=True, kw_only=True, tag="label"):
+    """Ground truth of one injected fault (simulator and fault-injection tests)."""
+
+    fault_id: str
+    kind: VerdictKind
+    cause: Cause
+    rank: Rank | None = None
+    node: str | None = None
+    gpu: Count | None = None
+    link: str | None = None
+    src_rank: Rank | None = None
+    dst_rank: Rank | None = None
+    onset_step: Count
+    onset_ns: TimeNs
+    end_step: Count | None = None
+    phase: Phase | None = None
+    microbatch: Count | None = None
+    pp_stage: Count | None = None
+    magnitude: float = 0.0
+    on_critical_path: bool = True
+    note: str = ""
+
+
+class DeadLetter(Struct, frozen=True, kw_only=True, tag="dead", tag_field="type"):
+    """A record we refused, kept with its original bytes and the reason."""
+
+    v: Version = SCHEMA_VERSION
+    ts_ns: TimeNs
+    reason: DeadLetterReason
+    error: str
+    field: str | None = None
+    step_id: str = ""
+    topic: str = ""
+    partition: int = -1
+    offset: int = -1
+    key: bytes | None = None
+    raw: bytes
+
+
+#: Records a node (or a stand-in for one) publishes.
+EVENT_TYPES: tuple[type[Record], ...] = (
+    JobInfo,
+    RankInfo,
+    CommInfo,
+    Collective,
+    ProxySummary,
+    Kernel,
+    Heartbeat,
+    LinkSample,
+)
+#: Records the analysis produces.
+RESULT_TYPES: tuple[type[Record], ...] = (
+    AlignedCollective,
+    RankStep,
+    StepSummary,
+    Verdict,
+    FaultLabel,
+)
+ALL_TYPES: tuple[type[Struct], ...] = (*EVENT_TYPES, *RESULT_TYPES, DeadLetter)

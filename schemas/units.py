@@ -1,0 +1,184 @@
+"""Scalar field types and enumerations shared by every record.
+
+Each alias carries its validation bounds (checked when a record is decoded)
+and, through ``Meta.extra["clickhouse"]``, the ClickHouse column type it maps
+to, so the DDL in :mod:`schemas.tables` is derived from one definition.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from msgspec import Meta
+
+#: The largest global rank we accept. Anything above is treated as corrupt input.
+MAX_RANK = 1 << 20
+
+#: Current schema version of every record type.
+SCHEMA_VERSION = 1
+
+TimeNs = Annotated[
+    int,
+    Meta(
+        ge=0,
+        le=(1 << 63) - 1,
+        description="Nanoseconds since the Unix epoch (host clock unless `clock` says otherwise).",
+        extra={"clickhouse": "DateTime64(9, 'UTC')"},
+    ),
+]
+DurationNs = Annotated[int, Meta(ge=0, description="A duration in nanoseconds.")]
+Rank = Annotated[int, Meta(ge=0, le=MAX_RANK, description="Global rank in the job.")]
+CommHash = Annotated[
+    int,
+    Meta(
+        ge=0,
+        description="Unsigned 64-bit hash of the communicator's unique id.",
+        extra={"clickhouse": "UInt64"},
+    ),
+]
+Seq = Annotated[int, Meta(ge=0, description="Per-communicator operation sequence number.")]
+Count = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(ge=1)]
+JobId = Annotated[str, Meta(min_length=1, max_length=128, description="Job identifier.")]
+NodeName = Annotated[str, Meta(min_length=1, max_length=256, description="Host name.")]
+Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
+Version = Annotated[int, Meta(ge=1, description="Schema version of the record.")]
+
+
+class ClockSource(StrEnum):
+    """Where a record's timestamps come from."""
+
+    HOST_REALTIME = "host_realtime"
+    PTP = "ptp"
+    GPU_GLOBALTIMER = "gpu_globaltimer"
+    SIMULATED = "simulated"
+
+
+class CollOp(StrEnum):
+    """Collective and point-to-point operation names (NCCL spelling)."""
+
+    ALL_REDUCE = "AllReduce"
+    ALL_GATHER = "AllGather"
+    REDUCE_SCATTER = "ReduceScatter"
+    BROADCAST = "Broadcast"
+    REDUCE = "Reduce"
+    ALL_TO_ALL = "AllToAll"
+    SEND = "Send"
+    RECV = "Recv"
+    BARRIER = "Barrier"
+
+    @property
+    def is_p2p(self) -> bool:
+        return self in (CollOp.SEND, CollOp.RECV)
+
+
+class DType(StrEnum):
+    """Element types, with their size in bytes in :data:`DTYPE_BYTES`."""
+
+    INT8 = "int8"
+    UINT8 = "uint8"
+    INT32 = "int32"
+    UINT32 = "uint32"
+    INT64 = "int64"
+    UINT64 = "uint64"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+    FLOAT64 = "float64"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+
+DTYPE_BYTES: dict[DType, int] = {
+    DType.INT8: 1,
+    DType.UINT8: 1,
+    DType.INT32: 4,
+    DType.UINT32: 4,
+    DType.INT64: 8,
+    DType.UINT64: 8,
+    DType.FLOAT16: 2,
+    DType.BFLOAT16: 2,
+    DType.FLOAT32: 4,
+    DType.FLOAT64: 8,
+    DType.FP8_E4M3: 1,
+    DType.FP8_E5M2: 1,
+}
+
+
+class CommRole(StrEnum):
+    """What a communicator is used for in the parallel layout."""
+
+    TP = "tp"
+    PP = "pp"
+    DP = "dp"
+    CP = "cp"
+    EP = "ep"
+    WORLD = "world"
+    OTHER = "other"
+
+
+class Schedule(StrEnum):
+    """Pipeline schedule of the job."""
+
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    GPIPE = "gpipe"
+    NONE = "none"
+
+
+class Direction(StrEnum):
+    SEND = "send"
+    RECV = "recv"
+
+
+class KernelKind(StrEnum):
+    COMPUTE = "compute"
+    NCCL = "nccl"
+    MEMCPY = "memcpy"
+    MEMSET = "memset"
+    OTHER = "other"
+
+
+class Phase(StrEnum):
+    """Where in the training step something happened."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    DP_SYNC = "dp_sync"
+    OPTIMIZER = "optimizer"
+    TRANSFER = "transfer"
+    UNKNOWN = "unknown"
+
+
+class VerdictKind(StrEnum):
+    HANG = "hang"
+    SLOWDOWN = "slowdown"
+    INTERMITTENT_SLOWDOWN = "intermittent_slowdown"
+    LINK_DEGRADATION = "link_degradation"
+
+
+class Cause(StrEnum):
+    COMPUTE = "compute"
+    NETWORK_LINK = "network_link"
+    NIC = "nic"
+    HOST_CPU = "host_cpu"
+    UNKNOWN = "unknown"
+
+
+class VerdictStatus(StrEnum):
+    OPEN = "open"
+    UPDATE = "update"
+    RESOLVED = "resolved"
+
+
+class DeadLetterReason(StrEnum):
+    """Why a record was refused; one counter per reason."""
+
+    MALFORMED = "malformed"
+    UNKNOWN_TYPE = "unknown_type"
+    UNKNOWN_VERSION = "unknown_version"
+    MISSING_FIELD = "missing_field"
+    WRONG_TYPE = "wrong_type"
+    OUT_OF_RANGE = "out_of_range"
+    INCONSISTENT = "inconsistent"

@@ -1,0 +1,52 @@
+"""Test helpers that talk to the real broker (no mocks)."""
+
+from __future__ import annotations
+
+import time
+
+from confluent_kafka import Consumer, TopicPartition
+
+from flows.main import FlowConfig
+from infra.kafka import consumer_config, producer_config
+from producers.publish import KafkaPublisher
+from schemas.config import Settings
+from schemas.topics import Topics
+
+
+def publisher(settings: Settings) -> KafkaPublisher:
+    return KafkaPublisher(
+        producer_config(settings.kafka, settings.kafka.bootstrap_servers),
+        Topics(prefix=settings.kafka.topic_prefix),
+    )
+
+
+def flow_config(settings: Settings, *, tail: bool = False) -> FlowConfig:
+    boot = settings.kafka.bootstrap_servers
+
+    def opts(conf: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in conf.items() if k != "bootstrap.servers"}
+
+    return FlowConfig(
+        brokers=[boot],
+        consumer_options=opts(consumer_config(settings.kafka, boot)),
+        producer_options=opts(producer_config(settings.kafka, boot)),
+        topics=Topics(prefix=settings.kafka.topic_prefix),
+        clickhouse_url=settings.clickhouse.url.get(),
+        database=settings.clickhouse.database,
+        tail=tail,
+    )
+
+
+def consume_all(settings: Settings, topic: str, expect: int, timeout_s: float = 20.0) -> list:
+    """Read a topic from the start with manual assignment (no consumer-group join wait)."""
+    conf = consumer_config(settings.kafka, settings.kafka.bootstrap_servers)
+    c = Consumer(conf)
+    try:
+        c.assign([TopicPartition(topic, p, 0) for p in range(settings.kafka.partitions)])
+        out: list = []
+        deadline = time.monotonic() + timeout_s
+        while len(out) < expect and time.monotonic() < deadline:
+            out.extend(m for m in c.consume(1000, timeout=0.2) if m.error() is None)
+        return out
+    finally:
+        c.close()

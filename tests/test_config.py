@@ -1,0 +1,68 @@
+"""Settings precedence (defaults < file < env < flags) and secrets that never print."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from schemas.config import ConfigError, Secret, config_file_path, load_settings
+
+
+def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
+    f = tmp_path / "megatrace.toml"
+    f.write_text(
+        '[kafka]\nbootstrap_servers = "file:9092"\npartitions = 6\ntopic_prefix = "f."\n'
+        "[clickhouse]\nretention_days = 9\n"
+    )
+    env = {"MEGATRACE_KAFKA__BOOTSTRAP_SERVERS": "env:9092", "MEGATRACE_KAFKA__PARTITIONS": "8"}
+    s = load_settings(file=f, env=env, overrides={"kafka": {"partitions": 12}})
+    assert s.kafka.bootstrap_servers == "env:9092"  # env beats file
+    assert s.kafka.partitions == 12  # flag beats env
+    assert s.kafka.topic_prefix == "f."  # file beats default
+    assert s.clickhouse.retention_days == 9
+    assert s.clickhouse.database == "megatrace"  # default
+
+
+def test_config_file_discovery(tmp_path: Path) -> None:
+    assert config_file_path(None, {}, tmp_path) is None
+    (tmp_path / "megatrace.toml").write_text("")
+    assert config_file_path(None, {}, tmp_path) == tmp_path / "megatrace.toml"
+    assert config_file_path(None, {"MEGATRACE_CONFIG": "/x.toml"}, tmp_path) == Path("/x.toml")
+    assert config_file_path("/y.toml", {"MEGATRACE_CONFIG": "/x.toml"}, tmp_path) == Path("/y.toml")
+
+
+def test_secrets_never_print() -> None:
+    s = load_settings(
+        env={
+            "MEGATRACE_KAFKA__SASL_PASSWORD": "hunter2",
+            "MEGATRACE_CLICKHOUSE__URL": "http://bob:s3cret@ch:8123/db",
+        }
+    )
+    assert s.kafka.sasl_password == Secret("hunter2")
+    assert s.kafka.sasl_password.get() == "hunter2"
+    text = repr(s) + str(s.public())
+    assert "hunter2" not in text and "s3cret" not in text
+    assert s.public()["clickhouse"]["url"] == "http://bob:***@ch:8123/db"
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({"MEGATRACE_KAFKA__NOPE": "1"}, "unknown setting 'nope'"),
+        ({"MEGATRACE_NOPE__X": "1"}, "unknown section 'nope'"),
+        ({"MEGATRACE_KAFKA__PARTITIONS": "many"}, "expected int"),
+    ],
+)
+def test_bad_environment_is_a_clear_error(env: dict[str, str], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        load_settings(env=env)
+
+
+def test_bad_file_is_a_clear_error(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("[kafka]\npartitions = 'x'\n")
+    with pytest.raises(ConfigError, match="partitions"):
+        load_settings(file=f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(file=tmp_path / "missing.toml")

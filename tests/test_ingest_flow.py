@@ -1,0 +1,82 @@
+"""Kafka -> Bytewax -> ClickHouse on the real broker and the real embedded engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from bytewax.testing import run_main
+
+from flows.main import build_flow
+from infra.clickhouse import read_records
+from producers.sample import sample_job
+from schemas.codec import decode
+from schemas.config import Settings
+from schemas.records import EVENT_TYPES, DeadLetter
+from schemas.tables import TABLE_FOR
+from schemas.topics import Topics
+from schemas.units import DeadLetterReason
+from tests.examples import T0, every_record
+from tests.helpers import consume_all, flow_config, publisher
+
+pytestmark = pytest.mark.integration
+
+BAD = [
+    (b'{"type":"hb","job":"job-a","node":"n","rank":-3,"ts_ns":1}', DeadLetterReason.OUT_OF_RANGE),
+    (b'{"type":"hb","job":"job-a","node":"n","ts_ns":1}', DeadLetterReason.MISSING_FIELD),
+    (b'{"type":"hb","job":"job-a","node":"n","rank":"x","ts_ns":1}', DeadLetterReason.WRONG_TYPE),
+    (b'{"type":"hb","v":3,"job":"job-a"}', DeadLetterReason.UNKNOWN_VERSION),
+    (b"\x00\x01 definitely not json", DeadLetterReason.MALFORMED),
+]
+
+
+def test_every_event_type_reaches_clickhouse_and_bad_input_is_dead_lettered(
+    settings: Settings, ch: Any
+) -> None:
+    topics = Topics(prefix=settings.kafka.topic_prefix)
+    events = [r for r in every_record() if isinstance(r, EVENT_TYPES)]
+    pub = publisher(settings)
+    # bad records first and in the middle: the flow must keep going after them
+    for raw, _ in BAD[:2]:
+        pub.publish_raw(topics.heartbeat, b"job-a", raw)
+    bulk = list(sample_job("job-b", nodes=2, gpus_per_node=4, steps=25, t0_ns=T0))
+    pub.publish_all(bulk[: len(bulk) // 2])
+    for raw, _ in BAD[2:]:
+        pub.publish_raw(topics.comm, b"job-a", raw)
+    pub.publish_all(bulk[len(bulk) // 2 :])
+    pub.publish_all(events)
+    pub.flush()
+
+    run_main(build_flow(flow_config(settings)))
+
+    db = settings.clickhouse.database
+    for rec in events:  # field for field
+        table = TABLE_FOR[type(rec)].name
+        assert rec in list(read_records(ch, db, table, "job = 'job-a'")), table
+    stored = sum(
+        len(list(read_records(ch, db, t, "job = 'job-b'")))
+        for t in (
+            "jobs",
+            "ranks",
+            "comms",
+            "collective_events",
+            "proxy_events",
+            "kernel_events",
+            "link_samples",
+            "heartbeats",
+        )
+    )
+    assert stored == len(bulk), "nothing lost"
+
+    dead = list(read_records(ch, db, "dead_letters"))
+    assert sorted((d.raw, d.reason) for d in dead) == sorted(BAD)
+    assert all(d.error and d.step_id == "decode" and d.offset >= 0 for d in dead)
+    counts = dict(
+        ch.query(f"SELECT reason, count() FROM {db}.dead_letters FINAL GROUP BY reason").result_rows
+    )
+    assert counts == {reason.value: 1 for _, reason in BAD}
+
+    msgs = consume_all(settings, topics.deadletter, expect=len(BAD))
+    on_topic = [decode(m.value()) for m in msgs]
+    assert all(isinstance(d, DeadLetter) for d in on_topic)
+    assert sorted(d.raw for d in on_topic) == sorted(raw for raw, _ in BAD)

@@ -1,0 +1,63 @@
+"""The local broker: started once, health-checked, and only our own process is stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra.broker import LocalBroker, broker_binary, free_port
+
+pytestmark = pytest.mark.integration
+
+
+def _megatrace(state: Path, *args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "megatrace", "--state-dir", str(state), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=state.parent,
+    )
+    return out.stdout
+
+
+def test_stack_up_twice_starts_one_broker_and_down_stops_only_it(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    stranger = subprocess.Popen(  # someone else's broker on this machine
+        [broker_binary(), "broker", "--listener-url", f"tcp://127.0.0.1:{free_port()}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        first = _megatrace(state, "stack", "up")
+        assert "broker started" in first
+        second = _megatrace(state, "stack", "up")
+        assert "already running" in second
+        pid = int((state / "broker.pid").read_text())
+        assert f"pid {pid}" in first and f"pid {pid}" in second
+        assert "running at 127.0.0.1:" in _megatrace(state, "stack", "status")
+        assert "broker stopped" in _megatrace(state, "stack", "down")
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+        assert stranger.poll() is None, "stack down must not touch a broker it did not start"
+        assert "no local broker was running" in _megatrace(state, "stack", "down")
+        assert "not running" in _megatrace(state, "stack", "status")
+    finally:
+        stranger.send_signal(signal.SIGTERM)
+        stranger.wait(10)
+
+
+def test_a_recycled_pid_is_not_mistaken_for_our_broker(tmp_path: Path) -> None:
+    broker = LocalBroker(tmp_path)
+    info, started = broker.up()
+    assert started
+    os.kill(info.pid, signal.SIGKILL)
+    broker._alive(info.pid)  # reap
+    # the state files still name the dead pid; status must not trust them
+    assert broker.status() is None
+    assert broker.down() is False
