@@ -1,0 +1,254 @@
+"""The simulated job: Megatron-style hybrid parallelism, its rank layout and communicators.
+
+Rank layout (Megatron): ``tp = r % TP``, ``dp = (r // TP) % DP``,
+``pp = r // (TP * DP)``; nodes hold ``gpus_per_node`` consecutive ranks, one
+NIC per GPU.
+
+Communicators:
+
+* TP: one per (pp stage, dp index), members in tp order;
+* DP: one per (pp stage, tp index), members in dp order;
+* PP: one two-member communicator per adjacent stage pair and (dp, tp), as
+  PyTorch's NCCL backend creates for point-to-point traffic. For Send/Recv the
+  sequence number counts transfers from the sender to its peer, so the n-th
+  Send from A to B matches the n-th Recv at B from A.
+
+>>> spec = JobSpec(tp=2, pp=2, dp=2, num_layers=4, global_batch_size=8)
+>>> spec.world_size, spec.num_microbatches, spec.coords(5)
+(8, 4, (1, 0, 1))
+>>> layout = Layout(spec)
+>>> layout.comms[layout.tp_comm[1, 0]].ranks
+[4, 5]
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from schemas.records import CommInfo, JobInfo, RankInfo
+from schemas.units import CommRole, Schedule
+
+
+class SpecError(ValueError):
+    """An impossible job description."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What is trained and how it is parallelised, plus the timing model's constants."""
+
+    job: str = "sim-job"
+    tp: int = 2
+    pp: int = 2
+    dp: int = 2
+    cp: int = 1
+    ep: int = 1
+    num_layers: int = 8
+    hidden: int = 4096
+    seq_len: int = 4096
+    micro_batch_size: int = 1
+    global_batch_size: int = 16
+    gpus_per_node: int = 8
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = True
+    # timing model
+    fwd_ms_per_layer: float = 1.0
+    bwd_ratio: float = 2.0
+    optimizer_ms: float = 4.0
+    jitter_cv: float = 0.02
+    rank_speed_cv: float = 0.004
+    rank_lateness_us: float = 60.0
+    host_lead_us: float = 150.0
+    nvlink_gbytes_s: float = 300.0
+    nic_gbytes_s: float = 45.0
+    latency_us: float = 12.0
+    nchannels: int = 2
+    clock_skew_us: float = 20.0
+    heartbeat_interval_ms: float = 1000.0
+    kernels: bool = True
+    t0_ns: int = 1_790_000_000_000_000_000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "tp",
+            "pp",
+            "dp",
+            "cp",
+            "ep",
+            "num_layers",
+            "micro_batch_size",
+            "gpus_per_node",
+            "nchannels",
+        ):
+            if getattr(self, name) < 1:
+                raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cp != 1 or self.ep != 1:
+            raise SpecError("context/expert parallelism (cp, ep) are not simulated yet: use 1")
+        if self.num_layers % self.pp:
+            raise SpecError(f"num_layers {self.num_layers} is not divisible by pp {self.pp}")
+        per_step = self.micro_batch_size * self.dp
+        if self.global_batch_size % per_step:
+            raise SpecError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of "
+                f"micro_batch_size*dp = {per_step}"
+            )
+        if self.tp > self.gpus_per_node:
+            raise SpecError(f"tp {self.tp} must fit in a node of {self.gpus_per_node} GPUs")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.num_layers // self.pp
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.world_size // self.gpus_per_node)
+
+    def rank(self, stage: int, dp: int, tp: int) -> int:
+        return stage * self.tp * self.dp + dp * self.tp + tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp stage, dp index, tp index) of a global rank."""
+        return rank // (self.tp * self.dp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def node_of(self, rank: int) -> str:
+        return f"node-{rank // self.gpus_per_node}"
+
+    def gpu_of(self, rank: int) -> int:
+        return rank % self.gpus_per_node
+
+    def nic_of(self, rank: int) -> str:
+        return f"mlx5_{rank % self.gpus_per_node}"
+
+    def job_info(self) -> JobInfo:
+        return JobInfo(
+            job=self.job,
+            ts_ns=self.t0_ns,
+            name=self.job,
+            source="simulator",
+            world_size=self.world_size,
+            tp=self.tp,
+            pp=self.pp,
+            dp=self.dp,
+            cp=self.cp,
+            ep=self.ep,
+            num_layers=self.num_layers,
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            num_microbatches=self.num_microbatches,
+            schedule=Schedule.ONE_F_ONE_B,
+            sequence_parallel=self.sequence_parallel,
+            distributed_optimizer=self.distributed_optimizer,
+            gpus_per_node=self.gpus_per_node,
+        )
+
+
+def comm_hash(job: str, name: str) -> int:
+    """A stable unsigned 64-bit hash naming one communicator of a job."""
+    return (zlib.crc32(f"{job}/{name}".encode()) << 32) | zlib.crc32(f"{name}@{job}".encode())
+
+
+@dataclass(frozen=True)
+class Comm:
+    index: int
+    hash: int
+    role: CommRole
+    ranks: list[int]
+    name: str
+    pp_stage: int
+
+
+@dataclass
+class Layout:
+    """Communicator tables of a :class:`JobSpec`, as index arrays for the engine."""
+
+    spec: JobSpec
+    comms: list[Comm] = field(init=False)
+    tp_comm: np.ndarray = field(init=False)  # [stage, dp] -> comm index
+    dp_comm: np.ndarray = field(init=False)  # [stage, tp] -> comm index
+    pp_comm: np.ndarray = field(init=False)  # [stage (lower of pair), dp, tp] -> comm index
+    ranks: np.ndarray = field(init=False)  # [stage, dp, tp] -> global rank
+
+    def __post_init__(self) -> None:
+        s = self.spec
+        self.comms = []
+        self.ranks = np.array(
+            [[[s.rank(p, d, t) for t in range(s.tp)] for d in range(s.dp)] for p in range(s.pp)]
+        )
+        self.tp_comm = np.zeros((s.pp, s.dp), dtype=np.int64)
+        self.dp_comm = np.zeros((s.pp, s.tp), dtype=np.int64)
+        self.pp_comm = np.zeros((max(s.pp - 1, 1), s.dp, s.tp), dtype=np.int64)
+        for p in range(s.pp):
+            for d in range(s.dp):
+                self.tp_comm[p, d] = self._add(
+                    CommRole.TP, list(self.ranks[p, d]), f"tp.{p}.{d}", p
+                )
+            for t in range(s.tp):
+                self.dp_comm[p, t] = self._add(
+                    CommRole.DP, list(self.ranks[p, :, t]), f"dp.{p}.{t}", p
+                )
+        for p in range(s.pp - 1):
+            for d in range(s.dp):
+                for t in range(s.tp):
+                    pair = [int(self.ranks[p, d, t]), int(self.ranks[p + 1, d, t])]
+                    self.pp_comm[p, d, t] = self._add(CommRole.PP, pair, f"pp.{p}.{d}.{t}", p)
+        self.hashes = np.array([c.hash for c in self.comms], dtype=np.uint64)
+        self.sizes = np.array([len(c.ranks) for c in self.comms], dtype=np.int64)
+        # rank_in_comm lookup: dict per comm
+        self._rank_in = [{r: i for i, r in enumerate(c.ranks)} for c in self.comms]
+
+    def _add(self, role: CommRole, ranks: list[int], name: str, stage: int) -> int:
+        idx = len(self.comms)
+        ranks = [int(r) for r in ranks]
+        self.comms.append(Comm(idx, comm_hash(self.spec.job, name), role, ranks, name, stage))
+        return idx
+
+    def rank_in_comm(self, comm: int, rank: int) -> int:
+        return self._rank_in[comm][rank]
+
+    def comms_of_rank(self, rank: int) -> list[int]:
+        return [c.index for c in self.comms if rank in self._rank_in[c.index]]
+
+    def metadata(self) -> list[JobInfo | RankInfo | CommInfo]:
+        """The job, rank and communicator records a real deployment would publish first."""
+        s = self.spec
+        out: list[JobInfo | RankInfo | CommInfo] = [s.job_info()]
+        for r in range(s.world_size):
+            p, d, t = s.coords(r)
+            out.append(
+                RankInfo(
+                    job=s.job,
+                    ts_ns=s.t0_ns,
+                    rank=r,
+                    node=s.node_of(r),
+                    gpu=s.gpu_of(r),
+                    nic=s.nic_of(r),
+                    tp_rank=t,
+                    pp_stage=p,
+                    dp_rank=d,
+                )
+            )
+        for c in self.comms:
+            out.append(
+                CommInfo(
+                    job=s.job,
+                    ts_ns=s.t0_ns,
+                    comm_hash=c.hash,
+                    role=c.role,
+                    ranks=c.ranks,
+                    name=c.name,
+                    pp_stage=c.pp_stage,
+                )
+            )
+        return out

@@ -1,0 +1,303 @@
+"""Named, seeded, reproducible scenarios: a job, its faults, their ground truth.
+
+>>> sorted(SCENARIOS)[:3]
+['bubble-delay', 'compute-hang', 'healthy']
+>>> run = build("slow-gpu", scale="tiny", seed=3)
+>>> run.spec.world_size, type(run.faults[0]).__name__
+(8, 'SlowGPU')
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+import msgspec
+import numpy as np
+
+from producers.sim.emit import Emitter
+from producers.sim.engine import Engine, StepTrace
+from producers.sim.faults import (
+    HANGS,
+    BubbleDelay,
+    ComputeHang,
+    Fault,
+    HostStarvation,
+    IntermittentGPU,
+    MissingRecv,
+    NetworkHang,
+    SlowGPU,
+    SlowLink,
+)
+from producers.sim.job import JobSpec
+from schemas.records import FaultLabel
+from schemas.units import Phase
+
+#: Cluster sizes: name -> (tp, pp, dp, gpus_per_node, layers, global batch)
+SCALES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "tiny": (2, 2, 2, 4, 8, 16),  # 8 ranks on 2 nodes of 4 GPUs
+    "small": (4, 4, 4, 8, 16, 64),  # 64 ranks, 8 nodes
+    "medium": (8, 8, 8, 8, 32, 128),  # 512 ranks, 64 nodes
+    "large": (8, 8, 64, 8, 32, 512),  # 4,096 ranks, 512 nodes
+}
+
+
+def scale_spec(scale: str, **over: object) -> JobSpec:
+    try:
+        tp, pp, dp, gpn, layers, gbs = SCALES[scale]
+    except KeyError:
+        raise ValueError(f"unknown scale {scale!r} (choose from {', '.join(SCALES)})") from None
+    base = JobSpec(tp=tp, pp=pp, dp=dp, gpus_per_node=gpn, num_layers=layers, global_batch_size=gbs)
+    return replace(base, **over) if over else base
+
+
+@dataclass
+class Run:
+    """A built scenario: spec, faults, and how many steps to simulate."""
+
+    name: str
+    spec: JobSpec
+    faults: list[Fault]
+    steps: int
+    hang_observe_s: float = 30.0
+    labels: list[FaultLabel] = field(default_factory=list)
+
+    def records(
+        self, progress: Callable[[int, int], None] | None = None
+    ) -> Iterator[msgspec.Struct]:
+        """Every record of the run in emission-time order, metadata first.
+
+        Fills :attr:`labels` as fault onsets are reached.
+        """
+        engine = Engine(self.spec, self.faults)
+        emitter = Emitter(engine)
+        yield from engine.layout.metadata()
+        self.labels = []
+        onset_ns: dict[int, int] = {}
+        for step in range(self.steps):
+            trace = engine.step()
+            onset_ns[step] = self.spec.t0_ns + int(np.nanmin(trace.start))
+            yield from _time_ordered(emitter, trace)
+            if progress:
+                progress(step + 1, self.steps)
+            if trace.hung:
+                yield from self._hang_heartbeats(emitter, trace)
+                break
+        self.labels = [
+            f.label(self.spec, onset_ns[f.onset_step])
+            for f in self.faults
+            if f.onset_step in onset_ns
+        ]
+
+    def _hang_heartbeats(self, emitter: Emitter, trace: StepTrace) -> Iterator[msgspec.Struct]:
+        interval = int(self.spec.heartbeat_interval_ms * 1e6)
+        t = emitter.last_ns
+        for _ in range(int(self.hang_observe_s * 1e9 // interval)):
+            t += interval
+            yield from emitter.heartbeats(t - self.spec.t0_ns + self.spec.t0_ns, trace.step)
+
+
+def _time_ordered(emitter: Emitter, trace: StepTrace) -> list[msgspec.Struct]:
+    recs = list(emitter.step_records(trace))
+    keys = np.fromiter((_emit_time(r) for r in recs), dtype=np.int64, count=len(recs))
+    return [recs[i] for i in np.argsort(keys, kind="stable")]
+
+
+def _emit_time(r: msgspec.Struct) -> int:
+    """When a real producer would send this record."""
+    for name in ("end_ns", "last_ns", "ts_ns", "start_ns", "enqueue_ns"):
+        v = getattr(r, name, None)
+        if v is not None:
+            return v
+    return 0
+
+
+# --------------------------------------------------------------------------- catalogue
+
+
+def _stage_rank(spec: JobSpec, rng: np.random.Generator, stage: int | None = None) -> int:
+    p = int(rng.integers(spec.pp)) if stage is None else stage
+    return spec.rank(p, int(rng.integers(spec.dp)), int(rng.integers(spec.tp)))
+
+
+def _inter_node_edge(spec: JobSpec, rng: np.random.Generator) -> tuple[int, int]:
+    """A link that crosses nodes: a DP-ring edge or a pipeline (activation) edge."""
+    edges = []
+    for p in range(spec.pp):
+        for d in range(spec.dp):
+            for t in range(spec.tp):
+                u = spec.rank(p, d, t)
+                cands = [spec.rank(p, (d + 1) % spec.dp, t)] if spec.dp > 1 else []
+                if p + 1 < spec.pp:
+                    cands.append(spec.rank(p + 1, d, t))
+                edges += [
+                    (u, v) for v in cands if u // spec.gpus_per_node != v // spec.gpus_per_node
+                ]
+    if not edges:
+        raise ValueError("this layout has no inter-node link")
+    u, v = edges[int(rng.integers(len(edges)))]
+    return u, v
+
+
+def _onset(spec: JobSpec, rng: np.random.Generator, steps: int) -> int:
+    return int(rng.integers(max(4, steps // 4), max(5, steps // 2)))
+
+
+def _healthy(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    return []
+
+
+def _slow_gpu(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    return [
+        SlowGPU(
+            onset_step=_onset(spec, rng, steps),
+            rank=_stage_rank(spec, rng),
+            factor=float(rng.choice([1.3, 1.5, 2.0])),
+        )
+    ]
+
+
+def _intermittent(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    return [
+        IntermittentGPU(
+            onset_step=_onset(spec, rng, steps),
+            rank=_stage_rank(spec, rng),
+            factor=2.0,
+            period_steps=max(6, steps // 5),
+            burst_steps=2,
+        )
+    ]
+
+
+def _host_cpu(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    return [
+        HostStarvation(
+            onset_step=_onset(spec, rng, steps),
+            node=int(rng.integers(spec.num_nodes)),
+            launch_delay_us=300.0,
+        )
+    ]
+
+
+def _slow_link(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    u, v = _inter_node_edge(spec, rng)
+    return [SlowLink(onset_step=_onset(spec, rng, steps), src_rank=u, dst_rank=v, factor=5.0)]
+
+
+def _compute_hang(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    return [
+        ComputeHang(
+            onset_step=_onset(spec, rng, steps),
+            rank=_stage_rank(spec, rng),
+            phase=Phase(rng.choice([Phase.FORWARD, Phase.BACKWARD])),
+            microbatch=int(rng.integers(spec.num_microbatches)),
+            layer=int(rng.integers(spec.layers_per_stage)),
+        )
+    ]
+
+
+def _missing_recv(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    stage = int(rng.integers(1, spec.pp)) if spec.pp > 1 else 0
+    return [
+        MissingRecv(
+            onset_step=_onset(spec, rng, steps),
+            rank=_stage_rank(spec, rng, stage),
+            phase=Phase.FORWARD,
+            microbatch=min(3, spec.num_microbatches - 1),
+        )
+    ]
+
+
+def _network_hang(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    u, v = _inter_node_edge(spec, rng)
+    return [NetworkHang(onset_step=_onset(spec, rng, steps), src_rank=u, dst_rank=v)]
+
+
+def _bubble(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    onset = _onset(spec, rng, steps)
+    return [find_bubble_slot(spec, onset, rng)]
+
+
+def _mixed(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    return _slow_gpu(spec, rng, steps) + _slow_link(spec, rng, steps)
+
+
+def find_bubble_slot(spec: JobSpec, onset: int, rng: np.random.Generator) -> BubbleDelay:
+    """A (rank, backward micro-batch) on stage 0 whose delay the pipeline absorbs.
+
+    Found by simulation: the delay is accepted if an iteration with it lasts
+    within 0.2% of the same iteration without it.
+    """
+    if spec.pp < 2:
+        raise ValueError("a pipeline bubble needs pp >= 2")
+    base = Engine(replace(spec, kernels=False)).step().duration_ns
+    rank = spec.rank(0, int(rng.integers(spec.dp)), int(rng.integers(spec.tp)))
+    M = spec.num_microbatches
+    for mb in range(M - 1, -1, -1):
+        for frac in (0.5, 0.3, 0.15):
+            delay_ms = base / spec.num_microbatches * frac / 1e6
+            f = BubbleDelay(
+                onset_step=0, rank=rank, phase=Phase.BACKWARD, microbatch=mb, delay_ms=delay_ms
+            )
+            d = Engine(replace(spec, kernels=False), [f]).step().duration_ns
+            if d <= base * 1.002:
+                return replace(f, onset_step=onset)
+    raise ValueError("no bubble slot absorbs a delay in this layout")
+
+
+@dataclass(frozen=True)
+class ScenarioDef:
+    description: str
+    faults: Callable[[JobSpec, np.random.Generator, int], list[Fault]]
+    steps: int = 40
+
+
+SCENARIOS: dict[str, ScenarioDef] = {
+    "healthy": ScenarioDef("noise only: jitter, persistent per-rank offsets, clock skew", _healthy),
+    "slow-gpu": ScenarioDef("one GPU computes 1.3-2x slower from a random step", _slow_gpu),
+    "intermittent-gpu": ScenarioDef(
+        "one GPU slows 2x for 2-step bursts, periodically", _intermittent, steps=60
+    ),
+    "host-cpu": ScenarioDef(
+        "every rank of one node launches 300 us late (starved host CPU)", _host_cpu
+    ),
+    "slow-link": ScenarioDef("one inter-node link runs 5x slower", _slow_link),
+    "compute-hang": ScenarioDef(
+        "one rank stops before a tensor-parallel collective", _compute_hang
+    ),
+    "missing-recv": ScenarioDef(
+        "one rank never posts its pipeline Recv (forward, micro-batch 3)", _missing_recv
+    ),
+    "network-hang": ScenarioDef(
+        "one inter-node transfer is posted and never completes", _network_hang
+    ),
+    "bubble-delay": ScenarioDef(
+        "a delay inside a pipeline bubble: must cost no throughput", _bubble
+    ),
+    "mixed": ScenarioDef("a slow GPU and a slow link at once", _mixed),
+}
+
+
+def build(
+    name: str, *, scale: str = "tiny", seed: int = 0, steps: int | None = None, **spec_over: object
+) -> Run:
+    """Build a scenario at a scale (spec fields may be overridden)."""
+    try:
+        sdef = SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r} (see `megatrace scenarios`)") from None
+    spec = scale_spec(
+        scale,
+        job=f"{name}-{scale}-s{seed}",
+        seed=seed,
+        t0_ns=time.time_ns() if spec_over.pop("now", False) else JobSpec.t0_ns,
+        **spec_over,
+    )
+    n = steps or sdef.steps
+    rng = np.random.default_rng([seed, 7919])
+    faults = sdef.faults(spec, rng, n)
+    return Run(name, spec, faults, n)
+
+
+__all__ = ["HANGS", "SCALES", "SCENARIOS", "Run", "build", "find_bubble_slot", "scale_spec"]
