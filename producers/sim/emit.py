@@ -48,7 +48,6 @@ class Emitter:
         self.comm_hash = [c.hash for c in lay.comms]
         self.comm_size = [len(c.ranks) for c in lay.comms]
         self.comm_stage = np.array([c.pp_stage for c in lay.comms])
-        self.comm_alg = ["ring" if c.role.value == "dp" else "ring" for c in lay.comms]
         # latest issued/completed seq per (rank, slot); slot: 0 tp, 1 dp, 2 pp-below, 3 pp-above
         self.slot_comm = np.full((sp.world_size, 4), -1, dtype=np.int64)
         for p in range(sp.pp):

@@ -387,7 +387,6 @@ class Engine:
         self._dp_sync(s)
 
     def _p2p_post(self, s: int, op: _P2P) -> None:
-        sp = self.spec
         phase = PHASE_CODE[Phase.FORWARD if op.kind == "act" else Phase.BACKWARD]
         if op.role == "recv":
             hang = self._hang_mask(s, "recv", phase, op.mb, -1)
@@ -553,7 +552,7 @@ class Engine:
         ranks = self.layout.ranks[s]  # (dp, tp)
         nxt = np.roll(ranks, -1, axis=0)  # ring successor within each tp column
         arrive = self.T[s] + self.launch[s]
-        nbytes = self.grad_elems * (2 if op != CollOp.ALL_REDUCE else 2)
+        nbytes = self.grad_elems * 2  # bf16 gradients
         factor = 2 * (n - 1) / n if op == CollOp.ALL_REDUCE else (n - 1) / n
         same = (ranks // sp.gpus_per_node) == (nxt // sp.gpus_per_node)
         edge_bw = np.where(
