@@ -94,10 +94,35 @@ class StackSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     start_timeout_s: float = 15.0
 
 
+class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Detector thresholds (defaults from the MEGATRACE paper where it gives one).
+
+    ``hang_factor``: no progress for this many expected step times is a hang
+    (paper: 1-2). ``min_shift``: smallest step-time increase called a slowdown
+    (paper's operating point: below ~90% throughput). ``node_margin``: a critical
+    node is slow above expected x (1 + node_margin) (paper: 0.5 for its large
+    injected delays; we localise 10% slowdowns, guarded by the step-time gate).
+    ``alpha``: expected durations follow values within this fraction (paper: 0.05).
+    ``link_drop``: a link is degraded below (1 - link_drop) x its baseline (paper: 0.2).
+    """
+
+    warmup_steps: int = 5
+    hang_factor: float = 2.0
+    min_hang_ms: float = 500.0
+    min_shift: float = 0.07
+    persistence: int = 3
+    node_margin: float = 0.1
+    alpha: float = 0.05
+    link_drop: float = 0.2
+    host_lead_drop: float = 0.3
+    partial_timeout_ms: float = 200.0
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     kafka: KafkaSettings = KafkaSettings()
     clickhouse: ClickHouseSettings = ClickHouseSettings()
     stack: StackSettings = StackSettings()
+    detect: DetectSettings = DetectSettings()
 
     def public(self) -> dict[str, Any]:
         """A printable view with secrets masked and passwords removed from URLs."""

@@ -561,7 +561,8 @@ class Engine:
         edge_xfer = nbytes * factor / (edge_bw * 1e9) * 1e9  # each edge carries this much
         lat = sp.latency_us * 1e3 * 2 * (n - 1)
         xfer = edge_xfer.max(axis=0, keepdims=True) + lat  # the slowest edge paces the ring
-        hung = self._net_hung(ranks, nxt).any(axis=0, keepdims=True)
+        hung_edge = self._net_hung(ranks, nxt)
+        hung = hung_edge.any(axis=0, keepdims=True)
         last = arrive.max(axis=0, keepdims=True)
         end = np.broadcast_to(np.where(hung, INF, last + xfer), arrive.shape)
         count = self.grad_elems if op == CollOp.ALL_REDUCE else self.grad_elems // n
@@ -610,7 +611,7 @@ class Engine:
                     gpu_wait=np.minimum(self.lead[s][fin], 50e3),
                     peer_wait=np.where(np.isfinite(lastw), lastw - arrive, 0.0)[fin]
                     + np.broadcast_to(xfer - lat - edge_xfer, arrive.shape)[fin],
-                    net_wait=np.where(done_steps[fin] < steps, INF, edge_xfer[fin]),
+                    net_wait=np.where(hung_edge[fin], INF, edge_xfer[fin]),
                     flush_wait=0.0,
                 )
                 # the successor receives from this member
@@ -632,7 +633,7 @@ class Engine:
                     gpu_wait=2e3,
                     peer_wait=0.0,
                     net_wait=np.where(
-                        done_steps[rcv] < steps,
+                        hung_edge[rcv],
                         INF,
                         edge_xfer[rcv]
                         + np.clip(

@@ -1,0 +1,205 @@
+"""Gather every member's record of each collective instance of one communicator.
+
+An instance is ``(comm_hash, seq)`` for collectives and ``(comm_hash, sender,
+seq)`` for point-to-point transfers (the n-th Send from A to B meets the n-th
+Recv at B from A). :meth:`CollectiveAligner.update` returns the instances that
+became complete (every member arrived and finished); :meth:`expire` returns
+partial instances that have been open longer than a timeout derived from the
+communicator's recent completion times, naming who is missing and who joined
+but did not finish. Completed instances are evicted at once, so state stays
+bounded by what is genuinely in flight.
+
+>>> from schemas.records import Collective
+>>> from schemas.units import CollOp, DType
+>>> al = CollectiveAligner()
+>>> def rec(rank, a, e):
+...     return Collective(job="j", node="n", rank=rank, comm_hash=9, comm_size=2,
+...         rank_in_comm=rank, op=CollOp.ALL_REDUCE, seq=0, count=1, size_bytes=2,
+...         dtype=DType.BFLOAT16, enqueue_ns=a, start_ns=a, end_ns=e)
+>>> al.update(rec(0, 100, 500))
+[]
+>>> (inst,) = al.update(rec(1, 300, 500))
+>>> inst.last_rank, inst.wait_ns(0), inst.transfer_ns
+(1, 200, 200)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from schemas.records import Collective
+from schemas.units import CollOp
+
+Key = tuple[int, int, int]  # (comm_hash, sender or -1, seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """One collective instance with its members' arrivals (ns; end -1 = not finished)."""
+
+    job: str
+    comm_hash: int
+    seq: int
+    op: CollOp
+    sender: int
+    comm_size: int
+    size_bytes: int
+    ranks: tuple[int, ...]
+    enqueue: tuple[int, ...]
+    arrival: tuple[int, ...]
+    end: tuple[int, ...]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ranks) == self.comm_size and min(self.end) >= 0
+
+    @property
+    def first_arrival_ns(self) -> int:
+        return min(self.arrival)
+
+    @property
+    def last_arrival_ns(self) -> int:
+        return max(self.arrival)
+
+    @property
+    def last_rank(self) -> int:
+        return self.ranks[self.arrival.index(max(self.arrival))]
+
+    @property
+    def end_ns(self) -> int | None:
+        return max(self.end) if self.complete else None
+
+    @property
+    def transfer_ns(self) -> int | None:
+        """Pure transfer time: end after the last member arrived."""
+        end = self.end_ns
+        return None if end is None else max(0, end - self.last_arrival_ns)
+
+    def wait_ns(self, rank: int) -> int:
+        """How long ``rank`` waited for the last member: max_j a_j - a_r."""
+        return self.last_arrival_ns - self.arrival[self.ranks.index(rank)]
+
+    def unfinished(self) -> list[int]:
+        return [r for r, e in zip(self.ranks, self.end, strict=True) if e < 0]
+
+
+@dataclass
+class _Open:
+    first_seen_ns: int
+    members: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # rank -> (enq, a, e)
+    op: CollOp = CollOp.ALL_REDUCE
+    comm_size: int = 0
+    size_bytes: int = 0
+    job: str = ""
+    reported: bool = False
+
+
+class CollectiveAligner:
+    """Per-communicator alignment state (one instance of this class per key in the flow).
+
+    Parameters
+    ----------
+    min_timeout_ns
+        Lower bound of the time an instance may stay open before it is reported partial.
+    timeout_factor
+        The timeout is ``timeout_factor`` x the recent median time from an instance's
+        first arrival to its completion, and at least ``min_timeout_ns``.
+    max_open
+        Hard bound on open instances; the oldest is dropped (and counted) beyond it.
+    """
+
+    def __init__(self, min_timeout_ns: int = 500_000_000, timeout_factor: float = 20.0,
+                 max_open: int = 4096) -> None:
+        if min_timeout_ns <= 0 or timeout_factor <= 0 or max_open <= 0:
+            raise ValueError("min_timeout_ns, timeout_factor and max_open must be positive")
+        self.min_timeout_ns = min_timeout_ns
+        self.timeout_factor = timeout_factor
+        self.max_open = max_open
+        self._reset()
+
+    def _reset(self) -> None:
+        self._open: OrderedDict[Key, _Open] = OrderedDict()
+        self._done: OrderedDict[Key, None] = OrderedDict()  # recently completed, for late dupes
+        self._recent: list[int] = []
+        self.late = 0
+        self.dropped = 0
+        self.out_of_order = 0
+        self._last_seq: dict[tuple[int, int], int] = {}
+
+    @staticmethod
+    def key(rec: Collective) -> Key:
+        if rec.op.is_p2p:
+            sender = rec.rank if rec.op == CollOp.SEND else (rec.peer if rec.peer is not None
+                                                              else -2)
+            return (rec.comm_hash, sender, rec.seq)
+        return (rec.comm_hash, -1, rec.seq)
+
+    def timeout_ns(self) -> int:
+        if not self._recent:
+            return self.min_timeout_ns
+        med = sorted(self._recent)[len(self._recent) // 2]
+        return max(self.min_timeout_ns, int(self.timeout_factor * med))
+
+    def update(self, rec: Collective) -> list[Instance]:
+        """Add one member's record; return the instance if it just became complete."""
+        key = self.key(rec)
+        if key in self._done:
+            self.late += 1
+            return []
+        stream = (rec.rank, key[1])
+        prev = self._last_seq.get(stream)
+        if prev is not None and rec.seq < prev:
+            self.out_of_order += 1
+        self._last_seq[stream] = max(prev or 0, rec.seq)
+        entry = self._open.get(key)
+        if entry is None:
+            entry = _Open(first_seen_ns=rec.arrival_ns, op=rec.op if not rec.op.is_p2p
+                          else CollOp.SEND, comm_size=2 if rec.op.is_p2p else rec.comm_size,
+                          size_bytes=rec.size_bytes, job=rec.job)
+            self._open[key] = entry
+            if len(self._open) > self.max_open:
+                self._open.popitem(last=False)
+                self.dropped += 1
+        end = rec.end_ns if rec.end_ns is not None else -1
+        entry.members[rec.rank] = (rec.enqueue_ns, rec.arrival_ns, end)
+        entry.reported = False  # changed: a partial report may be due again
+        inst = self._instance(key, entry)
+        if not inst.complete:
+            return []
+        del self._open[key]
+        self._done[key] = None
+        if len(self._done) > 4 * self.max_open:
+            self._done.popitem(last=False)
+        self._recent.append(max(inst.end) - inst.first_arrival_ns)
+        if len(self._recent) > 64:
+            del self._recent[:32]
+        return [inst]
+
+    def expire(self, now_ns: int) -> list[Instance]:
+        """Partial instances open longer than the timeout (each reported once until it changes)."""
+        limit = self.timeout_ns()
+        out = []
+        for key, entry in self._open.items():
+            if not entry.reported and now_ns - entry.first_seen_ns > limit:
+                entry.reported = True
+                out.append(self._instance(key, entry))
+        return out
+
+    def open_instances(self) -> list[Instance]:
+        return [self._instance(k, e) for k, e in self._open.items()]
+
+    @staticmethod
+    def _instance(key: Key, entry: _Open) -> Instance:
+        ranks = tuple(sorted(entry.members))
+        m = entry.members
+        return Instance(
+            job=entry.job, comm_hash=key[0], seq=key[2], op=entry.op, sender=key[1],
+            comm_size=entry.comm_size, size_bytes=entry.size_bytes, ranks=ranks,
+            enqueue=tuple(m[r][0] for r in ranks), arrival=tuple(m[r][1] for r in ranks),
+            end=tuple(m[r][2] for r in ranks),
+        )
+
+    @property
+    def n_open(self) -> int:
+        return len(self._open)

@@ -1,0 +1,453 @@
+"""Everything megatrace concludes about one job, from its aligned collectives and records.
+
+:class:`JobAnalyzer` is the per-job composition of the detectors: the step
+assembler (wait-time model), the step-time change-point detector, the
+critical-path slowdown localiser, the link monitor, the hang localiser and the
+verdict book. It is pure: time comes from the records (and from
+:meth:`tick`, which the caller drives with event time), it does no I/O, and
+it pickles. The same object runs in the Bytewax flow and offline.
+
+Inputs: job metadata records, :class:`~detectors.align.Instance` (complete or
+partial), :class:`ProxySummary`, :class:`LinkSample`, :class:`Heartbeat`,
+:class:`Kernel`. Outputs: :class:`AlignedCollective`, :class:`StepSummary`,
+:class:`RankStep` and :class:`Verdict` records.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from schemas.config import DetectSettings
+from schemas.records import (
+    AlignedCollective,
+    CommInfo,
+    Heartbeat,
+    JobInfo,
+    Kernel,
+    LinkSample,
+    ProxySummary,
+    RankInfo,
+    RankStep,
+    StepSummary,
+)
+from schemas.units import Cause, CollOp, Phase, VerdictKind
+
+from detectors.align import Instance
+from detectors.changepoint import ShiftDetector
+from detectors.fusion import VerdictBook
+from detectors.hang import diagnose_hang
+from detectors.links import LinkMonitor
+from detectors.slowdown import SlowdownLocalizer
+from detectors.steps import StepAssembler, StepReport
+from detectors.topology import Topology
+
+_BUSBW_FACTOR = {CollOp.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
+                 CollOp.ALL_GATHER: lambda n: (n - 1) / n,
+                 CollOp.REDUCE_SCATTER: lambda n: (n - 1) / n}
+
+
+def _ts(rec: Any) -> int:
+    for name in ("ts_ns", "end_ns", "last_ns", "start_ns", "enqueue_ns"):
+        v = getattr(rec, name, None)
+        if v is not None:
+            return int(v)
+    return 0
+
+
+class JobAnalyzer:
+    """The detectors of one job (see the module docstring)."""
+
+    def __init__(self, job: str, settings: DetectSettings | None = None) -> None:
+        self.job = job
+        self.settings = settings or DetectSettings()
+        self._reset()
+
+    def _reset(self) -> None:
+        st = self.settings
+        self.topo: Topology | None = None
+        self._pending_meta: list[RankInfo | CommInfo] = []
+        self._early: list[Instance] = []
+        self.assembler: StepAssembler | None = None
+        self.shift = ShiftDetector(warmup=st.warmup_steps, min_shift=st.min_shift,
+                                   persistence=st.persistence, alpha=st.alpha)
+        self.localizer = SlowdownLocalizer(warmup=st.warmup_steps, node_margin=st.node_margin,
+                                           alpha=st.alpha, host_lead_drop=st.host_lead_drop)
+        self.links = LinkMonitor(warmup=st.warmup_steps, drop=st.link_drop)
+        self.book = VerdictBook(self.job)
+        self.recent: deque[StepReport] = deque(maxlen=16)
+        self.partials: dict[tuple[int, int, int], Instance] = {}
+        self.stuck: dict[tuple, ProxySummary] = {}
+        self.last_progress_ns = 0
+        self.now_ns = 0
+        self.durations: deque[int] = deque(maxlen=20)
+        self.hang_open: str | None = None
+        self.slow_open: str | None = None
+        self.bursts: dict[str, list[tuple[int, float, int]]] = {}
+        self.link_culprits: dict[tuple[int, int], str] = {}
+
+    # ------------------------------------------------------------------ inputs
+    def update(self, item: Any) -> list[msgspec.Struct]:
+        if isinstance(item, Instance):
+            return self._instance(item)
+        self.now_ns = max(self.now_ns, _ts(item))
+        match item:
+            case JobInfo():
+                return self._job(item)
+            case RankInfo() | CommInfo():
+                if self.topo is None:
+                    self._pending_meta.append(item)
+                else:
+                    self.topo.add(item)
+            case ProxySummary():
+                key = (item.comm_hash, item.seq, item.rank, item.channel, item.peer,
+                       item.direction)
+                if item.steps_done < item.steps_posted:
+                    self.stuck[key] = item
+                    if len(self.stuck) > 10_000:
+                        self.stuck.pop(next(iter(self.stuck)))
+                else:
+                    self.stuck.pop(key, None)
+            case LinkSample():
+                return self._link(item)
+            case Heartbeat() | Kernel():
+                pass
+        return []
+
+    def _job(self, info: JobInfo) -> list[msgspec.Struct]:
+        if self.topo is None:
+            self.topo = Topology.from_job(info)
+            for m in self._pending_meta:
+                self.topo.add(m)
+            self._pending_meta = []
+            self.assembler = StepAssembler(self.topo)
+        else:
+            self.topo.add(info)
+        early, self._early = self._early, []
+        out: list[msgspec.Struct] = []
+        for inst in early:
+            out += self._instance(inst)
+        return out
+
+    def _instance(self, inst: Instance) -> list[msgspec.Struct]:
+        if self.topo is None or self.assembler is None:
+            if len(self._early) < 100_000:
+                self._early.append(inst)
+            return []
+        key = (inst.comm_hash, inst.sender, inst.seq)
+        self.now_ns = max(self.now_ns, max(inst.arrival))
+        if not inst.complete:
+            self.partials[key] = inst
+            return [self._aligned(inst)]
+        self.partials.pop(key, None)
+        end = max(inst.end)
+        out: list[msgspec.Struct] = [self._aligned(inst)]
+        self.now_ns = max(self.now_ns, end)
+        if end > self.last_progress_ns:
+            self.last_progress_ns = end
+            if self.hang_open and not self.partials:
+                if v := self.book.resolve(VerdictKind.HANG.value, self.hang_open, end):
+                    out.append(v)
+                self.hang_open = None
+        for rep in self.assembler.add(inst):
+            out += self._step(rep)
+        return out
+
+    # ------------------------------------------------------------------ steps
+    def _step(self, rep: StepReport) -> list[msgspec.Struct]:
+        topo = self.topo
+        assert topo is not None  # noqa: S101 - _instance checked it
+        out: list[msgspec.Struct] = []
+        if rep.complete:
+            self.durations.append(rep.duration_ns)
+        self.recent.append(rep)
+        baseline = self.shift.baseline
+        ratio = rep.duration_ns / baseline if baseline else None
+        out.append(StepSummary(
+            job=self.job, step=rep.step, start_ns=rep.start_ns, end_ns=rep.end_ns,
+            duration_ns=rep.duration_ns, expected_ns=int(baseline) if baseline else None,
+            throughput_ratio=(1 / ratio) if ratio else None,
+            slowest_pp_group=self._slowest_replica(rep),
+            critical_path=self._critical_names(rep)))
+        for r in range(topo.job.world_size):
+            if rep.first_ns[r] < 0:
+                continue
+            out.append(RankStep(
+                job=self.job, step=rep.step, rank=r, node=topo.node(r),
+                pp_stage=topo.coords(r)[0], start_ns=int(rep.first_ns[r]),
+                end_ns=int(max(rep.last_end_ns[r], rep.first_ns[r])),
+                wait_ns=int(rep.wait_ns[r]), lateness_ns=float(rep.lateness_ns[r]),
+                blame_ns=int(rep.blame_ns[r])))
+        if not rep.complete or rep.step == 0:
+            return out
+        ev = self.shift.update(rep.duration_ns, rep.step)
+        if not self.localizer.ready or (ev is None and not self.shift.shifted):
+            self.localizer.learn(rep)
+        if ev is not None:
+            out += self._shift_event(ev.kind, ev.onset, ev.ratio, ev.length, rep)
+        elif self.shift.shifted and self.slow_open:
+            out += self._slowdown(rep, self.recent[-1].duration_ns / self.shift.baseline)
+        return out
+
+    def _since(self, onset: int) -> list[StepReport]:
+        return [r for r in self.recent if r.step >= onset]
+
+    def _shift_event(self, kind: str, onset: int, ratio: float, length: int,
+                     rep: StepReport) -> list[msgspec.Struct]:
+        if kind == "shift":
+            return self._slowdown(rep, ratio, onset)
+        if kind == "recovered":
+            out = []
+            if self.slow_open and (v := self.book.resolve(VerdictKind.SLOWDOWN.value,
+                                                          self.slow_open, rep.end_ns)):
+                out.append(v)
+            self.slow_open = None
+            for (src, dst), culprit in self.link_culprits.items():
+                if v := self.book.report(
+                        VerdictKind.LINK_DEGRADATION, Cause.NETWORK_LINK, culprit,
+                        onset_step=None, onset_ns=0, detected_ns=rep.end_ns, severity=0.0,
+                        confidence=0.9, src_rank=src, dst_rank=dst):
+                    out.append(v)
+            return out
+        return self._burst(onset, ratio, length, rep)
+
+    def _culprit(self, reps: list[StepReport]) -> tuple[str, dict[str, Any]] | None:
+        topo = self.topo
+        assert topo is not None  # noqa: S101
+        f = self.localizer.localize(reps, topo)
+        if f is None:
+            return None
+        fields: dict[str, Any] = {"pp_stage": f.stage, "microbatch": f.microbatch,
+                                  "phase": Phase(f.phase) if f.phase else None,
+                                  "node": f.node, "evidence": dict(f.evidence)}
+        if f.rank is not None:
+            fields.update(rank=f.rank, gpu=topo.gpu(f.rank))
+            return f"rank:{f.rank}", {"cause": f.cause, **fields}
+        return f"node:{f.node}", {"cause": f.cause, **fields}
+
+    def _slowdown(self, rep: StepReport, ratio: float, onset: int | None = None
+                  ) -> list[msgspec.Struct]:
+        severity = max(0.0, 1.0 - 1.0 / ratio)
+        if onset is None:  # an update of the open incident
+            v = self.book.report(VerdictKind.SLOWDOWN, Cause.COMPUTE, self.slow_open or "job",
+                                 onset_step=None, onset_ns=0, detected_ns=rep.end_ns,
+                                 severity=severity, confidence=0.9) if self.slow_open and (
+                self.book.is_open(VerdictKind.SLOWDOWN.value, self.slow_open)) else None
+            return self._link_severity(severity, rep) + ([v] if v else [])
+        reps = self._since(onset)
+        onset_rep = reps[0] if reps else rep
+        found = self._culprit(reps)
+        out = self._link_severity(severity, rep)
+        if found is None:
+            if self.link_culprits:  # the link verdict carries this slowdown
+                return out
+            culprit, fields = "job", {"cause": Cause.UNKNOWN}
+        else:
+            culprit, fields = found
+        cause = fields.pop("cause")
+        who = (f"rank {fields['rank']} (GPU {fields['gpu']}) on {fields['node']}"
+               if "rank" in fields else f"host {fields.get('node')}" if culprit != "job"
+               else "an unlocalised part of the job")
+        where = (f", {fields['phase'].value} micro-batch {fields['microbatch']}"
+                 if fields.get("phase") else "")
+        fields["summary"] = (f"slowdown: {who} - iteration {ratio:.2f}x slower since step "
+                             f"{onset} ({severity:.0%} throughput lost), cause {cause.value}"
+                             f"{where}, PP stage {fields.get('pp_stage')}")
+        fields["evidence"] = {**fields.get("evidence", {}), "step_time_ratio": ratio,
+                              "baseline_step_ns": float(self.shift.baseline or 0)}
+        v = self.book.report(VerdictKind.SLOWDOWN, cause, culprit, onset_step=onset,
+                             onset_ns=onset_rep.start_ns, detected_ns=rep.end_ns,
+                             severity=severity, confidence=0.9 if found else 0.5,
+                             step=onset, **fields)
+        self.slow_open = culprit
+        return [*out, v] if v else out
+
+    def _link_severity(self, severity: float, rep: StepReport) -> list[msgspec.Struct]:
+        out = []
+        for (src, dst), culprit in self.link_culprits.items():
+            if v := self.book.report(VerdictKind.LINK_DEGRADATION, Cause.NETWORK_LINK, culprit,
+                                     onset_step=None, onset_ns=0, detected_ns=rep.end_ns,
+                                     severity=severity, confidence=0.9, src_rank=src,
+                                     dst_rank=dst):
+                out.append(v)
+        return out
+
+    def _burst(self, onset: int, ratio: float, length: int, rep: StepReport
+               ) -> list[msgspec.Struct]:
+        found = self._culprit(self._since(onset))
+        if found is None:
+            return []
+        culprit, fields = found
+        cause = fields.pop("cause")
+        bursts = self.bursts.setdefault(culprit, [])
+        bursts.append((onset, ratio, length))
+        if len(bursts) < 2:
+            return []
+        first = bursts[0][0]
+        span = max(1, rep.step - first + 1)
+        extra = sum((r - 1) * n for _, r, n in bursts)
+        severity = extra / (span + extra)
+        fields["evidence"] = {**fields.get("evidence", {}), "bursts": float(len(bursts)),
+                              "mean_burst_ratio": float(np.mean([r for _, r, _ in bursts])),
+                              "burst_period_steps": float(np.mean(np.diff(
+                                  [b[0] for b in bursts])))}
+        fields["summary"] = (f"intermittent slowdown: rank {fields.get('rank')} on "
+                             f"{fields.get('node')} - {len(bursts)} bursts of "
+                             f"~{fields['evidence']['mean_burst_ratio']:.2f}x since step "
+                             f"{first} ({severity:.0%} throughput lost)")
+        reps = [r for r in self.recent if r.step == first]
+        v = self.book.report(VerdictKind.INTERMITTENT_SLOWDOWN, cause, culprit,
+                             onset_step=first,
+                             onset_ns=reps[0].start_ns if reps else rep.start_ns,
+                             detected_ns=rep.end_ns, severity=severity, confidence=0.8,
+                             step=first, **fields)
+        return [v] if v else []
+
+    # ------------------------------------------------------------------ links
+    def _link(self, s: LinkSample) -> list[msgspec.Struct]:
+        ev = self.links.update(s)
+        if ev is None or self.topo is None:
+            return []
+        topo = self.topo
+        culprit = f"link:{ev.src_rank}->{ev.dst_rank}"
+        if ev.kind == "recovered":
+            self.link_culprits.pop((ev.src_rank, ev.dst_rank), None)
+            v = self.book.resolve(VerdictKind.LINK_DEGRADATION.value, culprit, s.ts_ns)
+            return [v] if v else []
+        self.link_culprits[(ev.src_rank, ev.dst_rank)] = culprit
+        step = next((r.step for r in self.recent if r.end_ns >= ev.onset_ns), None)
+        link = topo.link_name(ev.src_rank, ev.dst_rank)
+        shifted = self.shift.shifted and self.shift.baseline
+        severity = (1 - self.shift.baseline / self.recent[-1].duration_ns
+                    if shifted and self.recent else 0.0)
+        v = self.book.report(
+            VerdictKind.LINK_DEGRADATION, Cause.NETWORK_LINK, culprit, onset_step=step,
+            onset_ns=ev.onset_ns, detected_ns=s.ts_ns, severity=severity, confidence=0.9,
+            rank=ev.src_rank, node=topo.node(ev.src_rank), gpu=topo.gpu(ev.src_rank), link=link,
+            src_rank=ev.src_rank, dst_rank=ev.dst_rank, step=step, phase=Phase.TRANSFER,
+            pp_stage=topo.coords(ev.src_rank)[0],
+            summary=f"link degradation: {link} at {ev.current_gbps:.0f} Gb/s, "
+                    f"{ev.drop:.0%} below its {ev.baseline_gbps:.0f} Gb/s baseline",
+            evidence={"baseline_gbps": ev.baseline_gbps, "current_gbps": ev.current_gbps,
+                      "drop": ev.drop})
+        return [v] if v else []
+
+    # ------------------------------------------------------------------ hangs
+    def expected_step_ns(self) -> float | None:
+        if not self.durations:
+            return None
+        return float(np.median(self.durations))
+
+    def tick(self, now_ns: int) -> list[msgspec.Struct]:
+        """The hang watchdog: call periodically with the current (event) time."""
+        self.now_ns = max(self.now_ns, now_ns)
+        if self.topo is None or self.hang_open or not self.last_progress_ns:
+            return []
+        exp = self.expected_step_ns() or 0.0
+        limit = max(self.settings.hang_factor * exp, self.settings.min_hang_ms * 1e6)
+        silent = self.now_ns - self.last_progress_ns
+        if silent <= limit or not self.partials:
+            return []
+        topo = self.topo
+        member_of = {h: tuple(c.ranks) for h, c in topo.comms.items()}
+        diag = diagnose_hang(list(self.partials.values()), list(self.stuck.values()), member_of)
+        if diag is None:
+            return []
+        inst = diag.instance
+        sender_stage = topo.coords(inst.sender)[0] if inst.sender >= 0 else None
+        pos = topo.position(inst.comm_hash, inst.seq, inst.op, sender_stage)
+        rank = diag.culprit_rank
+        role = topo.role(inst.comm_hash)
+        op = inst.op if inst.sender < 0 else (CollOp.RECV if rank != inst.sender else CollOp.SEND)
+        fields: dict[str, Any] = {
+            "comm_hash": inst.comm_hash, "seq": inst.seq, "op": op,
+            "step": pos.step if pos else None,
+            "microbatch": pos.microbatch if pos else None,
+            "phase": Phase(pos.phase) if pos else None,
+        }
+        if rank is not None:
+            fields.update(rank=rank, node=topo.node(rank), gpu=topo.gpu(rank),
+                          pp_stage=topo.coords(rank)[0])
+        if diag.link:
+            fields.update(link=topo.link_name(*diag.link), src_rank=diag.link[0],
+                          dst_rank=diag.link[1], phase=Phase.TRANSFER)
+        culprit = (f"link:{diag.link[0]}->{diag.link[1]}" if diag.link
+                   else f"rank:{rank}")
+        where = (f"{fields['phase'].value} micro-batch {fields['microbatch']}, "
+                 f"PP stage {fields.get('pp_stage')}, step {fields['step']}"
+                 if pos else "an unknown position")
+        if diag.cause == Cause.COMPUTE:
+            summary = (f"hang: rank {rank} on {fields['node']} (GPU {fields['gpu']}) never "
+                       f"joined {op.value} on the {role.value} communicator (seq {inst.seq}) - "
+                       f"{where}; {len(diag.waiting)} ranks wait on it")
+        else:
+            summary = (f"hang: {op.value} on the {role.value} communicator (seq {inst.seq}) "
+                       f"was posted and never completed on {fields.get('link', 'the network')}"
+                       f" - {where}")
+        ev = {**diag.evidence, "silent_ns": float(silent), "expected_step_ns": exp}
+        v = self.book.report(VerdictKind.HANG, diag.cause, culprit,
+                             onset_step=pos.step if pos else None,
+                             onset_ns=inst.first_arrival_ns, detected_ns=self.now_ns,
+                             severity=1.0, confidence=0.95, summary=summary, evidence=ev,
+                             **fields)
+        self.hang_open = culprit
+        return [v] if v else []
+
+    def finish(self) -> list[msgspec.Struct]:
+        """End of input: close the steps still open."""
+        if self.assembler is None:
+            return []
+        out: list[msgspec.Struct] = []
+        for rep in self.assembler.flush():
+            out += self._step(rep)
+        return out
+
+    # ------------------------------------------------------------------ tables
+    def _aligned(self, inst: Instance) -> AlignedCollective:
+        topo = self.topo
+        assert topo is not None  # noqa: S101
+        sender_stage = topo.coords(inst.sender)[0] if inst.sender >= 0 else None
+        pos = topo.position(inst.comm_hash, inst.seq, inst.op, sender_stage)
+        members = topo.comms.get(inst.comm_hash)
+        expected = tuple(members.ranks) if members else inst.ranks
+        x = inst.transfer_ns
+        n = len(expected)
+        bw = None
+        if x and inst.op in _BUSBW_FACTOR and n > 1:
+            bw = inst.size_bytes * _BUSBW_FACTOR[inst.op](n) / x * 8  # Gb/s
+        elif x and inst.sender >= 0:
+            bw = inst.size_bytes / x * 8
+        return AlignedCollective(
+            job=self.job, comm_hash=inst.comm_hash, role=topo.role(inst.comm_hash),
+            seq=inst.seq, op=inst.op,
+            n_ranks=max(1, n), n_arrived=len(inst.ranks),
+            size_bytes=inst.size_bytes, first_arrival_ns=inst.first_arrival_ns,
+            last_arrival_ns=inst.last_arrival_ns, last_rank=inst.last_rank,
+            end_ns=inst.end_ns, transfer_ns=x, busbw_gbps=bw,
+            missing_ranks=sorted(set(expected) - set(inst.ranks)),
+            unfinished_ranks=inst.unfinished(),
+            step=pos.step if pos else None, microbatch=pos.microbatch if pos else None,
+            phase=Phase(pos.phase) if pos else None, pp_stage=pos.pp_stage if pos else None,
+        )
+
+    def _slowest_replica(self, rep: StepReport) -> int | None:
+        ends: dict[int, int] = {}
+        for (d, _s, _p, _m), (_b, e) in rep.spans.items():
+            ends[d] = max(ends.get(d, 0), e)
+        return max(ends, key=ends.get) if ends else None
+
+    def _critical_names(self, rep: StepReport) -> list[str]:
+        from detectors.critical_path import critical_path
+
+        d = self._slowest_replica(rep)
+        if d is None or self.topo is None:
+            return []
+        cp = critical_path(rep.node_durations(d), self.topo.job.pp,
+                           self.topo.job.num_microbatches)
+        return [f"{ph[0].upper()}{mb}s{s}" for s, ph, mb in cp.path]
+
+
+__all__ = ["JobAnalyzer"]

@@ -1,0 +1,143 @@
+"""Validated online change points on a positive signal such as step time.
+
+River's Page-Hinkley test watches the signal relative to its baseline
+(``x / baseline``, outliers clipped) for an upward change. A change is only
+believed when it is also large (at least ``min_shift`` above the baseline) and
+persistent (``persistence`` consecutive values): jitter never alarms. An
+excursion that ends sooner is a *burst* - the intermittent case. The baseline
+is the median of the warm-up values and afterwards follows values within
+``alpha`` of it (MEGATRACE's expected-duration rule).
+
+>>> import numpy as np
+>>> rng = np.random.default_rng(1)
+>>> det = ShiftDetector()
+>>> xs = list(100 + rng.normal(0, 1, 20)) + list(125 + rng.normal(0, 1, 10))
+>>> events = [(i, e.kind, e.onset) for i, x in enumerate(xs) if (e := det.update(x, i))]
+>>> events
+[(22, 'shift', 20)]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from river.drift import PageHinkley
+
+
+@dataclass(frozen=True)
+class ShiftEvent:
+    kind: str  # "shift" | "burst" | "recovered"
+    onset: int  # index where the excursion started
+    ratio: float  # mean value / baseline over the excursion
+    length: int  # values in the excursion
+    baseline: float
+
+
+class ShiftDetector:
+    """Online, validated detection of a persistent upward shift (and of short bursts).
+
+    Parameters
+    ----------
+    warmup
+        Values used to seed the baseline (median).
+    min_shift
+        Minimum relative increase that counts (0.07 = 7% slower).
+    persistence
+        Consecutive values over ``1 + min_shift`` needed for a shift; shorter
+        excursions are bursts.
+    threshold, delta
+        Page-Hinkley parameters on the relative signal (units: fraction of baseline).
+    alpha
+        Values within this fraction of the baseline update it (slow drift is not a fault).
+    clip
+        Relative values are clipped to ``[0, clip]`` before they reach the test.
+    """
+
+    def __init__(self, warmup: int = 5, min_shift: float = 0.07, persistence: int = 3,
+                 threshold: float = 0.1, delta: float = 0.02, alpha: float = 0.05,
+                 clip: float = 3.0) -> None:
+        if warmup < 1 or persistence < 1:
+            raise ValueError("warmup and persistence must be >= 1")
+        if not 0 < min_shift < 10 or not 0 < alpha < 1:
+            raise ValueError("min_shift must be in (0, 10) and alpha in (0, 1)")
+        self.warmup = warmup
+        self.min_shift = min_shift
+        self.persistence = persistence
+        self.threshold = threshold
+        self.delta = delta
+        self.alpha = alpha
+        self.clip = clip
+        self._reset()
+
+    def _reset(self) -> None:
+        self._seed: list[float] = []
+        self.baseline: float | None = None
+        self._ph = self._new_ph()
+        self._drift = False
+        self._run: list[float] = []  # current excursion, relative values
+        self._onset = -1
+        self.shifted = False
+        self._calm = 0
+
+    def _new_ph(self) -> PageHinkley:
+        return PageHinkley(min_instances=1, delta=self.delta, threshold=self.threshold,
+                           mode="up")
+
+    def clone(self) -> ShiftDetector:
+        return ShiftDetector(self.warmup, self.min_shift, self.persistence, self.threshold,
+                             self.delta, self.alpha, self.clip)
+
+    def update(self, x: float, index: int) -> ShiftEvent | None:
+        """Feed one value (``index`` is its position, e.g. the step number)."""
+        if self.baseline is None:
+            self._seed.append(float(x))
+            if len(self._seed) >= self.warmup:
+                s = sorted(self._seed)
+                self.baseline = s[len(s) // 2]
+            return None
+        rel = min(max(x / self.baseline, 0.0), self.clip)
+        self._ph.update(rel)
+        self._drift = self._drift or self._ph.drift_detected
+        high = rel >= 1.0 + self.min_shift
+        if self.shifted:
+            return self._while_shifted(rel, index)
+        if high:
+            if not self._run:
+                self._onset = index
+            self._run.append(rel)
+            if len(self._run) >= self.persistence and self._drift:
+                self.shifted = True
+                self._calm = 0
+                return ShiftEvent("shift", self._onset, self._mean(), len(self._run),
+                                  self.baseline)
+            return None
+        event = None
+        if self._run:
+            event = ShiftEvent("burst", self._onset, self._mean(), len(self._run), self.baseline)
+            self._run = []
+            self._restart_test()
+        if abs(rel - 1.0) <= self.alpha:
+            self.baseline += 0.1 * (x - self.baseline)
+        return event
+
+    def _while_shifted(self, rel: float, index: int) -> ShiftEvent | None:
+        if rel < 1.0 + self.min_shift / 2:
+            self._calm += 1
+            if self._calm >= self.persistence:
+                self.shifted = False
+                ev = ShiftEvent("recovered", index - self._calm + 1, rel, self._calm,
+                                self.baseline)
+                self._run = []
+                self._restart_test()
+                return ev
+        else:
+            self._calm = 0
+            self._run.append(rel)
+        return None
+
+    def _restart_test(self) -> None:
+        self._ph = self._new_ph()
+        self._drift = False
+
+    def _mean(self) -> float:
+        return sum(self._run) / len(self._run)

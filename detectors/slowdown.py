@@ -1,0 +1,175 @@
+"""Localise a slowdown: which rank (or node) made the critical path longer.
+
+MEGATRACE's Algorithm 2 over :class:`~detectors.steps.StepReport` tables:
+
+1. keep an expected duration per pipeline node and a per-rank baseline of
+   lateness (TP arrivals relative to the group) and of the host's lead over
+   the GPU - healthy ranks have small persistent offsets, so each rank is
+   compared with its own history;
+2. take the slowest pipeline replicas, compute their critical path, and keep
+   critical nodes slower than expected x (1 + ``node_margin``);
+3. if most ranks of one node lost their host lead (the GPU waits for the
+   CPU to launch), blame that node's host; otherwise blame the rank of the
+   slow node's TP group whose lateness grew most (the latest arriver).
+
+Nodes that got slower but have slack (a pipeline bubble) are never blamed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from schemas.units import Cause
+
+from detectors.critical_path import critical_path
+from detectors.steps import StepReport
+from detectors.topology import Topology
+
+
+@dataclass(frozen=True)
+class SlowdownFinding:
+    cause: Cause
+    rank: int | None
+    node: str | None
+    stage: int | None
+    phase: str | None
+    microbatch: int | None
+    critical: bool
+    evidence: dict[str, float] = field(default_factory=dict)
+
+
+class SlowdownLocalizer:
+    """Per-job baselines and the localisation step.
+
+    Parameters
+    ----------
+    warmup
+        Reports used to seed the baselines.
+    node_margin
+        A critical node counts as slow above expected x (1 + node_margin).
+    alpha
+        A node's expected duration follows new values within this fraction of it.
+    host_lead_drop
+        A rank lost its host lead when it falls below this fraction of its baseline.
+    replicas
+        How many of the slowest pipeline replicas are analysed in full.
+    """
+
+    def __init__(self, warmup: int = 5, node_margin: float = 0.1, alpha: float = 0.05,
+                 host_lead_drop: float = 0.3, replicas: int = 2) -> None:
+        if warmup < 1 or node_margin <= 0 or not 0 < alpha < 1 or replicas < 1:
+            raise ValueError("warmup >= 1, node_margin > 0, 0 < alpha < 1, replicas >= 1")
+        self.warmup = warmup
+        self.node_margin = node_margin
+        self.alpha = alpha
+        self.host_lead_drop = host_lead_drop
+        self.replicas = replicas
+        self._reset()
+
+    def _reset(self) -> None:
+        self._seen = 0
+        self._late: list[np.ndarray] = []
+        self._lead: list[np.ndarray] = []
+        self.base_late: np.ndarray | None = None
+        self.base_lead: np.ndarray | None = None
+        self.expected: dict[tuple, float] = {}
+        self._seed_nodes: dict[tuple, list[float]] = {}
+
+    @property
+    def ready(self) -> bool:
+        return self.base_late is not None
+
+    def learn(self, rep: StepReport) -> None:
+        """Fold a healthy step into the baselines."""
+        if not rep.complete:
+            return
+        self._seen += 1
+        if self.base_late is None:
+            self._late.append(rep.lateness_ns.copy())
+            self._lead.append(rep.host_lead_ns.copy())
+            for key, (b, e) in rep.spans.items():
+                self._seed_nodes.setdefault(key, []).append(float(e - b))
+            if self._seen >= self.warmup:
+                self.base_late = np.median(np.array(self._late), axis=0)
+                self.base_lead = np.median(np.array(self._lead), axis=0)
+                self.expected = {k: float(np.median(v)) for k, v in self._seed_nodes.items()}
+                self._late, self._lead, self._seed_nodes = [], [], {}
+            return
+        self.base_late += 0.05 * (rep.lateness_ns - self.base_late)
+        self.base_lead += 0.05 * (rep.host_lead_ns - self.base_lead)
+        for key, (b, e) in rep.spans.items():
+            d = float(e - b)
+            exp = self.expected.get(key)
+            if exp is None:
+                self.expected[key] = d
+            elif abs(d - exp) <= self.alpha * exp:
+                self.expected[key] = exp + 0.2 * (d - exp)
+
+    def localize(self, reports: Sequence[StepReport], topo: Topology) -> SlowdownFinding | None:
+        """The culprit of the slowdown seen in ``reports`` (the steps since its onset)."""
+        reps = [r for r in reports if r.complete] or list(reports)
+        if not reps or self.base_late is None or self.base_lead is None:
+            return None
+        late = np.mean([r.lateness_ns for r in reps], axis=0) - self.base_late
+        lead = np.mean([r.host_lead_ns for r in reps], axis=0)
+        host = self._host_node(lead, topo)
+        slow = self._slow_critical_nodes(reps, topo)
+        if host is not None:
+            node, frac, ratio = host
+            ranks_on = [r for r in range(len(lead)) if topo.node(r) == node]
+            stage = topo.coords(ranks_on[0])[0] if ranks_on else None
+            return SlowdownFinding(Cause.HOST_CPU, None, node, stage, None, None,
+                                   critical=bool(slow),
+                                   evidence={"ranks_host_bound": frac,
+                                             "host_lead_ratio": ratio})
+        if not slow:
+            return None
+        (d, s, phase, mb), excess, dur = max(slow, key=lambda x: x[1])
+        group = [r for r in range(len(late)) if topo.coords(r)[:2] == (s, d)]
+        culprit = max(group, key=lambda r: late[r])
+        others = [late[r] for r in group if r != culprit]
+        return SlowdownFinding(
+            Cause.COMPUTE, culprit, topo.node(culprit), s, phase, mb, critical=True,
+            evidence={"node_excess_ns": excess, "node_duration_ns": dur,
+                      "rank_lateness_growth_ns": float(late[culprit]),
+                      "peer_lateness_growth_ns": float(np.mean(others)) if others else 0.0},
+        )
+
+    def _host_node(self, lead: np.ndarray, topo: Topology) -> tuple[str, float, float] | None:
+        base = self.base_lead
+        assert base is not None  # noqa: S101 - checked by the caller
+        ratio = np.divide(lead, base, out=np.ones_like(lead), where=base > 0)
+        by_node: dict[str, list[float]] = {}
+        for r, x in enumerate(ratio.tolist()):
+            by_node.setdefault(topo.node(r), []).append(x)
+        best = None
+        for node, xs in by_node.items():
+            frac = sum(x < self.host_lead_drop for x in xs) / len(xs)
+            if frac >= 0.75 and (best is None or np.mean(xs) < best[2]):
+                best = (node, frac, float(np.mean(xs)))
+        return best
+
+    def _slow_critical_nodes(self, reps: Sequence[StepReport], topo: Topology
+                             ) -> list[tuple[tuple, float, float]]:
+        j = topo.job
+        out = []
+        for rep in reps[-2:]:
+            ends: dict[int, int] = {}
+            for (d, _s, _p, _m), (_b, e) in rep.spans.items():
+                ends[d] = max(ends.get(d, 0), e)
+            for d in sorted(ends, key=ends.get, reverse=True)[: self.replicas]:
+                durs = rep.node_durations(d)
+                if not durs:
+                    continue
+                cp = critical_path(durs, j.pp, j.num_microbatches)
+                tol = 0.01 * cp.length
+                for node in cp.critical(tol):
+                    key = (d, *node)
+                    exp = self.expected.get(key)
+                    dur = durs.get(node, 0.0)
+                    if exp and dur > exp * (1 + self.node_margin):
+                        out.append((key, dur - exp, dur))
+        return out

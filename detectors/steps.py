@@ -1,0 +1,189 @@
+"""Assemble aligned collective instances into per-iteration reports.
+
+Every instance is placed in the schedule (:class:`~detectors.topology.Topology`)
+and folded into its step's accumulator: per-rank lateness in TP collectives
+(the cross-rank wait-time model), exclusive blame of the last arriver, the
+host's lead over the GPU (enqueue -> start), node spans of each
+(pipeline replica, stage, phase, micro-batch) for the critical path, and
+transfer times. A step closes when all its expected instances arrived, or
+when instances two steps later show it never will.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from schemas.units import CommRole
+
+from detectors.align import Instance
+from detectors.topology import Topology
+
+SpanKey = tuple[int, int, str, int]  # (dp replica, stage, phase, micro-batch)
+
+
+@dataclass
+class StepReport:
+    """One iteration's cross-rank account (times in ns, arrays indexed by global rank)."""
+
+    step: int
+    start_ns: int
+    end_ns: int
+    duration_ns: int
+    complete: bool
+    n_instances: int
+    lateness_ns: np.ndarray
+    blame_ns: np.ndarray
+    wait_ns: np.ndarray
+    host_lead_ns: np.ndarray
+    first_ns: np.ndarray
+    last_end_ns: np.ndarray
+    spans: dict[SpanKey, list[int]]
+    node_lateness: dict[SpanKey, dict[int, float]]
+    transfer_ns: dict[int, int]
+
+    def node_durations(self, replica: int) -> dict[tuple[int, str, int], float]:
+        return {(s, ph, mb): float(e - b) for (d, s, ph, mb), (b, e) in self.spans.items()
+                if d == replica}
+
+
+@dataclass
+class _Acc:
+    world: int
+    n: int = 0
+    start: int = 1 << 62
+    end: int = 0
+    dp_end: int = 0
+    lateness: np.ndarray = field(init=False)
+    blame: np.ndarray = field(init=False)
+    wait: np.ndarray = field(init=False)
+    lead_sum: np.ndarray = field(init=False)
+    lead_n: np.ndarray = field(init=False)
+    first: np.ndarray = field(init=False)
+    last_end: np.ndarray = field(init=False)
+    spans: dict[SpanKey, list[int]] = field(default_factory=dict)
+    node_late: dict[SpanKey, dict[int, float]] = field(default_factory=dict)
+    transfer: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        w = self.world
+        self.lateness = np.zeros(w)
+        self.blame = np.zeros(w)
+        self.wait = np.zeros(w)
+        self.lead_sum = np.zeros(w)
+        self.lead_n = np.zeros(w)
+        self.first = np.full(w, np.iinfo(np.int64).max, dtype=np.int64)
+        self.last_end = np.zeros(w, dtype=np.int64)
+
+
+class StepAssembler:
+    """Per-job: instances in, closed :class:`StepReport` out (in step order)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topo = topology
+        self._reset()
+
+    def _reset(self) -> None:
+        self._acc: dict[int, _Acc] = {}
+        self._closed_upto = -1
+        self._prev_end: int | None = None
+        self.late_instances = 0
+
+    def expected_instances(self) -> int:
+        t = self.topo
+        by_role = {role: 0 for role in CommRole}
+        for c in t.comms.values():
+            by_role[c.role] += 1
+        return (by_role[CommRole.TP] * t.tp_ops_per_step
+                + by_role[CommRole.DP] * t.dp_ops_per_step
+                + by_role[CommRole.PP] * 2 * t.job.num_microbatches)
+
+    def add(self, inst: Instance) -> list[StepReport]:
+        topo = self.topo
+        sender_stage = topo.coords(inst.sender)[0] if inst.sender >= 0 else None
+        pos = topo.position(inst.comm_hash, inst.seq, inst.op, sender_stage)
+        if pos is None:
+            return []
+        if pos.step <= self._closed_upto:
+            self.late_instances += 1
+            return []
+        acc = self._acc.get(pos.step)
+        if acc is None:
+            acc = self._acc[pos.step] = _Acc(topo.job.world_size)
+        self._fold(acc, inst, pos.phase, pos.microbatch, topo.role(inst.comm_hash))
+        out = []
+        if acc.n >= self.expected_instances():
+            out += self._close_through(pos.step)
+        if pos.step - 2 > self._closed_upto:
+            out += self._close_through(pos.step - 2)
+        return out
+
+    def _fold(self, acc: _Acc, inst: Instance, phase: str, mb: int | None, role: CommRole
+              ) -> None:
+        acc.n += 1
+        ranks = np.fromiter(inst.ranks, dtype=np.int64)
+        arr = np.fromiter(inst.arrival, dtype=np.int64)
+        end = np.fromiter(inst.end, dtype=np.int64)
+        enq = np.fromiter(inst.enqueue, dtype=np.int64)
+        acc.start = min(acc.start, int(arr.min()))
+        acc.end = max(acc.end, int(end.max()))
+        np.minimum.at(acc.first, ranks, arr)
+        np.maximum.at(acc.last_end, ranks, end)
+        acc.lead_sum[ranks] += arr - enq
+        acc.lead_n[ranks] += 1
+        if role != CommRole.PP:
+            acc.wait[ranks] += arr.max() - arr
+        if role == CommRole.DP:
+            acc.dp_end = max(acc.dp_end, int(end.max()))
+        x = inst.transfer_ns
+        if x is not None and role in (CommRole.DP, CommRole.PP):
+            acc.transfer[inst.comm_hash] = max(acc.transfer.get(inst.comm_hash, 0), x)
+        if role != CommRole.TP or len(ranks) < 2:
+            return
+        rel = arr - arr.mean()
+        acc.lateness[ranks] += rel
+        order = np.argsort(arr)
+        acc.blame[ranks[order[-1]]] += float(arr[order[-1]] - arr[order[-2]])
+        stage, replica, _ = self.topo.coords(int(ranks[0]))
+        key = (replica, stage, phase, mb if mb is not None else -1)
+        span = acc.spans.get(key)
+        if span is None:
+            acc.spans[key] = [int(arr.min()), int(end.max())]
+            acc.node_late[key] = dict.fromkeys(ranks.tolist(), 0.0)
+        else:
+            span[0] = min(span[0], int(arr.min()))
+            span[1] = max(span[1], int(end.max()))
+        nl = acc.node_late[key]
+        for r, v in zip(ranks.tolist(), rel.tolist(), strict=True):
+            nl[r] = nl.get(r, 0.0) + v
+
+    def _close_through(self, step: int) -> list[StepReport]:
+        out = []
+        for s in sorted(k for k in self._acc if k <= step):
+            acc = self._acc.pop(s)
+            end = acc.dp_end or acc.end
+            start = self._prev_end if self._prev_end is not None else acc.start
+            self._prev_end = end
+            lead = np.divide(acc.lead_sum, acc.lead_n, out=np.zeros_like(acc.lead_sum),
+                             where=acc.lead_n > 0)
+            first = np.where(acc.first == np.iinfo(np.int64).max, -1, acc.first)
+            out.append(StepReport(
+                step=s, start_ns=start, end_ns=end, duration_ns=max(0, end - start),
+                complete=acc.n >= self.expected_instances(), n_instances=acc.n,
+                lateness_ns=acc.lateness, blame_ns=acc.blame, wait_ns=acc.wait, host_lead_ns=lead,
+                first_ns=first, last_end_ns=acc.last_end, spans=acc.spans,
+                node_lateness=acc.node_late, transfer_ns=acc.transfer,
+            ))
+            self._closed_upto = max(self._closed_upto, s)
+        return out
+
+    def flush(self) -> list[StepReport]:
+        """Close every open step (end of input)."""
+        if not self._acc:
+            return []
+        return self._close_through(max(self._acc))
+
+    @property
+    def open_steps(self) -> list[int]:
+        return sorted(self._acc)
