@@ -109,8 +109,9 @@ class CollectiveAligner:
         Hard bound on open instances; the oldest is dropped (and counted) beyond it.
     """
 
-    def __init__(self, min_timeout_ns: int = 500_000_000, timeout_factor: float = 20.0,
-                 max_open: int = 4096) -> None:
+    def __init__(
+        self, min_timeout_ns: int = 500_000_000, timeout_factor: float = 20.0, max_open: int = 4096
+    ) -> None:
         if min_timeout_ns <= 0 or timeout_factor <= 0 or max_open <= 0:
             raise ValueError("min_timeout_ns, timeout_factor and max_open must be positive")
         self.min_timeout_ns = min_timeout_ns
@@ -130,8 +131,9 @@ class CollectiveAligner:
     @staticmethod
     def key(rec: Collective) -> Key:
         if rec.op.is_p2p:
-            sender = rec.rank if rec.op == CollOp.SEND else (rec.peer if rec.peer is not None
-                                                              else -2)
+            sender = (
+                rec.rank if rec.op == CollOp.SEND else (rec.peer if rec.peer is not None else -2)
+            )
             return (rec.comm_hash, sender, rec.seq)
         return (rec.comm_hash, -1, rec.seq)
 
@@ -154,9 +156,13 @@ class CollectiveAligner:
         self._last_seq[stream] = max(prev or 0, rec.seq)
         entry = self._open.get(key)
         if entry is None:
-            entry = _Open(first_seen_ns=rec.arrival_ns, op=rec.op if not rec.op.is_p2p
-                          else CollOp.SEND, comm_size=2 if rec.op.is_p2p else rec.comm_size,
-                          size_bytes=rec.size_bytes, job=rec.job)
+            entry = _Open(
+                first_seen_ns=rec.arrival_ns,
+                op=rec.op if not rec.op.is_p2p else CollOp.SEND,
+                comm_size=2 if rec.op.is_p2p else rec.comm_size,
+                size_bytes=rec.size_bytes,
+                job=rec.job,
+            )
             self._open[key] = entry
             if len(self._open) > self.max_open:
                 self._open.popitem(last=False)
@@ -194,9 +200,16 @@ class CollectiveAligner:
         ranks = tuple(sorted(entry.members))
         m = entry.members
         return Instance(
-            job=entry.job, comm_hash=key[0], seq=key[2], op=entry.op, sender=key[1],
-            comm_size=entry.comm_size, size_bytes=entry.size_bytes, ranks=ranks,
-            enqueue=tuple(m[r][0] for r in ranks), arrival=tuple(m[r][1] for r in ranks),
+            job=entry.job,
+            comm_hash=key[0],
+            seq=key[2],
+            op=entry.op,
+            sender=key[1],
+            comm_size=entry.comm_size,
+            size_bytes=entry.size_bytes,
+            ranks=ranks,
+            enqueue=tuple(m[r][0] for r in ranks),
+            arrival=tuple(m[r][1] for r in ranks),
             end=tuple(m[r][2] for r in ranks),
         )
 

@@ -15,12 +15,21 @@ partial), :class:`ProxySummary`, :class:`LinkSample`, :class:`Heartbeat`,
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from detectors.align import Instance
+from detectors.changepoint import ShiftDetector
+from detectors.fusion import VerdictBook
+from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang
+from detectors.links import LinkMonitor
+from detectors.slowdown import SlowdownLocalizer
+from detectors.steps import StepAssembler, StepReport
+from detectors.topology import Topology
 from schemas.config import DetectSettings
 from schemas.records import (
     AlignedCollective,
@@ -33,21 +42,15 @@ from schemas.records import (
     RankInfo,
     RankStep,
     StepSummary,
+    Verdict,
 )
 from schemas.units import Cause, CollOp, Phase, VerdictKind
 
-from detectors.align import Instance
-from detectors.changepoint import ShiftDetector
-from detectors.fusion import VerdictBook
-from detectors.hang import diagnose_hang
-from detectors.links import LinkMonitor
-from detectors.slowdown import SlowdownLocalizer
-from detectors.steps import StepAssembler, StepReport
-from detectors.topology import Topology
-
-_BUSBW_FACTOR = {CollOp.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
-                 CollOp.ALL_GATHER: lambda n: (n - 1) / n,
-                 CollOp.REDUCE_SCATTER: lambda n: (n - 1) / n}
+_BUSBW_FACTOR = {
+    CollOp.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
+    CollOp.ALL_GATHER: lambda n: (n - 1) / n,
+    CollOp.REDUCE_SCATTER: lambda n: (n - 1) / n,
+}
 
 
 def _ts(rec: Any) -> int:
@@ -70,12 +73,20 @@ class JobAnalyzer:
         st = self.settings
         self.topo: Topology | None = None
         self._pending_meta: list[RankInfo | CommInfo] = []
-        self._early: list[Instance] = []
+        self._early: list[Any] = []
         self.assembler: StepAssembler | None = None
-        self.shift = ShiftDetector(warmup=st.warmup_steps, min_shift=st.min_shift,
-                                   persistence=st.persistence, alpha=st.alpha)
-        self.localizer = SlowdownLocalizer(warmup=st.warmup_steps, node_margin=st.node_margin,
-                                           alpha=st.alpha, host_lead_drop=st.host_lead_drop)
+        self.shift = ShiftDetector(
+            warmup=st.warmup_steps,
+            min_shift=st.min_shift,
+            persistence=st.persistence,
+            alpha=st.alpha,
+        )
+        self.localizer = SlowdownLocalizer(
+            warmup=st.warmup_steps,
+            node_margin=st.node_margin,
+            alpha=st.alpha,
+            host_lead_drop=st.host_lead_drop,
+        )
         self.links = LinkMonitor(warmup=st.warmup_steps, drop=st.link_drop)
         self.book = VerdictBook(self.job)
         self.recent: deque[StepReport] = deque(maxlen=16)
@@ -88,23 +99,36 @@ class JobAnalyzer:
         self.slow_open: str | None = None
         self.bursts: dict[str, list[tuple[int, float, int]]] = {}
         self.link_culprits: dict[tuple[int, int], str] = {}
+        self.hb_latest: dict[int, Heartbeat] = {}
+        self.hb_done: dict[tuple[int, int], int] = {}
+        self.hb_progress_ns = 0
+        self.hb_now_ns = 0
+        self._hang_detected_ns = 0
+        self._resolved_hang: Verdict | None = None
 
     # ------------------------------------------------------------------ inputs
     def update(self, item: Any) -> list[msgspec.Struct]:
         if isinstance(item, Instance):
             return self._instance(item)
         self.now_ns = max(self.now_ns, _ts(item))
+        if self.topo is None and not isinstance(item, JobInfo):
+            if isinstance(item, RankInfo | CommInfo):
+                self._pending_meta.append(item)
+            elif len(self._early) < 100_000:  # records that overtook the job record
+                self._early.append(item)
+            return []
+        out: list[msgspec.Struct] = []
+        if self._early and not isinstance(item, JobInfo | RankInfo | CommInfo):
+            early, self._early = self._early, []  # the metadata burst is over: replay
+            for rec in early:
+                out += self.update(rec)
         match item:
             case JobInfo():
-                return self._job(item)
+                return out + self._job(item)
             case RankInfo() | CommInfo():
-                if self.topo is None:
-                    self._pending_meta.append(item)
-                else:
-                    self.topo.add(item)
+                self.topo.add(item)
             case ProxySummary():
-                key = (item.comm_hash, item.seq, item.rank, item.channel, item.peer,
-                       item.direction)
+                key = (item.comm_hash, item.seq, item.rank, item.channel, item.peer, item.direction)
                 if item.steps_done < item.steps_posted:
                     self.stuck[key] = item
                     if len(self.stuck) > 10_000:
@@ -112,10 +136,30 @@ class JobAnalyzer:
                 else:
                     self.stuck.pop(key, None)
             case LinkSample():
-                return self._link(item)
-            case Heartbeat() | Kernel():
+                out += self._link(item)
+            case Heartbeat():
+                self._heartbeat(item)
+                if self._resolved_hang is not None:
+                    v, self._resolved_hang = self._resolved_hang, None
+                    out.append(v)
+            case Kernel():
                 pass
-        return []
+        return out
+
+    def _heartbeat(self, hb: Heartbeat) -> None:
+        """Liveness and progress: a completed sequence number that moved is progress."""
+        self.hb_latest[hb.rank] = hb
+        self.hb_now_ns = max(self.hb_now_ns, hb.ts_ns)
+        for cp in hb.comms:
+            key = (hb.rank, cp.comm_hash)
+            if cp.completed_seq > self.hb_done.get(key, -1):
+                self.hb_done[key] = cp.completed_seq
+                self.hb_progress_ns = max(self.hb_progress_ns, hb.ts_ns)
+                if self.hang_open and hb.ts_ns > self._hang_detected_ns:
+                    self._resolved_hang = self.book.resolve(
+                        VerdictKind.HANG.value, self.hang_open, hb.ts_ns
+                    )
+                    self.hang_open = None
 
     def _job(self, info: JobInfo) -> list[msgspec.Struct]:
         if self.topo is None:
@@ -126,11 +170,7 @@ class JobAnalyzer:
             self.assembler = StepAssembler(self.topo)
         else:
             self.topo.add(info)
-        early, self._early = self._early, []
-        out: list[msgspec.Struct] = []
-        for inst in early:
-            out += self._instance(inst)
-        return out
+        return []
 
     def _instance(self, inst: Instance) -> list[msgspec.Struct]:
         if self.topo is None or self.assembler is None:
@@ -148,7 +188,7 @@ class JobAnalyzer:
         self.now_ns = max(self.now_ns, end)
         if end > self.last_progress_ns:
             self.last_progress_ns = end
-            if self.hang_open and not self.partials:
+            if self.hang_open and not self.partials and not self.hb_latest:
                 if v := self.book.resolve(VerdictKind.HANG.value, self.hang_open, end):
                     out.append(v)
                 self.hang_open = None
@@ -159,28 +199,43 @@ class JobAnalyzer:
     # ------------------------------------------------------------------ steps
     def _step(self, rep: StepReport) -> list[msgspec.Struct]:
         topo = self.topo
-        assert topo is not None  # noqa: S101 - _instance checked it
+        assert topo is not None
         out: list[msgspec.Struct] = []
         if rep.complete:
             self.durations.append(rep.duration_ns)
         self.recent.append(rep)
         baseline = self.shift.baseline
         ratio = rep.duration_ns / baseline if baseline else None
-        out.append(StepSummary(
-            job=self.job, step=rep.step, start_ns=rep.start_ns, end_ns=rep.end_ns,
-            duration_ns=rep.duration_ns, expected_ns=int(baseline) if baseline else None,
-            throughput_ratio=(1 / ratio) if ratio else None,
-            slowest_pp_group=self._slowest_replica(rep),
-            critical_path=self._critical_names(rep)))
+        out.append(
+            StepSummary(
+                job=self.job,
+                step=rep.step,
+                start_ns=rep.start_ns,
+                end_ns=rep.end_ns,
+                duration_ns=rep.duration_ns,
+                expected_ns=int(baseline) if baseline else None,
+                throughput_ratio=(1 / ratio) if ratio else None,
+                slowest_pp_group=self._slowest_replica(rep),
+                critical_path=self._critical_names(rep),
+            )
+        )
         for r in range(topo.job.world_size):
             if rep.first_ns[r] < 0:
                 continue
-            out.append(RankStep(
-                job=self.job, step=rep.step, rank=r, node=topo.node(r),
-                pp_stage=topo.coords(r)[0], start_ns=int(rep.first_ns[r]),
-                end_ns=int(max(rep.last_end_ns[r], rep.first_ns[r])),
-                wait_ns=int(rep.wait_ns[r]), lateness_ns=float(rep.lateness_ns[r]),
-                blame_ns=int(rep.blame_ns[r])))
+            out.append(
+                RankStep(
+                    job=self.job,
+                    step=rep.step,
+                    rank=r,
+                    node=topo.node(r),
+                    pp_stage=topo.coords(r)[0],
+                    start_ns=int(rep.first_ns[r]),
+                    end_ns=int(max(rep.last_end_ns[r], rep.first_ns[r])),
+                    wait_ns=int(rep.wait_ns[r]),
+                    lateness_ns=float(rep.lateness_ns[r]),
+                    blame_ns=int(rep.blame_ns[r]),
+                )
+            )
         if not rep.complete or rep.step == 0:
             return out
         ev = self.shift.update(rep.duration_ns, rep.step)
@@ -195,47 +250,77 @@ class JobAnalyzer:
     def _since(self, onset: int) -> list[StepReport]:
         return [r for r in self.recent if r.step >= onset]
 
-    def _shift_event(self, kind: str, onset: int, ratio: float, length: int,
-                     rep: StepReport) -> list[msgspec.Struct]:
+    def _shift_event(
+        self, kind: str, onset: int, ratio: float, length: int, rep: StepReport
+    ) -> list[msgspec.Struct]:
         if kind == "shift":
             return self._slowdown(rep, ratio, onset)
         if kind == "recovered":
             out = []
-            if self.slow_open and (v := self.book.resolve(VerdictKind.SLOWDOWN.value,
-                                                          self.slow_open, rep.end_ns)):
+            if self.slow_open and (
+                v := self.book.resolve(VerdictKind.SLOWDOWN.value, self.slow_open, rep.end_ns)
+            ):
                 out.append(v)
             self.slow_open = None
             for (src, dst), culprit in self.link_culprits.items():
                 if v := self.book.report(
-                        VerdictKind.LINK_DEGRADATION, Cause.NETWORK_LINK, culprit,
-                        onset_step=None, onset_ns=0, detected_ns=rep.end_ns, severity=0.0,
-                        confidence=0.9, src_rank=src, dst_rank=dst):
+                    VerdictKind.LINK_DEGRADATION,
+                    Cause.NETWORK_LINK,
+                    culprit,
+                    onset_step=None,
+                    onset_ns=0,
+                    detected_ns=rep.end_ns,
+                    severity=0.0,
+                    confidence=0.9,
+                    src_rank=src,
+                    dst_rank=dst,
+                ):
                     out.append(v)
             return out
         return self._burst(onset, ratio, length, rep)
 
     def _culprit(self, reps: list[StepReport]) -> tuple[str, dict[str, Any]] | None:
+        """The first localised candidate not explained by a degraded link (MEGATRACE checks
+        links first: a rank whose NIC is slow arrives late without computing slowly)."""
         topo = self.topo
-        assert topo is not None  # noqa: S101
-        f = self.localizer.localize(reps, topo)
-        if f is None:
-            return None
-        fields: dict[str, Any] = {"pp_stage": f.stage, "microbatch": f.microbatch,
-                                  "phase": Phase(f.phase) if f.phase else None,
-                                  "node": f.node, "evidence": dict(f.evidence)}
-        if f.rank is not None:
-            fields.update(rank=f.rank, gpu=topo.gpu(f.rank))
-            return f"rank:{f.rank}", {"cause": f.cause, **fields}
-        return f"node:{f.node}", {"cause": f.cause, **fields}
+        assert topo is not None
+        link_ends = {r for edge in self.link_culprits for r in edge}
+        for f in self.localizer.localize(reps, topo):
+            if f.rank is not None and f.rank in link_ends:
+                continue
+            fields: dict[str, Any] = {
+                "pp_stage": f.stage,
+                "microbatch": f.microbatch,
+                "phase": Phase(f.phase) if f.phase else None,
+                "node": f.node,
+                "evidence": dict(f.evidence),
+            }
+            if f.rank is not None:
+                fields.update(rank=f.rank, gpu=topo.gpu(f.rank))
+                return f"rank:{f.rank}", {"cause": f.cause, **fields}
+            return f"node:{f.node}", {"cause": f.cause, **fields}
+        return None
 
-    def _slowdown(self, rep: StepReport, ratio: float, onset: int | None = None
-                  ) -> list[msgspec.Struct]:
+    def _slowdown(
+        self, rep: StepReport, ratio: float, onset: int | None = None
+    ) -> list[msgspec.Struct]:
         severity = max(0.0, 1.0 - 1.0 / ratio)
         if onset is None:  # an update of the open incident
-            v = self.book.report(VerdictKind.SLOWDOWN, Cause.COMPUTE, self.slow_open or "job",
-                                 onset_step=None, onset_ns=0, detected_ns=rep.end_ns,
-                                 severity=severity, confidence=0.9) if self.slow_open and (
-                self.book.is_open(VerdictKind.SLOWDOWN.value, self.slow_open)) else None
+            v = (
+                self.book.report(
+                    VerdictKind.SLOWDOWN,
+                    Cause.COMPUTE,
+                    self.slow_open or "job",
+                    onset_step=None,
+                    onset_ns=0,
+                    detected_ns=rep.end_ns,
+                    severity=severity,
+                    confidence=0.9,
+                )
+                if self.slow_open
+                and (self.book.is_open(VerdictKind.SLOWDOWN.value, self.slow_open))
+                else None
+            )
             return self._link_severity(severity, rep) + ([v] if v else [])
         reps = self._since(onset)
         onset_rep = reps[0] if reps else rep
@@ -248,35 +333,64 @@ class JobAnalyzer:
         else:
             culprit, fields = found
         cause = fields.pop("cause")
-        who = (f"rank {fields['rank']} (GPU {fields['gpu']}) on {fields['node']}"
-               if "rank" in fields else f"host {fields.get('node')}" if culprit != "job"
-               else "an unlocalised part of the job")
-        where = (f", {fields['phase'].value} micro-batch {fields['microbatch']}"
-                 if fields.get("phase") else "")
-        fields["summary"] = (f"slowdown: {who} - iteration {ratio:.2f}x slower since step "
-                             f"{onset} ({severity:.0%} throughput lost), cause {cause.value}"
-                             f"{where}, PP stage {fields.get('pp_stage')}")
-        fields["evidence"] = {**fields.get("evidence", {}), "step_time_ratio": ratio,
-                              "baseline_step_ns": float(self.shift.baseline or 0)}
-        v = self.book.report(VerdictKind.SLOWDOWN, cause, culprit, onset_step=onset,
-                             onset_ns=onset_rep.start_ns, detected_ns=rep.end_ns,
-                             severity=severity, confidence=0.9 if found else 0.5,
-                             step=onset, **fields)
+        who = (
+            f"rank {fields['rank']} (GPU {fields['gpu']}) on {fields['node']}"
+            if "rank" in fields
+            else f"host {fields.get('node')}"
+            if culprit != "job"
+            else "an unlocalised part of the job"
+        )
+        where = (
+            f", {fields['phase'].value} micro-batch {fields['microbatch']}"
+            if fields.get("phase")
+            else ""
+        )
+        fields["summary"] = (
+            f"slowdown: {who} - iteration {ratio:.2f}x slower since step "
+            f"{onset} ({severity:.0%} throughput lost), cause {cause.value}"
+            f"{where}, PP stage {fields.get('pp_stage')}"
+        )
+        fields["evidence"] = {
+            **fields.get("evidence", {}),
+            "step_time_ratio": ratio,
+            "baseline_step_ns": float(self.shift.baseline or 0),
+        }
+        v = self.book.report(
+            VerdictKind.SLOWDOWN,
+            cause,
+            culprit,
+            onset_step=onset,
+            onset_ns=onset_rep.start_ns,
+            detected_ns=rep.end_ns,
+            severity=severity,
+            confidence=0.9 if found else 0.5,
+            step=onset,
+            **fields,
+        )
         self.slow_open = culprit
         return [*out, v] if v else out
 
     def _link_severity(self, severity: float, rep: StepReport) -> list[msgspec.Struct]:
         out = []
         for (src, dst), culprit in self.link_culprits.items():
-            if v := self.book.report(VerdictKind.LINK_DEGRADATION, Cause.NETWORK_LINK, culprit,
-                                     onset_step=None, onset_ns=0, detected_ns=rep.end_ns,
-                                     severity=severity, confidence=0.9, src_rank=src,
-                                     dst_rank=dst):
+            if v := self.book.report(
+                VerdictKind.LINK_DEGRADATION,
+                Cause.NETWORK_LINK,
+                culprit,
+                onset_step=None,
+                onset_ns=0,
+                detected_ns=rep.end_ns,
+                severity=severity,
+                confidence=0.9,
+                src_rank=src,
+                dst_rank=dst,
+            ):
                 out.append(v)
         return out
 
-    def _burst(self, onset: int, ratio: float, length: int, rep: StepReport
-               ) -> list[msgspec.Struct]:
+    def _burst(
+        self, onset: int, ratio: float, length: int, rep: StepReport
+    ) -> list[msgspec.Struct]:
         found = self._culprit(self._since(onset))
         if found is None:
             return []
@@ -290,20 +404,31 @@ class JobAnalyzer:
         span = max(1, rep.step - first + 1)
         extra = sum((r - 1) * n for _, r, n in bursts)
         severity = extra / (span + extra)
-        fields["evidence"] = {**fields.get("evidence", {}), "bursts": float(len(bursts)),
-                              "mean_burst_ratio": float(np.mean([r for _, r, _ in bursts])),
-                              "burst_period_steps": float(np.mean(np.diff(
-                                  [b[0] for b in bursts])))}
-        fields["summary"] = (f"intermittent slowdown: rank {fields.get('rank')} on "
-                             f"{fields.get('node')} - {len(bursts)} bursts of "
-                             f"~{fields['evidence']['mean_burst_ratio']:.2f}x since step "
-                             f"{first} ({severity:.0%} throughput lost)")
+        fields["evidence"] = {
+            **fields.get("evidence", {}),
+            "bursts": float(len(bursts)),
+            "mean_burst_ratio": float(np.mean([r for _, r, _ in bursts])),
+            "burst_period_steps": float(np.mean(np.diff([b[0] for b in bursts]))),
+        }
+        fields["summary"] = (
+            f"intermittent slowdown: rank {fields.get('rank')} on "
+            f"{fields.get('node')} - {len(bursts)} bursts of "
+            f"~{fields['evidence']['mean_burst_ratio']:.2f}x since step "
+            f"{first} ({severity:.0%} throughput lost)"
+        )
         reps = [r for r in self.recent if r.step == first]
-        v = self.book.report(VerdictKind.INTERMITTENT_SLOWDOWN, cause, culprit,
-                             onset_step=first,
-                             onset_ns=reps[0].start_ns if reps else rep.start_ns,
-                             detected_ns=rep.end_ns, severity=severity, confidence=0.8,
-                             step=first, **fields)
+        v = self.book.report(
+            VerdictKind.INTERMITTENT_SLOWDOWN,
+            cause,
+            culprit,
+            onset_step=first,
+            onset_ns=reps[0].start_ns if reps else rep.start_ns,
+            detected_ns=rep.end_ns,
+            severity=severity,
+            confidence=0.8,
+            step=first,
+            **fields,
+        )
         return [v] if v else []
 
     # ------------------------------------------------------------------ links
@@ -321,18 +446,37 @@ class JobAnalyzer:
         step = next((r.step for r in self.recent if r.end_ns >= ev.onset_ns), None)
         link = topo.link_name(ev.src_rank, ev.dst_rank)
         shifted = self.shift.shifted and self.shift.baseline
-        severity = (1 - self.shift.baseline / self.recent[-1].duration_ns
-                    if shifted and self.recent else 0.0)
+        severity = (
+            1 - self.shift.baseline / self.recent[-1].duration_ns
+            if shifted and self.recent
+            else 0.0
+        )
         v = self.book.report(
-            VerdictKind.LINK_DEGRADATION, Cause.NETWORK_LINK, culprit, onset_step=step,
-            onset_ns=ev.onset_ns, detected_ns=s.ts_ns, severity=severity, confidence=0.9,
-            rank=ev.src_rank, node=topo.node(ev.src_rank), gpu=topo.gpu(ev.src_rank), link=link,
-            src_rank=ev.src_rank, dst_rank=ev.dst_rank, step=step, phase=Phase.TRANSFER,
+            VerdictKind.LINK_DEGRADATION,
+            Cause.NETWORK_LINK,
+            culprit,
+            onset_step=step,
+            onset_ns=ev.onset_ns,
+            detected_ns=s.ts_ns,
+            severity=severity,
+            confidence=0.9,
+            rank=ev.src_rank,
+            node=topo.node(ev.src_rank),
+            gpu=topo.gpu(ev.src_rank),
+            link=link,
+            src_rank=ev.src_rank,
+            dst_rank=ev.dst_rank,
+            step=step,
+            phase=Phase.TRANSFER,
             pp_stage=topo.coords(ev.src_rank)[0],
             summary=f"link degradation: {link} at {ev.current_gbps:.0f} Gb/s, "
-                    f"{ev.drop:.0%} below its {ev.baseline_gbps:.0f} Gb/s baseline",
-            evidence={"baseline_gbps": ev.baseline_gbps, "current_gbps": ev.current_gbps,
-                      "drop": ev.drop})
+            f"{ev.drop:.0%} below its {ev.baseline_gbps:.0f} Gb/s baseline",
+            evidence={
+                "baseline_gbps": ev.baseline_gbps,
+                "current_gbps": ev.current_gbps,
+                "drop": ev.drop,
+            },
+        )
         return [v] if v else []
 
     # ------------------------------------------------------------------ hangs
@@ -342,58 +486,152 @@ class JobAnalyzer:
         return float(np.median(self.durations))
 
     def tick(self, now_ns: int) -> list[msgspec.Struct]:
-        """The hang watchdog: call periodically with the current (event) time."""
+        """The hang watchdog: call periodically with the current (event) time.
+
+        With heartbeats, progress is a completed sequence number that moved and the
+        diagnosis uses every rank's latest heartbeat (robust to collective records that
+        arrive late, e.g. from a lagging partition). Without heartbeats (old logs),
+        progress is the newest completed instance and the diagnosis uses the partial
+        instances reported by the aligners.
+        """
         self.now_ns = max(self.now_ns, now_ns)
-        if self.topo is None or self.hang_open or not self.last_progress_ns:
+        if self.topo is None or self.hang_open:
             return []
         exp = self.expected_step_ns() or 0.0
         limit = max(self.settings.hang_factor * exp, self.settings.min_hang_ms * 1e6)
-        silent = self.now_ns - self.last_progress_ns
-        if silent <= limit or not self.partials:
-            return []
         topo = self.topo
         member_of = {h: tuple(c.ranks) for h, c in topo.comms.items()}
-        diag = diagnose_hang(list(self.partials.values()), list(self.stuck.values()), member_of)
+        diag: HangDiagnosis | None
+        if self.hb_latest:
+            silent = self.hb_now_ns - self.hb_progress_ns
+            if not self.hb_progress_ns or silent <= limit:
+                return []
+            fresh = sum(hb.ts_ns > self.hb_progress_ns for hb in self.hb_latest.values())
+            if fresh < topo.job.world_size and silent <= 3 * limit:
+                return []  # wait until every rank reported after the freeze
+            prio = {
+                h: {"pp": 0, "tp": 1, "dp": 3}.get(c.role.value, 2) for h, c in topo.comms.items()
+            }
+            diag = diagnose_from_heartbeats(
+                self.hb_latest, member_of, list(self.stuck.values()), prio
+            )
+            if diag is not None and len(diag.alternatives) > 1:
+                diag = self._earliest_call(diag, prio)
+            detected = self.hb_now_ns
+        else:
+            silent = self.now_ns - self.last_progress_ns
+            if not self.last_progress_ns or silent <= limit or not self.partials:
+                return []
+            diag = diagnose_hang(list(self.partials.values()), list(self.stuck.values()), member_of)
+            detected = self.now_ns
         if diag is None:
             return []
-        inst = diag.instance
-        sender_stage = topo.coords(inst.sender)[0] if inst.sender >= 0 else None
-        pos = topo.position(inst.comm_hash, inst.seq, inst.op, sender_stage)
+        return self._hang_verdict(diag, silent, exp, detected)
+
+    def _earliest_call(self, diag: HangDiagnosis, prio: dict[int, int]) -> HangDiagnosis:
+        """Of the calls the culprit never joined, the one earliest in its stage's schedule."""
+        topo = self.topo
+        assert topo is not None and diag.culprit_rank is not None
+        stage = topo.coords(diag.culprit_rank)[0]
+        order = {node: i for i, node in enumerate(topo.stage_order(stage))}
+
+        def when(alt: tuple[int, int]) -> tuple[int, int, int]:
+            comm, seq = alt
+            info = topo.comms.get(comm)
+            sender_stage = info.pp_stage if info is not None else None
+            pos = topo.position(comm, seq, CollOp.SEND, sender_stage)
+            if pos is None:
+                return (1 << 30, 1 << 30, 9)
+            idx = order.get((pos.phase, pos.microbatch), len(order))
+            # inside a node: a forward receives from upstream before it computes and sends;
+            # a backward receives from downstream first
+            sub = 0
+            if info is not None and info.role.value == "pp":
+                upper = diag.culprit_rank == info.ranks[-1]
+                sub = -1 if upper == (pos.phase == Phase.FORWARD.value) else 1
+            return (pos.step, idx, sub)
+
+        comm, seq = min(diag.alternatives, key=when)
+        return dataclasses.replace(diag, comm_hash=comm, seq=seq, sender=-1, op=None)
+
+    def _hang_verdict(
+        self, diag: HangDiagnosis, silent: int, exp: float, detected: int
+    ) -> list[msgspec.Struct]:
+        topo = self.topo
+        assert topo is not None
+        role = topo.role(diag.comm_hash)
         rank = diag.culprit_rank
-        role = topo.role(inst.comm_hash)
-        op = inst.op if inst.sender < 0 else (CollOp.RECV if rank != inst.sender else CollOp.SEND)
+        op = diag.op
+        sender = diag.sender
+        members = tuple(topo.comms[diag.comm_hash].ranks) if diag.comm_hash in topo.comms else ()
+        if role.value == "pp" and sender < 0:
+            # which end sends: the partial instance knows; else the lower stage (forward)
+            found = [s for s in members if (diag.comm_hash, s, diag.seq) in self.partials]
+            sender = found[0] if found else (diag.link[0] if diag.link else members[0])
+        partial = self.partials.get((diag.comm_hash, sender, diag.seq))
+        if op is None and partial is not None:
+            op = partial.op
+        if role.value == "pp":
+            op = CollOp.SEND if rank is not None and rank == sender else CollOp.RECV
+        sender_stage = topo.coords(sender)[0] if sender >= 0 else None
+        pos = topo.position(diag.comm_hash, diag.seq, op or CollOp.ALL_REDUCE, sender_stage)
+        onset = (
+            diag.first_wait_ns
+            or (partial.first_arrival_ns if partial else 0)
+            or (self.hb_progress_ns or self.last_progress_ns)
+        )
         fields: dict[str, Any] = {
-            "comm_hash": inst.comm_hash, "seq": inst.seq, "op": op,
+            "comm_hash": diag.comm_hash,
+            "seq": diag.seq,
+            "op": op,
             "step": pos.step if pos else None,
             "microbatch": pos.microbatch if pos else None,
             "phase": Phase(pos.phase) if pos else None,
         }
         if rank is not None:
-            fields.update(rank=rank, node=topo.node(rank), gpu=topo.gpu(rank),
-                          pp_stage=topo.coords(rank)[0])
+            fields.update(
+                rank=rank, node=topo.node(rank), gpu=topo.gpu(rank), pp_stage=topo.coords(rank)[0]
+            )
         if diag.link:
-            fields.update(link=topo.link_name(*diag.link), src_rank=diag.link[0],
-                          dst_rank=diag.link[1], phase=Phase.TRANSFER)
-        culprit = (f"link:{diag.link[0]}->{diag.link[1]}" if diag.link
-                   else f"rank:{rank}")
-        where = (f"{fields['phase'].value} micro-batch {fields['microbatch']}, "
-                 f"PP stage {fields.get('pp_stage')}, step {fields['step']}"
-                 if pos else "an unknown position")
+            fields.update(
+                link=topo.link_name(*diag.link), src_rank=diag.link[0], dst_rank=diag.link[1]
+            )
+        culprit = f"link:{diag.link[0]}->{diag.link[1]}" if diag.link else f"rank:{rank}"
+        call = op.value if op else "its next collective"
+        where = (
+            f"{fields['phase'].value} micro-batch {fields['microbatch']}, "
+            f"PP stage {fields.get('pp_stage')}, step {fields['step']}"
+            if pos
+            else "an unknown position"
+        )
         if diag.cause == Cause.COMPUTE:
-            summary = (f"hang: rank {rank} on {fields['node']} (GPU {fields['gpu']}) never "
-                       f"joined {op.value} on the {role.value} communicator (seq {inst.seq}) - "
-                       f"{where}; {len(diag.waiting)} ranks wait on it")
+            summary = (
+                f"hang: rank {rank} on {fields['node']} (GPU {fields['gpu']}) never "
+                f"joined {call} on the {role.value} communicator (seq {diag.seq}) - "
+                f"{where}; {len(diag.waiting)} ranks of that call wait on it"
+            )
         else:
-            summary = (f"hang: {op.value} on the {role.value} communicator (seq {inst.seq}) "
-                       f"was posted and never completed on {fields.get('link', 'the network')}"
-                       f" - {where}")
+            summary = (
+                f"hang: {call} on the {role.value} communicator (seq {diag.seq}) was "
+                f"posted and never completed on {fields.get('link', 'the network')} - "
+                f"{where}"
+            )
         ev = {**diag.evidence, "silent_ns": float(silent), "expected_step_ns": exp}
-        v = self.book.report(VerdictKind.HANG, diag.cause, culprit,
-                             onset_step=pos.step if pos else None,
-                             onset_ns=inst.first_arrival_ns, detected_ns=self.now_ns,
-                             severity=1.0, confidence=0.95, summary=summary, evidence=ev,
-                             **fields)
+        v = self.book.report(
+            VerdictKind.HANG,
+            diag.cause,
+            culprit,
+            onset_step=pos.step if pos else None,
+            onset_ns=onset,
+            detected_ns=detected,
+            severity=1.0,
+            confidence=0.95,
+            summary=summary,
+            evidence=ev,
+            **fields,
+        )
         self.hang_open = culprit
+        self._hang_detected_ns = detected
         return [v] if v else []
 
     def finish(self) -> list[msgspec.Struct]:
@@ -408,7 +646,7 @@ class JobAnalyzer:
     # ------------------------------------------------------------------ tables
     def _aligned(self, inst: Instance) -> AlignedCollective:
         topo = self.topo
-        assert topo is not None  # noqa: S101
+        assert topo is not None
         sender_stage = topo.coords(inst.sender)[0] if inst.sender >= 0 else None
         pos = topo.position(inst.comm_hash, inst.seq, inst.op, sender_stage)
         members = topo.comms.get(inst.comm_hash)
@@ -421,16 +659,26 @@ class JobAnalyzer:
         elif x and inst.sender >= 0:
             bw = inst.size_bytes / x * 8
         return AlignedCollective(
-            job=self.job, comm_hash=inst.comm_hash, role=topo.role(inst.comm_hash),
-            seq=inst.seq, op=inst.op,
-            n_ranks=max(1, n), n_arrived=len(inst.ranks),
-            size_bytes=inst.size_bytes, first_arrival_ns=inst.first_arrival_ns,
-            last_arrival_ns=inst.last_arrival_ns, last_rank=inst.last_rank,
-            end_ns=inst.end_ns, transfer_ns=x, busbw_gbps=bw,
+            job=self.job,
+            comm_hash=inst.comm_hash,
+            role=topo.role(inst.comm_hash),
+            seq=inst.seq,
+            op=inst.op,
+            n_ranks=max(1, n),
+            n_arrived=len(inst.ranks),
+            size_bytes=inst.size_bytes,
+            first_arrival_ns=inst.first_arrival_ns,
+            last_arrival_ns=inst.last_arrival_ns,
+            last_rank=inst.last_rank,
+            end_ns=inst.end_ns,
+            transfer_ns=x,
+            busbw_gbps=bw,
             missing_ranks=sorted(set(expected) - set(inst.ranks)),
             unfinished_ranks=inst.unfinished(),
-            step=pos.step if pos else None, microbatch=pos.microbatch if pos else None,
-            phase=Phase(pos.phase) if pos else None, pp_stage=pos.pp_stage if pos else None,
+            step=pos.step if pos else None,
+            microbatch=pos.microbatch if pos else None,
+            phase=Phase(pos.phase) if pos else None,
+            pp_stage=pos.pp_stage if pos else None,
         )
 
     def _slowest_replica(self, rep: StepReport) -> int | None:
@@ -445,8 +693,7 @@ class JobAnalyzer:
         d = self._slowest_replica(rep)
         if d is None or self.topo is None:
             return []
-        cp = critical_path(rep.node_durations(d), self.topo.job.pp,
-                           self.topo.job.num_microbatches)
+        cp = critical_path(rep.node_durations(d), self.topo.job.pp, self.topo.job.num_microbatches)
         return [f"{ph[0].upper()}{mb}s{s}" for s, ph, mb in cp.path]
 
 

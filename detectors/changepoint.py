@@ -53,9 +53,16 @@ class ShiftDetector:
         Relative values are clipped to ``[0, clip]`` before they reach the test.
     """
 
-    def __init__(self, warmup: int = 5, min_shift: float = 0.07, persistence: int = 3,
-                 threshold: float = 0.1, delta: float = 0.02, alpha: float = 0.05,
-                 clip: float = 3.0) -> None:
+    def __init__(
+        self,
+        warmup: int = 5,
+        min_shift: float = 0.07,
+        persistence: int = 3,
+        threshold: float = 0.1,
+        delta: float = 0.02,
+        alpha: float = 0.05,
+        clip: float = 3.0,
+    ) -> None:
         if warmup < 1 or persistence < 1:
             raise ValueError("warmup and persistence must be >= 1")
         if not 0 < min_shift < 10 or not 0 < alpha < 1:
@@ -78,14 +85,22 @@ class ShiftDetector:
         self._onset = -1
         self.shifted = False
         self._calm = 0
+        self._more: list[float] = []
+        self._more_onset = -1
 
     def _new_ph(self) -> PageHinkley:
-        return PageHinkley(min_instances=1, delta=self.delta, threshold=self.threshold,
-                           mode="up")
+        return PageHinkley(min_instances=1, delta=self.delta, threshold=self.threshold, mode="up")
 
     def clone(self) -> ShiftDetector:
-        return ShiftDetector(self.warmup, self.min_shift, self.persistence, self.threshold,
-                             self.delta, self.alpha, self.clip)
+        return ShiftDetector(
+            self.warmup,
+            self.min_shift,
+            self.persistence,
+            self.threshold,
+            self.delta,
+            self.alpha,
+            self.clip,
+        )
 
     def update(self, x: float, index: int) -> ShiftEvent | None:
         """Feed one value (``index`` is its position, e.g. the step number)."""
@@ -108,8 +123,7 @@ class ShiftDetector:
             if len(self._run) >= self.persistence and self._drift:
                 self.shifted = True
                 self._calm = 0
-                return ShiftEvent("shift", self._onset, self._mean(), len(self._run),
-                                  self.baseline)
+                return ShiftEvent("shift", self._onset, self._mean(), len(self._run), self.baseline)
             return None
         event = None
         if self._run:
@@ -123,16 +137,29 @@ class ShiftDetector:
     def _while_shifted(self, rel: float, index: int) -> ShiftEvent | None:
         if rel < 1.0 + self.min_shift / 2:
             self._calm += 1
+            self._more = []
             if self._calm >= self.persistence:
                 self.shifted = False
-                ev = ShiftEvent("recovered", index - self._calm + 1, rel, self._calm,
-                                self.baseline)
+                ev = ShiftEvent("recovered", index - self._calm + 1, rel, self._calm, self.baseline)
                 self._run = []
                 self._restart_test()
                 return ev
+            return None
+        self._calm = 0
+        level = self._mean()
+        if rel >= level * (1.0 + self.min_shift):  # a further shift on top of this one
+            if not self._more:
+                self._more_onset = index
+            self._more.append(rel)
+            if len(self._more) >= self.persistence:
+                self._run, self._more = self._more, []
+                return ShiftEvent(
+                    "shift", self._more_onset, self._mean(), len(self._run), self.baseline
+                )
         else:
-            self._calm = 0
+            self._more = []
             self._run.append(rel)
+            del self._run[: -4 * self.persistence]
         return None
 
     def _restart_test(self) -> None:

@@ -72,8 +72,7 @@ def _topological(preds: dict[NodeId, list[NodeId]]) -> list[NodeId]:
     return order
 
 
-def critical_path(durations: dict[NodeId, float], stages: int, microbatches: int
-                  ) -> CriticalPath:
+def critical_path(durations: dict[NodeId, float], stages: int, microbatches: int) -> CriticalPath:
     """Earliest start, slack and one critical path; missing durations count as zero."""
     preds = pipeline_edges(stages, microbatches)
     order = _topological(preds)

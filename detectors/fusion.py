@@ -41,28 +41,52 @@ class VerdictBook:
         self._open: dict[tuple[str, str], Verdict] = {}
         self.history: list[Verdict] = []
 
-    def report(self, kind: VerdictKind, cause: Cause, culprit: str, *, onset_step: int | None,
-               onset_ns: int, detected_ns: int, severity: float, confidence: float,
-               **fields: object) -> Verdict | None:
+    def report(
+        self,
+        kind: VerdictKind,
+        cause: Cause,
+        culprit: str,
+        *,
+        onset_step: int | None,
+        onset_ns: int,
+        detected_ns: int,
+        severity: float,
+        confidence: float,
+        **fields: object,
+    ) -> Verdict | None:
         """Open an incident, or update it if it changed materially; None if nothing new."""
         key = (kind.value, culprit)
         severity = min(max(severity, 0.0), 1.0)
         current = self._open.get(key)
         if current is None:
-            v = Verdict(job=self.job, verdict_id=verdict_id(self.job, kind.value, culprit,
-                                                            onset_step),
-                        kind=kind, cause=cause, onset_step=onset_step, onset_ns=onset_ns,
-                        detected_ns=detected_ns, severity=severity, confidence=confidence,
-                        **fields)  # type: ignore[arg-type]
+            v = Verdict(
+                job=self.job,
+                verdict_id=verdict_id(self.job, kind.value, culprit, onset_step),
+                kind=kind,
+                cause=cause,
+                onset_step=onset_step,
+                onset_ns=onset_ns,
+                detected_ns=detected_ns,
+                severity=severity,
+                confidence=confidence,
+                **fields,
+            )  # type: ignore[arg-type]
         else:
             changed = abs(severity - current.severity) > self.min_change or any(
-                getattr(current, k) != v for k, v in fields.items() if k != "evidence"
-                and k != "summary")
+                getattr(current, k) != v
+                for k, v in fields.items()
+                if k != "evidence" and k != "summary"
+            )
             if not changed:
                 return None
             v = msgspec.structs.replace(
-                current, revision=current.revision + 1, status=VerdictStatus.UPDATE,
-                severity=severity, confidence=confidence, **fields)
+                current,
+                revision=current.revision + 1,
+                status=VerdictStatus.UPDATE,
+                severity=severity,
+                confidence=confidence,
+                **fields,
+            )
         self._open[key] = v
         self.history.append(v)
         return v
@@ -71,8 +95,9 @@ class VerdictBook:
         current = self._open.pop((kind, culprit), None)
         if current is None:
             return None
-        v = msgspec.structs.replace(current, revision=current.revision + 1,
-                                    status=VerdictStatus.RESOLVED, resolved_ns=ts_ns)
+        v = msgspec.structs.replace(
+            current, revision=current.revision + 1, status=VerdictStatus.RESOLVED, resolved_ns=ts_ns
+        )
         self.history.append(v)
         return v
 

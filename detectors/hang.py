@@ -24,21 +24,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from schemas.records import ProxySummary
-from schemas.units import Cause, CollOp, Direction
-
 from detectors.align import Instance
+from schemas.records import Heartbeat, ProxySummary
+from schemas.units import Cause, CollOp, Direction
 
 
 @dataclass(frozen=True)
 class HangDiagnosis:
+    """Who stopped the job, in which call, and what the evidence is."""
+
     cause: Cause
     culprit_rank: int | None
-    instance: Instance
+    comm_hash: int
+    seq: int
+    sender: int = -1
+    op: CollOp | None = None
+    first_wait_ns: int = 0
     missing: tuple[int, ...] = ()
     waiting: tuple[int, ...] = ()
     link: tuple[int, int] | None = None
     evidence: dict[str, float] = field(default_factory=dict)
+    #: other (comm_hash, seq) calls the culprit is missing from
+    alternatives: tuple[tuple[int, int], ...] = ()
 
 
 def _members(inst: Instance, member_of: dict[int, tuple[int, ...]] | None) -> tuple[int, ...]:
@@ -52,8 +59,11 @@ def _members(inst: Instance, member_of: dict[int, tuple[int, ...]] | None) -> tu
     return tuple(range(inst.comm_size))  # fallback: comm ranks unknown
 
 
-def diagnose_hang(open_instances: Sequence[Instance], stuck_proxies: Sequence[ProxySummary],
-                  member_of: dict[int, tuple[int, ...]] | None = None) -> HangDiagnosis | None:
+def diagnose_hang(
+    open_instances: Sequence[Instance],
+    stuck_proxies: Sequence[ProxySummary],
+    member_of: dict[int, tuple[int, ...]] | None = None,
+) -> HangDiagnosis | None:
     """One diagnosis for the set of incomplete instances (None if there is none).
 
     ``member_of`` maps a communicator hash to its member ranks (from the job metadata).
@@ -72,38 +82,144 @@ def diagnose_hang(open_instances: Sequence[Instance], stuck_proxies: Sequence[Pr
         rank, insts = min(culprits.items(), key=lambda kv: min(i.first_arrival_ns for i in kv[1]))
         inst = min(insts, key=lambda i: i.first_arrival_ns)
         return HangDiagnosis(
-            Cause.COMPUTE, rank, inst, missing=(rank,), waiting=tuple(sorted(inst.ranks)),
-            evidence={"open_instances": float(len(open_instances)),
-                      "waiting_ranks": float(len(waiting)),
-                      "first_wait_ns": float(inst.first_arrival_ns)},
+            Cause.COMPUTE,
+            rank,
+            inst.comm_hash,
+            inst.seq,
+            inst.sender,
+            inst.op,
+            inst.first_arrival_ns,
+            missing=(rank,),
+            waiting=tuple(sorted(inst.ranks)),
+            evidence={
+                "open_instances": float(len(open_instances)),
+                "waiting_ranks": float(len(waiting)),
+                "first_wait_ns": float(inst.first_arrival_ns),
+            },
         )
     # everybody joined somewhere and waits: a transfer that never completed
     full = [i for i in open_instances if set(_members(i, member_of)) <= set(i.ranks)]
     root = min(full or open_instances, key=lambda i: i.first_arrival_ns)
-    link = _stuck_edge(root, stuck_proxies)
+    link = _stuck_edge(root.comm_hash, root.seq, stuck_proxies)
+    if link is None and root.op == CollOp.SEND and root.sender >= 0:
+        others = [r for r in root.ranks if r != root.sender]
+        link = (root.sender, others[0], 0, 0) if others else None
     src = link[0] if link else (root.sender if root.sender >= 0 else None)
     ev = {"open_instances": float(len(open_instances)), "waiting_ranks": float(len(waiting))}
     if link:
         ev["stuck_send_wait_ns"] = float(link[2])
         ev["steps_not_done"] = float(link[3])
-    return HangDiagnosis(Cause.NETWORK_LINK, src, root, waiting=tuple(sorted(waiting)),
-                         link=(link[0], link[1]) if link else None, evidence=ev)
+    return HangDiagnosis(
+        Cause.NETWORK_LINK,
+        src,
+        root.comm_hash,
+        root.seq,
+        root.sender,
+        root.op,
+        root.first_arrival_ns,
+        waiting=tuple(sorted(waiting)),
+        link=(link[0], link[1]) if link else None,
+        evidence=ev,
+    )
 
 
-def _stuck_edge(inst: Instance, proxies: Sequence[ProxySummary]
-                ) -> tuple[int, int, int, int] | None:
-    """(src, dst, send_wait_ns, steps not done) of the stuck edge of ``inst``, if known."""
+def _stuck_edge(
+    comm_hash: int, seq: int | None, proxies: Sequence[ProxySummary]
+) -> tuple[int, int, int, int] | None:
+    """(src, dst, send_wait_ns, steps not done) of the stuck edge, if proxies show one."""
     best = None
     for p in proxies:
-        if p.comm_hash != inst.comm_hash or p.seq != inst.seq or p.direction != Direction.SEND:
+        if p.comm_hash != comm_hash or p.direction != Direction.SEND:
             continue
-        if p.steps_done >= p.steps_posted:
+        if (seq is not None and p.seq != seq) or p.steps_done >= p.steps_posted:
             continue
         cand = (p.rank, p.peer, p.send_wait_ns, p.steps_posted - p.steps_done)
         if best is None or cand[2] > best[2]:
             best = cand
-    if best is None and inst.op == CollOp.SEND and inst.sender >= 0:
-        others = [r for r in inst.ranks if r != inst.sender]
-        if others:
-            return (inst.sender, others[0], 0, 0)
     return best
+
+
+def diagnose_from_heartbeats(
+    latest: dict[int, Heartbeat],
+    member_of: dict[int, tuple[int, ...]],
+    stuck_proxies: Sequence[ProxySummary],
+    priority: dict[int, int] | None = None,
+) -> HangDiagnosis | None:
+    """The same diagnosis from each rank's latest heartbeat (issued/completed per communicator).
+
+    A member whose issued sequence number is behind its peers' never joined; a
+    member with issued > completed is waiting. Works even when the collective
+    records themselves are late or lost. ``priority`` orders communicators when
+    the culprit is missing from several calls (lower first: the most specific
+    place in the schedule, e.g. a pipeline Recv before the gradient sync).
+    """
+    issued: dict[int, dict[int, int]] = {}
+    waiting: set[int] = set()
+    for rank, hb in latest.items():
+        for cp in hb.comms:
+            issued.setdefault(cp.comm_hash, {})[rank] = cp.issued_seq
+            if cp.issued_seq > cp.completed_seq:
+                waiting.add(rank)
+    behind: list[tuple[int, int, int, tuple[int, ...]]] = []  # (rank, comm, seq, waiters)
+    stuck_comms: list[tuple[int, int, tuple[int, ...]]] = []
+    for comm, by_rank in issued.items():
+        members = member_of.get(comm, tuple(by_rank))
+        top = max(by_rank.values())
+        at_top = tuple(r for r in members if by_rank.get(r, -1) == top)
+        for r in members:
+            if by_rank.get(r, -1) < top:
+                behind.append((r, comm, top, at_top))
+        stuck = [r for r in at_top if r in waiting]
+        if stuck and len(at_top) == len(members):
+            stuck_comms.append((comm, top, at_top))
+    culprits = [b for b in behind if b[0] not in waiting]
+    if culprits:
+        prio = priority or {}
+        rank, comm, seq, waiters = min(culprits, key=lambda b: (prio.get(b[1], 9), b[2], b[0]))
+        alternatives = tuple((c, q) for r, c, q, _w in culprits if r == rank)
+        return HangDiagnosis(
+            Cause.COMPUTE,
+            rank,
+            comm,
+            seq,
+            -1,
+            None,
+            0,
+            missing=(rank,),
+            waiting=waiters,
+            alternatives=alternatives,
+            evidence={"waiting_ranks": float(len(waiting)), "source_heartbeats": 1.0},
+        )
+    if stuck_comms:
+        for comm, seq, members in stuck_comms:
+            edge = _stuck_edge(comm, None, stuck_proxies)
+            if edge:
+                return HangDiagnosis(
+                    Cause.NETWORK_LINK,
+                    edge[0],
+                    comm,
+                    seq,
+                    -1,
+                    None,
+                    0,
+                    waiting=members,
+                    link=(edge[0], edge[1]),
+                    evidence={
+                        "stuck_send_wait_ns": float(edge[2]),
+                        "steps_not_done": float(edge[3]),
+                        "source_heartbeats": 1.0,
+                    },
+                )
+        comm, seq, members = stuck_comms[0]
+        return HangDiagnosis(
+            Cause.NETWORK_LINK,
+            None,
+            comm,
+            seq,
+            -1,
+            None,
+            0,
+            waiting=members,
+            evidence={"source_heartbeats": 1.0},
+        )
+    return None

@@ -21,16 +21,14 @@ from typing import Any
 
 import msgspec
 
+from detectors.align import CollectiveAligner
+from detectors.analyzer import JobAnalyzer
 from schemas.config import DetectSettings
 from schemas.records import Collective
 
-from detectors.align import CollectiveAligner
-from detectors.analyzer import JobAnalyzer
-
 
 class Replay:
-    def __init__(self, settings: DetectSettings | None = None, tick_ns: int = 50_000_000
-                 ) -> None:
+    def __init__(self, settings: DetectSettings | None = None, tick_ns: int = 50_000_000) -> None:
         self.settings = settings or DetectSettings()
         self.tick_ns = tick_ns
         self.aligners: dict[tuple[str, int], CollectiveAligner] = {}
@@ -55,7 +53,8 @@ class Replay:
             al = self.aligners.get(key)
             if al is None:
                 al = self.aligners[key] = CollectiveAligner(
-                    min_timeout_ns=int(self.settings.partial_timeout_ms * 1e6))
+                    min_timeout_ns=int(self.settings.partial_timeout_ms * 1e6)
+                )
             for inst in al.update(rec):
                 out += analyzer.update(inst)
         else:

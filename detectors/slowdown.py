@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from schemas.units import Cause
-
 from detectors.critical_path import critical_path
 from detectors.steps import StepReport
 from detectors.topology import Topology
+from schemas.units import Cause
 
 
 @dataclass(frozen=True)
@@ -58,8 +57,14 @@ class SlowdownLocalizer:
         How many of the slowest pipeline replicas are analysed in full.
     """
 
-    def __init__(self, warmup: int = 5, node_margin: float = 0.1, alpha: float = 0.05,
-                 host_lead_drop: float = 0.3, replicas: int = 2) -> None:
+    def __init__(
+        self,
+        warmup: int = 5,
+        node_margin: float = 0.1,
+        alpha: float = 0.05,
+        host_lead_drop: float = 0.3,
+        replicas: int = 2,
+    ) -> None:
         if warmup < 1 or node_margin <= 0 or not 0 < alpha < 1 or replicas < 1:
             raise ValueError("warmup >= 1, node_margin > 0, 0 < alpha < 1, replicas >= 1")
         self.warmup = warmup
@@ -108,39 +113,69 @@ class SlowdownLocalizer:
             elif abs(d - exp) <= self.alpha * exp:
                 self.expected[key] = exp + 0.2 * (d - exp)
 
-    def localize(self, reports: Sequence[StepReport], topo: Topology) -> SlowdownFinding | None:
-        """The culprit of the slowdown seen in ``reports`` (the steps since its onset)."""
+    def localize(self, reports: Sequence[StepReport], topo: Topology) -> list[SlowdownFinding]:
+        """Culprit candidates for the slowdown seen in ``reports``, most likely first.
+
+        A starved host comes first when one is seen; then, for each slow critical
+        node (largest excess first), the member of its TP group whose lateness grew most.
+        """
         reps = [r for r in reports if r.complete] or list(reports)
         if not reps or self.base_late is None or self.base_lead is None:
-            return None
+            return []
         late = np.mean([r.lateness_ns for r in reps], axis=0) - self.base_late
         lead = np.mean([r.host_lead_ns for r in reps], axis=0)
         host = self._host_node(lead, topo)
         slow = self._slow_critical_nodes(reps, topo)
+        out: list[SlowdownFinding] = []
         if host is not None:
             node, frac, ratio = host
             ranks_on = [r for r in range(len(lead)) if topo.node(r) == node]
             stage = topo.coords(ranks_on[0])[0] if ranks_on else None
-            return SlowdownFinding(Cause.HOST_CPU, None, node, stage, None, None,
-                                   critical=bool(slow),
-                                   evidence={"ranks_host_bound": frac,
-                                             "host_lead_ratio": ratio})
-        if not slow:
-            return None
-        (d, s, phase, mb), excess, dur = max(slow, key=lambda x: x[1])
-        group = [r for r in range(len(late)) if topo.coords(r)[:2] == (s, d)]
-        culprit = max(group, key=lambda r: late[r])
-        others = [late[r] for r in group if r != culprit]
-        return SlowdownFinding(
-            Cause.COMPUTE, culprit, topo.node(culprit), s, phase, mb, critical=True,
-            evidence={"node_excess_ns": excess, "node_duration_ns": dur,
-                      "rank_lateness_growth_ns": float(late[culprit]),
-                      "peer_lateness_growth_ns": float(np.mean(others)) if others else 0.0},
-        )
+            out.append(
+                SlowdownFinding(
+                    Cause.HOST_CPU,
+                    None,
+                    node,
+                    stage,
+                    None,
+                    None,
+                    critical=bool(slow),
+                    evidence={"ranks_host_bound": frac, "host_lead_ratio": ratio},
+                )
+            )
+        seen: set[int] = set()
+        ranked = []
+        for (d, s, phase, mb), excess, dur in slow:
+            group = [r for r in range(len(late)) if topo.coords(r)[:2] == (s, d)]
+            culprit = max(group, key=lambda r: late[r])
+            ranked.append((float(late[culprit]), culprit, group, (s, phase, mb), excess, dur))
+        for growth, culprit, group, (s, phase, mb), excess, dur in sorted(ranked, reverse=True):
+            if culprit in seen:
+                continue
+            seen.add(culprit)
+            others = [late[r] for r in group if r != culprit]
+            out.append(
+                SlowdownFinding(
+                    Cause.COMPUTE,
+                    culprit,
+                    topo.node(culprit),
+                    s,
+                    phase,
+                    mb,
+                    critical=True,
+                    evidence={
+                        "node_excess_ns": excess,
+                        "node_duration_ns": dur,
+                        "rank_lateness_growth_ns": growth,
+                        "peer_lateness_growth_ns": float(np.mean(others)) if others else 0.0,
+                    },
+                )
+            )
+        return out
 
     def _host_node(self, lead: np.ndarray, topo: Topology) -> tuple[str, float, float] | None:
         base = self.base_lead
-        assert base is not None  # noqa: S101 - checked by the caller
+        assert base is not None
         ratio = np.divide(lead, base, out=np.ones_like(lead), where=base > 0)
         by_node: dict[str, list[float]] = {}
         for r, x in enumerate(ratio.tolist()):
@@ -152,8 +187,9 @@ class SlowdownLocalizer:
                 best = (node, frac, float(np.mean(xs)))
         return best
 
-    def _slow_critical_nodes(self, reps: Sequence[StepReport], topo: Topology
-                             ) -> list[tuple[tuple, float, float]]:
+    def _slow_critical_nodes(
+        self, reps: Sequence[StepReport], topo: Topology
+    ) -> list[tuple[tuple, float, float]]:
         j = topo.job
         out = []
         for rep in reps[-2:]:

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from schemas.units import CommRole
-
 from detectors.align import Instance
 from detectors.topology import Topology
+from schemas.units import CommRole
 
 SpanKey = tuple[int, int, str, int]  # (dp replica, stage, phase, micro-batch)
 
@@ -44,8 +43,11 @@ class StepReport:
     transfer_ns: dict[int, int]
 
     def node_durations(self, replica: int) -> dict[tuple[int, str, int], float]:
-        return {(s, ph, mb): float(e - b) for (d, s, ph, mb), (b, e) in self.spans.items()
-                if d == replica}
+        return {
+            (s, ph, mb): float(e - b)
+            for (d, s, ph, mb), (b, e) in self.spans.items()
+            if d == replica
+        }
 
 
 @dataclass
@@ -89,15 +91,20 @@ class StepAssembler:
         self._closed_upto = -1
         self._prev_end: int | None = None
         self.late_instances = 0
+        self._comm_step: dict[int, int] = {}  # highest step seen per communicator
+        self._at: dict[int, int] = {}  # how many communicators have that highest step
+        self._min_step = 0
 
     def expected_instances(self) -> int:
         t = self.topo
         by_role = {role: 0 for role in CommRole}
         for c in t.comms.values():
             by_role[c.role] += 1
-        return (by_role[CommRole.TP] * t.tp_ops_per_step
-                + by_role[CommRole.DP] * t.dp_ops_per_step
-                + by_role[CommRole.PP] * 2 * t.job.num_microbatches)
+        return (
+            by_role[CommRole.TP] * t.tp_ops_per_step
+            + by_role[CommRole.DP] * t.dp_ops_per_step
+            + by_role[CommRole.PP] * 2 * t.job.num_microbatches
+        )
 
     def add(self, inst: Instance) -> list[StepReport]:
         topo = self.topo
@@ -115,12 +122,27 @@ class StepAssembler:
         out = []
         if acc.n >= self.expected_instances():
             out += self._close_through(pos.step)
-        if pos.step - 2 > self._closed_upto:
-            out += self._close_through(pos.step - 2)
+        # per-communicator watermark: a step is given up on only when every communicator
+        # has moved two steps past it (partitions of a topic are read at different paces)
+        prev = self._comm_step.get(inst.comm_hash)
+        if prev is None or pos.step > prev:
+            self._comm_step[inst.comm_hash] = pos.step
+            self._at[pos.step] = self._at.get(pos.step, 0) + 1
+            if prev is None:
+                self._min_step = (
+                    min(self._min_step, pos.step) if len(self._comm_step) > 1 else pos.step
+                )
+            else:
+                self._at[prev] -= 1
+            while self._at.get(self._min_step, 0) == 0 and self._min_step < pos.step:
+                self._at.pop(self._min_step, None)
+                self._min_step += 1
+            watermark = self._min_step - 2
+            if watermark > self._closed_upto:
+                out += self._close_through(watermark)
         return out
 
-    def _fold(self, acc: _Acc, inst: Instance, phase: str, mb: int | None, role: CommRole
-              ) -> None:
+    def _fold(self, acc: _Acc, inst: Instance, phase: str, mb: int | None, role: CommRole) -> None:
         acc.n += 1
         ranks = np.fromiter(inst.ranks, dtype=np.int64)
         arr = np.fromiter(inst.arrival, dtype=np.int64)
@@ -165,16 +187,29 @@ class StepAssembler:
             end = acc.dp_end or acc.end
             start = self._prev_end if self._prev_end is not None else acc.start
             self._prev_end = end
-            lead = np.divide(acc.lead_sum, acc.lead_n, out=np.zeros_like(acc.lead_sum),
-                             where=acc.lead_n > 0)
+            lead = np.divide(
+                acc.lead_sum, acc.lead_n, out=np.zeros_like(acc.lead_sum), where=acc.lead_n > 0
+            )
             first = np.where(acc.first == np.iinfo(np.int64).max, -1, acc.first)
-            out.append(StepReport(
-                step=s, start_ns=start, end_ns=end, duration_ns=max(0, end - start),
-                complete=acc.n >= self.expected_instances(), n_instances=acc.n,
-                lateness_ns=acc.lateness, blame_ns=acc.blame, wait_ns=acc.wait, host_lead_ns=lead,
-                first_ns=first, last_end_ns=acc.last_end, spans=acc.spans,
-                node_lateness=acc.node_late, transfer_ns=acc.transfer,
-            ))
+            out.append(
+                StepReport(
+                    step=s,
+                    start_ns=start,
+                    end_ns=end,
+                    duration_ns=max(0, end - start),
+                    complete=acc.n >= self.expected_instances(),
+                    n_instances=acc.n,
+                    lateness_ns=acc.lateness,
+                    blame_ns=acc.blame,
+                    wait_ns=acc.wait,
+                    host_lead_ns=lead,
+                    first_ns=first,
+                    last_end_ns=acc.last_end,
+                    spans=acc.spans,
+                    node_lateness=acc.node_late,
+                    transfer_ns=acc.transfer,
+                )
+            )
             self._closed_upto = max(self._closed_upto, s)
         return out
 

@@ -115,8 +115,9 @@ class Topology:
     def dp_ops_per_step(self) -> int:
         return 2 if self.job.distributed_optimizer else 1
 
-    def position(self, comm_hash: int, seq: int, op: CollOp, sender_stage: int | None = None
-                 ) -> Position | None:
+    def position(
+        self, comm_hash: int, seq: int, op: CollOp, sender_stage: int | None = None
+    ) -> Position | None:
         """Where (comm, seq) sits in the schedule, or None for an unknown communicator."""
         info = self.comms.get(comm_hash)
         if info is None:

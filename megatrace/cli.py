@@ -236,61 +236,234 @@ def run(obj: _Ctx, once: bool) -> None:
     run_main(build_flow(_flow_config(obj, tail=not once)))
 
 
-@cli.command("demo")
-@click.option("--nodes", default=2, show_default=True)
-@click.option("--gpus-per-node", default=4, show_default=True)
-@click.option("--steps", default=20, show_default=True)
+def _publish(obj: _Ctx, records: Any, label: str) -> int:
+    """Publish records to the configured broker with a progress bar; return how many."""
+    from infra.kafka import producer_config
+    from producers.publish import KafkaPublisher
+
+    s = obj.stack()
+    pub = KafkaPublisher(producer_config(obj.settings.kafka, s.bootstrap()), s.topics)
+    n = 0
+    with click.progressbar(length=0, label=label, show_pos=True) as bar:
+        for rec in records:
+            pub.publish(rec)
+            n += 1
+            if n % 5000 == 0:
+                bar.update(5000)
+        bar.update(n % 5000)
+    pub.flush()
+    return n
+
+
+def _paced(records: Any, speed: float) -> Any:
+    """Yield records no faster than their timestamps (x speed) allow."""
+    from producers.sim.scenarios import emit_time
+
+    t_wall0, t_ev0 = time.monotonic(), None
+    for rec in records:
+        ev = emit_time(rec)
+        if ev:
+            t_ev0 = t_ev0 or ev
+            lag = (ev - t_ev0) / 1e9 / speed - (time.monotonic() - t_wall0)
+            if lag > 0.001:
+                time.sleep(lag)
+        yield rec
+
+
+@cli.command("scenarios")
+def scenarios() -> None:
+    """List the simulator's scenarios and scales."""
+    from producers.sim.scenarios import SCALES, SCENARIOS
+
+    for name, sdef in SCENARIOS.items():
+        click.echo(f"{name:<18} {sdef.description} ({sdef.steps} steps)")
+    click.echo(
+        "scales: "
+        + ", ".join(
+            f"{n} (tp{tp} pp{pp} dp{dp} = {tp * pp * dp} ranks)"
+            for n, (tp, pp, dp, *_rest) in SCALES.items()
+        )
+    )
+
+
+@cli.command("simulate")
+@click.option("--scenario", default="story", show_default=True)
+@click.option("--scale", default="tiny", show_default=True)
+@click.option("--tp", type=int)
+@click.option("--pp", type=int)
+@click.option("--dp", type=int)
+@click.option("--steps", type=int, help="Iterations (default: the scenario's).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--no-kernels", is_flag=True, help="Leave out CUPTI kernel records.")
+@click.option("--to", "to", default="kafka", show_default=True, help="'kafka' or a directory.")
+@click.option("--paced", is_flag=True, help="Publish at the pace of the timestamps.")
+@click.option("--speed", default=1.0, show_default=True, help="Pace multiplier with --paced.")
 @click.pass_obj
-def demo(obj: _Ctx, nodes: int, gpus_per_node: int, steps: int) -> None:
-    """End to end on the embedded defaults: records -> broker -> flow -> ClickHouse."""
+def simulate(
+    obj: _Ctx,
+    scenario: str,
+    scale: str,
+    tp: int | None,
+    pp: int | None,
+    dp: int | None,
+    steps: int | None,
+    seed: int,
+    no_kernels: bool,
+    to: str,
+    paced: bool,
+    speed: float,
+) -> None:
+    """Simulate a training job with injected faults; publish it or write it to files."""
+    from producers.sim.scenarios import build
+    from schemas.codec import write_jsonl
+
+    over = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp}.items() if v}
+    if no_kernels:
+        over["kernels"] = False
+    try:
+        run = build(scenario, scale=scale, seed=seed, steps=steps, now=True, **over)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    sp = run.spec
+    click.echo(
+        f"job {sp.job}: {sp.world_size} ranks (tp{sp.tp} pp{sp.pp} dp{sp.dp}) on "
+        f"{sp.num_nodes} nodes, {run.steps} steps, faults: {run.faults or 'none'}"
+    )
+    records = _paced(run.records(), speed) if paced else run.records()
+    t0 = time.monotonic()
+    if to == "kafka":
+        n = _publish(obj, records, "publishing")
+    else:
+        out = Path(to)
+        out.mkdir(parents=True, exist_ok=True)
+        n = write_jsonl(out / "records.jsonl", records)
+        write_jsonl(out / "labels.jsonl", run.labels)
+        click.echo(f"wrote {out / 'records.jsonl'} and {out / 'labels.jsonl'}")
+    dt = time.monotonic() - t0
+    click.echo(f"{n} records in {dt:.1f}s ({n / dt:,.0f} records/s)")
+    for lab in run.labels:
+        click.echo(
+            f"  truth: {lab.kind.value} {lab.cause.value} rank={lab.rank} "
+            f"node={lab.node} link={lab.link} step={lab.onset_step} "
+            f"cost={lab.throughput_cost:.0%}"
+        )
+
+
+@cli.command("analyze")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="One verdict per line as JSON.")
+def analyze(path: str, as_json: bool) -> None:
+    """Run the detectors over recorded records (a JSON-lines file or a simulate directory)."""
+    from detectors.replay import Replay
+    from schemas.codec import SchemaError, read_jsonl
+    from schemas.records import Verdict
+
+    p = Path(path)
+    files = [p / "records.jsonl"] if p.is_dir() else [p]
+    latest: dict[str, Verdict] = {}
+    replay = Replay()
+    try:
+        for f in files:
+            for out in replay.run(read_jsonl(f)):
+                if isinstance(out, Verdict):
+                    latest[out.verdict_id] = out
+                    if not as_json:
+                        click.echo(f"[{out.status.value:>8}] {out.summary}")
+    except SchemaError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        for v in latest.values():
+            click.echo(json.dumps(_verdict_json(v)))
+    elif not latest:
+        click.echo("no verdicts: the job looks healthy")
+
+
+def _verdict_json(v: Any) -> dict[str, Any]:
+    keys = (
+        "verdict_id",
+        "status",
+        "kind",
+        "cause",
+        "rank",
+        "node",
+        "gpu",
+        "link",
+        "step",
+        "microbatch",
+        "phase",
+        "pp_stage",
+        "comm_hash",
+        "seq",
+        "op",
+        "onset_ns",
+        "onset_step",
+        "detected_ns",
+        "severity",
+        "confidence",
+        "summary",
+        "evidence",
+    )
+    import msgspec
+
+    d = msgspec.to_builtins(v)
+    return {k: d.get(k) for k in keys}
+
+
+@cli.command("demo")
+@click.option("--scenario", default="story", show_default=True)
+@click.option("--scale", default="demo", show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.pass_obj
+def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
+    """The main job: a simulated cluster with injected faults, end to end on the local stack."""
     from bytewax.testing import run_main
 
     from flows.main import build_flow
-    from infra.clickhouse import read_records
-    from infra.kafka import producer_config
-    from producers.publish import KafkaPublisher
-    from producers.sample import sample_job
+    from infra.clickhouse import insert_records, read_records
+    from producers.sim.scenarios import build
 
     s = obj.stack()
     s.up()
     click.echo(f"[1/4] stack up: broker {s.bootstrap()}, clickhouse {_redact(s.clickhouse_url())}")
-    job = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    pub = KafkaPublisher(producer_config(obj.settings.kafka, s.bootstrap()), s.topics)
-    n = pub.publish_all(
-        sample_job(job, nodes=nodes, gpus_per_node=gpus_per_node, steps=steps, t0_ns=time.time_ns())
+    run = build(scenario, scale=scale, seed=seed, now=True)
+    sp = run.spec
+    click.echo(
+        f"[2/4] simulating {sp.job}: {sp.world_size} ranks (tp{sp.tp} pp{sp.pp} "
+        f"dp{sp.dp}) on {sp.num_nodes} nodes, {run.steps} steps, "
+        f"{len(run.faults)} injected faults"
     )
-    for bad in (
-        b'{"type":"hb","job":"' + job.encode() + b'","node":"n","rank":-1,"ts_ns":1}',
-        b"not json at all",
-        b'{"type":"hb","v":99,"job":"x"}',
-    ):
-        pub.publish_raw(s.topics.heartbeat, job.encode(), bad)
-    pub.flush()
-    click.echo(f"[2/4] published {n} records of job {job} (+3 deliberately bad ones)")
-    t0 = time.monotonic()
-    run_main(build_flow(_flow_config(obj, tail=False)))
-    click.echo(f"[3/4] flow consumed the topics in {time.monotonic() - t0:.1f}s")
+    n = _publish(obj, run.records(), "      publishing")
+    click.echo(f"      {n} records published")
     client = s.clickhouse()
     db_name = obj.settings.clickhouse.database
-    click.echo("[4/4] read back from ClickHouse:")
-    for table in (
-        "jobs",
-        "ranks",
-        "comms",
-        "collective_events",
-        "proxy_events",
-        "kernel_events",
-        "link_samples",
-        "heartbeats",
-    ):
-        count = sum(1 for _ in read_records(client, db_name, table, "job = {j:String}", {"j": job}))
-        click.echo(f"  {table:>18}: {count}")
-    dead = client.query(
-        f"SELECT reason, error FROM {db_name}.dead_letters FINAL WHERE key = {{j:String}}",
-        parameters={"j": job},
+    insert_records(client, db_name, run.labels)
+    click.echo("[3/4] dataflow: decode -> align -> analyse -> ClickHouse (verdicts as they come)")
+    t0 = time.monotonic()
+    run_main(build_flow(_flow_config(obj, tail=False)))
+    click.echo(f"      done in {time.monotonic() - t0:.1f}s")
+    click.echo("[4/4] verdicts in ClickHouse beside the injected ground truth:")
+    verdicts = list(
+        read_records(
+            client, db_name, "verdicts", "job = {j:String}", {"j": sp.job}, order_by="onset_ns"
+        )
+    )
+    for lab in run.labels:
+        where = lab.link or f"rank {lab.rank}" if lab.rank is not None else lab.node
+        click.echo(
+            f"  truth   {lab.kind.value:<22} {lab.cause.value:<13} {where} "
+            f"from step {lab.onset_step} (cost {lab.throughput_cost:.0%})"
+        )
+    for v in verdicts:
+        click.echo(f"  verdict {v.kind.value:<22} {v.cause.value:<13} {v.summary}")
+    steps = client.query(
+        f"SELECT count(), round(avg(duration_ns) / 1e6, 1) FROM {db_name}.steps"
+        " FINAL WHERE job = {j:String}",
+        parameters={"j": sp.job},
     ).result_rows
-    for reason, error in dead:
-        click.echo(f"  dead letter [{reason}] {error}")
+    click.echo(
+        f"  {steps[0][0]} steps analysed (mean {steps[0][1]} ms); query them in "
+        f"{_redact(s.clickhouse_url())} database {db_name}"
+    )
 
 
 @cli.group()

@@ -382,6 +382,7 @@ class FaultLabel(Record, frozen=True, kw_only=True, tag="label"):
     pp_stage: Count | None = None
     magnitude: float = 0.0
     on_critical_path: bool = True
+    throughput_cost: Fraction = 0.0
     note: str = ""
 
 

@@ -37,6 +37,7 @@ from schemas.units import Phase
 #: Cluster sizes: name -> (tp, pp, dp, gpus_per_node, layers, global batch)
 SCALES: dict[str, tuple[int, int, int, int, int, int]] = {
     "tiny": (2, 2, 2, 4, 8, 16),  # 8 ranks on 2 nodes of 4 GPUs
+    "demo": (2, 4, 2, 4, 8, 16),  # 16 ranks on 4 nodes of 4 GPUs
     "small": (4, 4, 4, 8, 16, 64),  # 64 ranks, 8 nodes
     "medium": (8, 8, 8, 8, 32, 128),  # 512 ranks, 64 nodes
     "large": (8, 8, 64, 8, 32, 512),  # 4,096 ranks, 512 nodes
@@ -84,11 +85,38 @@ class Run:
             if trace.hung:
                 yield from self._hang_heartbeats(emitter, trace)
                 break
+        costs = self.fault_costs()
         self.labels = [
-            f.label(self.spec, onset_ns[f.onset_step])
-            for f in self.faults
+            msgspec.structs.replace(
+                f.label(self.spec, onset_ns[f.onset_step]),
+                throughput_cost=costs[i],
+                on_critical_path=isinstance(f, HANGS) or costs[i] > 0.005,
+            )
+            for i, f in enumerate(self.faults)
             if f.onset_step in onset_ns
         ]
+
+    def fault_costs(self, window: int = 6) -> list[float]:
+        """Each fault's measured throughput cost: 1 - t_without / t_with over its window.
+
+        Counterfactual simulation with the same seed (identical jitter), so the
+        number is the fault's own effect on the iteration, critical path and all.
+        """
+        out = []
+        for i, f in enumerate(self.faults):
+            if isinstance(f, HANGS):
+                out.append(1.0)
+                continue
+            span = f.period_steps if isinstance(f, IntermittentGPU) else window
+            last = min(self.steps, f.onset_step + span)
+            if last <= f.onset_step:
+                out.append(0.0)
+                continue
+            others = [g for j, g in enumerate(self.faults) if j != i]
+            t_with = _step_times(self.spec, self.faults, last)[f.onset_step :]
+            t_without = _step_times(self.spec, others, last)[f.onset_step :]
+            out.append(float(max(0.0, 1.0 - sum(t_without) / sum(t_with))))
+        return out
 
     def _hang_heartbeats(self, emitter: Emitter, trace: StepTrace) -> Iterator[msgspec.Struct]:
         interval = int(self.spec.heartbeat_interval_ms * 1e6)
@@ -98,13 +126,24 @@ class Run:
             yield from emitter.heartbeats(t - self.spec.t0_ns + self.spec.t0_ns, trace.step)
 
 
+def _step_times(spec: JobSpec, faults: list[Fault], steps: int) -> list[float]:
+    engine = Engine(replace(spec, kernels=False), faults)
+    out = []
+    for _ in range(steps):
+        tr = engine.step()
+        out.append(tr.duration_ns)
+        if tr.hung:
+            break
+    return out
+
+
 def _time_ordered(emitter: Emitter, trace: StepTrace) -> list[msgspec.Struct]:
     recs = list(emitter.step_records(trace))
-    keys = np.fromiter((_emit_time(r) for r in recs), dtype=np.int64, count=len(recs))
+    keys = np.fromiter((emit_time(r) for r in recs), dtype=np.int64, count=len(recs))
     return [recs[i] for i in np.argsort(keys, kind="stable")]
 
 
-def _emit_time(r: msgspec.Struct) -> int:
+def emit_time(r: msgspec.Struct) -> int:
     """When a real producer would send this record."""
     for name in ("end_ns", "last_ns", "ts_ns", "start_ns", "enqueue_ns"):
         v = getattr(r, name, None)
@@ -220,7 +259,26 @@ def _bubble(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
 
 
 def _mixed(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    return _slow_gpu(spec, rng, steps) + _slow_link(spec, rng, steps)
+    gpu = SlowGPU(onset_step=_onset(spec, rng, steps), rank=_stage_rank(spec, rng), factor=2.0)
+    return [gpu, *_slow_link(spec, rng, steps)]
+
+
+def _story(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    """A link degrades, then a GPU slows down, then a rank never posts its Recv."""
+    u, v = _inter_node_edge(spec, rng)
+    gpu = _stage_rank(spec, rng)
+    stage = int(rng.integers(1, spec.pp)) if spec.pp > 1 else 0
+    hung = _stage_rank(spec, rng, stage)
+    return [
+        SlowLink(onset_step=steps // 5, src_rank=u, dst_rank=v, factor=5.0),
+        SlowGPU(onset_step=steps // 2, rank=gpu, factor=2.0),
+        MissingRecv(
+            onset_step=steps - 4,
+            rank=hung,
+            phase=Phase.FORWARD,
+            microbatch=min(3, spec.num_microbatches - 1),
+        ),
+    ]
 
 
 def find_bubble_slot(spec: JobSpec, onset: int, rng: np.random.Generator) -> BubbleDelay:
@@ -275,7 +333,10 @@ SCENARIOS: dict[str, ScenarioDef] = {
     "bubble-delay": ScenarioDef(
         "a delay inside a pipeline bubble: must cost no throughput", _bubble
     ),
-    "mixed": ScenarioDef("a slow GPU and a slow link at once", _mixed),
+    "mixed": ScenarioDef("a 2x slower GPU and a 5x slower link at once", _mixed),
+    "story": ScenarioDef(
+        "a link degrades, a GPU slows down, then a rank never posts its Recv", _story, steps=36
+    ),
 }
 
 

@@ -1,0 +1,127 @@
+"""Keyed state for the dataflow: thin wrappers that hand items to the detectors.
+
+Each logic owns one detector object (pure, picklable) and adds only what the
+stream needs: timers (``notify_at``) so that silence is noticed, and an
+event-time clock that advances with the wall clock once the input goes
+quiet (a hung job may send nothing at all).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import msgspec
+from bytewax.operators import StatefulBatchLogic
+
+from detectors.align import CollectiveAligner, Instance
+from detectors.analyzer import JobAnalyzer
+from schemas.config import DetectSettings
+from schemas.records import Collective
+
+#: How often timers fire, and how long the input must be quiet before the
+#: event-time clock starts following the wall clock.
+TICK = timedelta(milliseconds=100)
+QUIET_NS = 1_000_000_000
+
+
+class _Clock:
+    """Event time that keeps moving when records stop arriving."""
+
+    def __init__(self) -> None:
+        self.event_ns = 0
+        self.wall_ns = time.monotonic_ns()
+
+    def saw(self, event_ns: int) -> None:
+        self.event_ns = max(self.event_ns, event_ns)
+        self.wall_ns = time.monotonic_ns()
+
+    def now(self) -> int:
+        quiet = time.monotonic_ns() - self.wall_ns
+        return self.event_ns + max(0, quiet - QUIET_NS)
+
+
+def _next_tick() -> datetime:
+    return datetime.now(UTC) + TICK
+
+
+class AlignLogic(StatefulBatchLogic[Collective, Instance, tuple[CollectiveAligner, int]]):
+    """Per (job, communicator): records in, complete and partial instances out."""
+
+    def __init__(
+        self, settings: DetectSettings, resume: tuple[CollectiveAligner, int] | None
+    ) -> None:
+        if resume is None:
+            self.aligner = CollectiveAligner(min_timeout_ns=int(settings.partial_timeout_ms * 1e6))
+            self.clock = _Clock()
+        else:
+            self.aligner, event_ns = resume
+            self.clock = _Clock()
+            self.clock.saw(event_ns)
+
+    def on_batch(self, values: list[Collective]) -> tuple[list[Instance], bool]:
+        out: list[Instance] = []
+        for rec in values:
+            self.clock.saw(rec.arrival_ns)
+            out += self.aligner.update(rec)
+        out += self.aligner.expire(self.clock.now())
+        return out, StatefulBatchLogic.RETAIN
+
+    def on_notify(self) -> tuple[list[Instance], bool]:
+        return self.aligner.expire(self.clock.now()), StatefulBatchLogic.RETAIN
+
+    def on_eof(self) -> tuple[list[Instance], bool]:
+        """End of a bounded input: whatever is still open is reported as it stands."""
+        return self.aligner.open_instances(), StatefulBatchLogic.RETAIN
+
+    def notify_at(self) -> datetime | None:
+        return _next_tick() if self.aligner.n_open else None
+
+    def snapshot(self) -> tuple[CollectiveAligner, int]:
+        return copy.deepcopy(self.aligner), self.clock.event_ns
+
+
+class AnalyzeLogic(StatefulBatchLogic[Any, msgspec.Struct, tuple[JobAnalyzer, int]]):
+    """Per job: instances and records in, tables and verdicts out; the hang watchdog.
+
+    Bytewax builds keyed state without telling it the key, so the analyzer is
+    created with the job id of the first item it receives.
+    """
+
+    def __init__(self, settings: DetectSettings, resume: tuple[JobAnalyzer, int] | None) -> None:
+        self.settings = settings
+        self.clock = _Clock()
+        self.analyzer: JobAnalyzer | None = None
+        if resume is not None:
+            self.analyzer, event_ns = resume
+            self.clock.saw(event_ns)
+
+    def on_batch(self, values: list[Any]) -> tuple[list[msgspec.Struct], bool]:
+        if self.analyzer is None:
+            self.analyzer = JobAnalyzer(values[0].job, self.settings)
+        out: list[msgspec.Struct] = []
+        for item in values:
+            out += self.analyzer.update(item)
+        self.clock.saw(self.analyzer.now_ns)
+        out += self.analyzer.tick(self.clock.now())
+        return out, StatefulBatchLogic.RETAIN
+
+    def on_notify(self) -> tuple[list[msgspec.Struct], bool]:
+        if self.analyzer is None:
+            return [], StatefulBatchLogic.RETAIN
+        return self.analyzer.tick(self.clock.now()), StatefulBatchLogic.RETAIN
+
+    def on_eof(self) -> tuple[list[msgspec.Struct], bool]:
+        if self.analyzer is None:
+            return [], StatefulBatchLogic.RETAIN
+        return self.analyzer.finish(), StatefulBatchLogic.RETAIN
+
+    def notify_at(self) -> datetime | None:
+        return _next_tick()
+
+    def snapshot(self) -> tuple[JobAnalyzer, int] | None:
+        if self.analyzer is None:
+            return None
+        return copy.deepcopy(self.analyzer), self.analyzer.now_ns
