@@ -127,7 +127,11 @@ class ShiftDetector:
             return None
         event = None
         if self._run:
-            event = ShiftEvent("burst", self._onset, self._mean(), len(self._run), self.baseline)
+            # a lone value is a burst only if it is well clear of the noise
+            if len(self._run) > 1 or self._mean() >= 1.0 + 2 * self.min_shift:
+                event = ShiftEvent(
+                    "burst", self._onset, self._mean(), len(self._run), self.baseline
+                )
             self._run = []
             self._restart_test()
         if abs(rel - 1.0) <= self.alpha:
