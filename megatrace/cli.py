@@ -466,6 +466,44 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
     )
 
 
+@cli.command("eval")
+@click.option("--scale", "scales", multiple=True, default=["tiny"], show_default=True)
+@click.option("--seeds", default=3, show_default=True, help="Seeds per scenario.")
+@click.option("--scenario", "names", multiple=True, help="Only these scenarios.")
+def evaluate(scales: tuple[str, ...], seeds: int, names: tuple[str, ...]) -> None:
+    """Detection quality on the labelled scenario catalogue (megatrace's detectors)."""
+    from detectors.replay import Replay
+    from detectors.scoring import Score
+    from producers.sim.scenarios import SCENARIOS, build
+    from schemas.records import Verdict
+
+    todo = [
+        (n, sc, seed)
+        for sc in scales
+        for n in (names or SCENARIOS)
+        if n != "story"
+        for seed in range(seeds)
+    ]
+    score = Score()
+    cost: list[float] = []
+    with click.progressbar(
+        todo, label="scenarios", item_show_func=lambda x: x and f"{x[0]} {x[1]} seed {x[2]}"
+    ) as bar:
+        for name, scale, seed in bar:
+            run = build(name, scale=scale, seed=seed + 100)
+            replay = Replay()
+            t0 = time.perf_counter()
+            verdicts = [
+                v for v in replay.run(run.records(emit_kernels=False)) if isinstance(v, Verdict)
+            ]
+            cost.append(time.perf_counter() - t0)
+            step_ns = next(iter(replay.jobs.values())).expected_step_ns() or 0.0
+            score.add_run(run.labels, verdicts, run.steps, step_ns)
+    for line in score.table():
+        click.echo(line)
+    click.echo(f"{len(todo)} runs, {sum(cost):.1f}s of simulation + analysis")
+
+
 @cli.group()
 def bench() -> None:
     """Benchmarks that print tables."""

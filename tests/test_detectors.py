@@ -141,3 +141,17 @@ def test_pickled_mid_stream_analysis_resumes_with_identical_verdicts() -> None:
     out += [v for r in recs[half:] for v in resumed.update(r)] + resumed.finish()
     assert [v for v in out if isinstance(v, Verdict)] == straight
     assert straight
+
+
+def test_eval_prints_the_quality_table_on_a_small_catalogue() -> None:
+    from click.testing import CliRunner
+
+    from megatrace.cli import cli
+
+    res = CliRunner().invoke(cli, ["eval", "--seeds", "1", "--scenario", "missing-recv",
+                                   "--scenario", "slow-link", "--scenario", "healthy"])
+    assert res.exit_code == 0, res.output
+    rows = {line.split()[0]: line.split() for line in res.output.splitlines() if line}
+    assert rows["hang"][1:4] == ["1", "0", "0"]  # TP, FP, FN
+    assert rows["link_degradation"][1:4] == ["1", "0", "0"]
+    assert "false alarms per 10,000 healthy steps: 0.0" in res.output

@@ -67,7 +67,7 @@ class JobSpec:
     latency_us: float = 12.0
     nchannels: int = 2
     clock_skew_us: float = 20.0
-    heartbeat_interval_ms: float = 1000.0
+    heartbeat_interval_ms: float = 250.0
     kernels: bool = True
     t0_ns: int = 1_790_000_000_000_000_000
     seed: int = 0

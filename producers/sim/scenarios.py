@@ -65,13 +65,14 @@ class Run:
     labels: list[FaultLabel] = field(default_factory=list)
 
     def records(
-        self, progress: Callable[[int, int], None] | None = None
+        self, progress: Callable[[int, int], None] | None = None, emit_kernels: bool = True
     ) -> Iterator[msgspec.Struct]:
         """Every record of the run in emission-time order, metadata first.
 
         Fills :attr:`labels` as fault onsets are reached.
         """
-        engine = Engine(self.spec, self.faults)
+        spec = self.spec if emit_kernels else replace(self.spec, kernels=False)
+        engine = Engine(spec, self.faults)
         emitter = Emitter(engine)
         yield from engine.layout.metadata()
         self.labels = []

@@ -1,0 +1,139 @@
+"""Score verdicts against ground-truth labels (pure; used by ``megatrace eval``).
+
+Matching: a verdict matches a label of the same kind detected at or after the
+label's onset. A slowdown that costs less than ``required_cost`` of
+throughput need not be found (a match still counts); a fault labelled off the
+critical path (a pipeline bubble) must *not* be reported: a slowdown verdict
+naming its rank is a false positive. Unmatched verdicts are false positives.
+
+>>> s = Score()
+>>> s.add_kind("hang")
+>>> s.kinds["hang"].tp += 1
+>>> round(s.kinds["hang"].f1, 2)
+1.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from schemas.records import FaultLabel, Verdict
+from schemas.units import VerdictKind
+
+
+@dataclass
+class KindScore:
+    tp: int = 0
+    fp: int = 0
+    fn: int = 0
+    culprit_ok: int = 0
+    latency_s: list[float] = field(default_factory=list)
+    latency_steps: list[float] = field(default_factory=list)
+
+    @property
+    def precision(self) -> float:
+        return self.tp / (self.tp + self.fp) if self.tp + self.fp else 1.0
+
+    @property
+    def recall(self) -> float:
+        return self.tp / (self.tp + self.fn) if self.tp + self.fn else 1.0
+
+    @property
+    def f1(self) -> float:
+        p, r = self.precision, self.recall
+        return 2 * p * r / (p + r) if p + r else 0.0
+
+    @property
+    def culprit_accuracy(self) -> float:
+        return self.culprit_ok / self.tp if self.tp else 0.0
+
+
+@dataclass
+class Score:
+    kinds: dict[str, KindScore] = field(default_factory=dict)
+    healthy_steps: int = 0
+    healthy_alarms: int = 0
+
+    def add_kind(self, kind: str) -> KindScore:
+        return self.kinds.setdefault(kind, KindScore())
+
+    def add_run(
+        self,
+        labels: Sequence[FaultLabel],
+        verdicts: Sequence[Verdict],
+        steps: int,
+        step_ns: float,
+        required_cost: float = 0.10,
+    ) -> None:
+        latest: dict[str, Verdict] = {}
+        for v in verdicts:
+            latest[v.verdict_id] = v
+        vs = list(latest.values())
+        if not labels:
+            self.healthy_steps += steps
+            self.healthy_alarms += len(vs)
+            for v in vs:
+                self.add_kind(v.kind.value).fp += 1
+            return
+        used: set[str] = set()
+        for lab in labels:
+            ks = self.add_kind(lab.kind.value)
+            if not lab.on_critical_path:
+                bad = [v for v in vs if v.kind == VerdictKind.SLOWDOWN and v.rank == lab.rank]
+                for v in bad:
+                    ks.fp += 1
+                    used.add(v.verdict_id)
+                continue
+            match = [
+                v
+                for v in vs
+                if v.kind == lab.kind and v.verdict_id not in used and v.detected_ns >= lab.onset_ns
+            ]
+            match.sort(key=lambda v: (not _culprit_ok(lab, v), v.detected_ns))
+            if not match:
+                if lab.throughput_cost >= required_cost or lab.kind == VerdictKind.HANG:
+                    ks.fn += 1
+                continue
+            v = match[0]
+            used.add(v.verdict_id)
+            ks.tp += 1
+            ks.culprit_ok += _culprit_ok(lab, v)
+            lat = (v.detected_ns - lab.onset_ns) / 1e9
+            ks.latency_s.append(lat)
+            ks.latency_steps.append(lat * 1e9 / step_ns if step_ns else 0.0)
+        for v in vs:
+            if v.verdict_id not in used:
+                self.add_kind(v.kind.value).fp += 1
+
+    def table(self) -> list[str]:
+        head = (
+            f"{'kind':<22} {'TP':>4} {'FP':>4} {'FN':>4} {'prec':>6} {'recall':>6} "
+            f"{'F1':>5} {'culprit':>7} {'lat p50':>8} {'lat p95':>8} {'steps p50':>9}"
+        )
+        rows = [head, "-" * len(head)]
+        for kind, k in sorted(self.kinds.items()):
+            p50 = np.median(k.latency_s) if k.latency_s else float("nan")
+            p95 = np.percentile(k.latency_s, 95) if k.latency_s else float("nan")
+            s50 = np.median(k.latency_steps) if k.latency_steps else float("nan")
+            rows.append(
+                f"{kind:<22} {k.tp:>4} {k.fp:>4} {k.fn:>4} {k.precision:>6.2f} "
+                f"{k.recall:>6.2f} {k.f1:>5.2f} {k.culprit_accuracy:>7.0%} "
+                f"{p50:>7.2f}s {p95:>7.2f}s {s50:>9.1f}"
+            )
+        per10k = self.healthy_alarms / self.healthy_steps * 1e4 if self.healthy_steps else 0.0
+        rows.append(
+            f"false alarms per 10,000 healthy steps: {per10k:.1f} "
+            f"({self.healthy_alarms} over {self.healthy_steps} steps)"
+        )
+        return rows
+
+
+def _culprit_ok(lab: FaultLabel, v: Verdict) -> bool:
+    if lab.link is not None:
+        return v.link == lab.link
+    if lab.rank is not None:
+        return v.rank == lab.rank
+    return v.node == lab.node
