@@ -7,7 +7,7 @@ critical path (a pipeline bubble) must *not* be reported: a slowdown verdict
 naming its rank is a false positive. Unmatched verdicts are false positives.
 
 >>> s = Score()
->>> s.add_kind("hang")
+>>> _ = s.add_kind("hang")
 >>> s.kinds["hang"].tp += 1
 >>> round(s.kinds["hang"].f1, 2)
 1.0
