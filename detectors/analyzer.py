@@ -108,20 +108,21 @@ class JobAnalyzer:
 
     # ------------------------------------------------------------------ inputs
     def update(self, item: Any) -> list[msgspec.Struct]:
-        if isinstance(item, Instance):
-            return self._instance(item)
-        self.now_ns = max(self.now_ns, _ts(item))
+        meta = isinstance(item, JobInfo | RankInfo | CommInfo)
         if self.topo is None and not isinstance(item, JobInfo):
-            if isinstance(item, RankInfo | CommInfo):
+            if meta:
                 self._pending_meta.append(item)
             elif len(self._early) < 100_000:  # records that overtook the job record
                 self._early.append(item)
             return []
         out: list[msgspec.Struct] = []
-        if self._early and not isinstance(item, JobInfo | RankInfo | CommInfo):
-            early, self._early = self._early, []  # the metadata burst is over: replay
+        if self._early and not meta:
+            early, self._early = self._early, []  # the metadata burst is over: replay in order
             for rec in early:
                 out += self.update(rec)
+        if isinstance(item, Instance):
+            return out + self._instance(item)
+        self.now_ns = max(self.now_ns, _ts(item))
         match item:
             case JobInfo():
                 return out + self._job(item)
@@ -173,10 +174,7 @@ class JobAnalyzer:
         return []
 
     def _instance(self, inst: Instance) -> list[msgspec.Struct]:
-        if self.topo is None or self.assembler is None:
-            if len(self._early) < 100_000:
-                self._early.append(inst)
-            return []
+        assert self.assembler is not None
         key = (inst.comm_hash, inst.sender, inst.seq)
         self.now_ns = max(self.now_ns, max(inst.arrival))
         if not inst.complete:
@@ -285,9 +283,14 @@ class JobAnalyzer:
         topo = self.topo
         assert topo is not None
         link_ends = {r for edge in self.link_culprits for r in edge}
+        base = self.shift.baseline or 0.0
+        increase = float(np.mean([r.duration_ns for r in reps])) - base if reps else 0.0
         for f in self.localizer.localize(reps, topo):
             if f.rank is not None and f.rank in link_ends:
                 continue
+            growth = f.evidence.get("rank_lateness_growth_ns")
+            if growth is not None and growth < 0.25 * increase:
+                continue  # too little of the lost time is this rank's own lateness
             fields: dict[str, Any] = {
                 "pp_stage": f.stage,
                 "microbatch": f.microbatch,
@@ -455,7 +458,7 @@ class JobAnalyzer:
             VerdictKind.LINK_DEGRADATION,
             Cause.NETWORK_LINK,
             culprit,
-            onset_step=step,
+            onset_step=None,
             onset_ns=ev.onset_ns,
             detected_ns=s.ts_ns,
             severity=severity,

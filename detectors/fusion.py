@@ -27,8 +27,9 @@ from schemas.records import Verdict
 from schemas.units import Cause, VerdictKind, VerdictStatus
 
 
-def verdict_id(job: str, kind: str, culprit: str, onset_step: int | None) -> str:
-    raw = f"{job}|{kind}|{culprit}|{onset_step}".encode()
+def verdict_id(job: str, kind: str, culprit: str, onset: int | None) -> str:
+    """Stable across re-processing: the onset step, or the onset time when the step is unknown."""
+    raw = f"{job}|{kind}|{culprit}|{onset}".encode()
     return hashlib.sha1(raw, usedforsecurity=False).hexdigest()[:16]
 
 
@@ -61,7 +62,12 @@ class VerdictBook:
         if current is None:
             v = Verdict(
                 job=self.job,
-                verdict_id=verdict_id(self.job, kind.value, culprit, onset_step),
+                verdict_id=verdict_id(
+                    self.job,
+                    kind.value,
+                    culprit,
+                    onset_step if onset_step is not None else onset_ns,
+                ),
                 kind=kind,
                 cause=cause,
                 onset_step=onset_step,

@@ -82,8 +82,9 @@ class _Acc:
 class StepAssembler:
     """Per-job: instances in, closed :class:`StepReport` out (in step order)."""
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, max_open_steps: int = 64) -> None:
         self.topo = topology
+        self.max_open_steps = max_open_steps
         self._reset()
 
     def _reset(self) -> None:
@@ -93,7 +94,7 @@ class StepAssembler:
         self.late_instances = 0
         self._comm_step: dict[int, int] = {}  # highest step seen per communicator
         self._at: dict[int, int] = {}  # how many communicators have that highest step
-        self._min_step = 0
+        self._min_step = -1
 
     def expected_instances(self) -> int:
         t = self.topo
@@ -122,25 +123,39 @@ class StepAssembler:
         out = []
         if acc.n >= self.expected_instances():
             out += self._close_through(pos.step)
-        # per-communicator watermark: a step is given up on only when every communicator
-        # has moved two steps past it (partitions of a topic are read at different paces)
-        prev = self._comm_step.get(inst.comm_hash)
-        if prev is None or pos.step > prev:
-            self._comm_step[inst.comm_hash] = pos.step
-            self._at[pos.step] = self._at.get(pos.step, 0) + 1
-            if prev is None:
-                self._min_step = (
-                    min(self._min_step, pos.step) if len(self._comm_step) > 1 else pos.step
-                )
-            else:
-                self._at[prev] -= 1
-            while self._at.get(self._min_step, 0) == 0 and self._min_step < pos.step:
-                self._at.pop(self._min_step, None)
-                self._min_step += 1
-            watermark = self._min_step - 2
-            if watermark > self._closed_upto:
-                out += self._close_through(watermark)
+        out += self._advance(inst.comm_hash, pos.step)
+        if len(self._acc) > self.max_open_steps:  # bounded state, whatever is missing
+            out += self._close_through(min(self._acc))
         return out
+
+    def _advance(self, comm: int, step: int) -> list[StepReport]:
+        """Per-communicator watermark over *every* communicator of the job.
+
+        A step is given up on (closed incomplete) only when all communicators have
+        moved two steps past it: partitions of a topic are read at different paces,
+        so the communicators seen so far say nothing about the others.
+        """
+        for c in self.topo.comms:
+            if c not in self._comm_step:  # not heard from yet: holds the watermark at -1
+                self._comm_step[c] = -1
+                self._at[-1] = self._at.get(-1, 0) + 1
+                self._min_step = -1
+        prev = self._comm_step.get(comm)
+        if prev is not None and step <= prev:
+            return []
+        self._comm_step[comm] = step
+        self._at[step] = self._at.get(step, 0) + 1
+        if prev is not None:
+            self._at[prev] -= 1
+        elif len(self._comm_step) == 1:
+            self._min_step = step
+        while self._at.get(self._min_step, 0) == 0 and self._min_step < step:
+            self._at.pop(self._min_step, None)
+            self._min_step += 1
+        watermark = self._min_step - 2
+        if watermark > self._closed_upto:
+            return self._close_through(watermark)
+        return []
 
     def _fold(self, acc: _Acc, inst: Instance, phase: str, mb: int | None, role: CommRole) -> None:
         acc.n += 1

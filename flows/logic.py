@@ -43,12 +43,19 @@ class _Clock:
         return self.event_ns + max(0, quiet - QUIET_NS)
 
 
+def _one(items: list[Any]) -> list[list[Any]]:
+    """Emit a whole batch as one item (Bytewax's cost is per item, not per record)."""
+    return [items] if items else []
+
+
 def _next_tick() -> datetime:
     return datetime.now(UTC) + TICK
 
 
-class AlignLogic(StatefulBatchLogic[Collective, Instance, tuple[CollectiveAligner, int]]):
-    """Per (job, communicator): records in, complete and partial instances out."""
+class AlignLogic(
+    StatefulBatchLogic[list[Collective], list[Instance], tuple[CollectiveAligner, int]]
+):
+    """Per (job, communicator): batches of records in, batches of instances out."""
 
     def __init__(
         self, settings: DetectSettings, resume: tuple[CollectiveAligner, int] | None
@@ -61,20 +68,23 @@ class AlignLogic(StatefulBatchLogic[Collective, Instance, tuple[CollectiveAligne
             self.clock = _Clock()
             self.clock.saw(event_ns)
 
-    def on_batch(self, values: list[Collective]) -> tuple[list[Instance], bool]:
+    def on_batch(self, values: list[list[Collective]]) -> tuple[list[list[Instance]], bool]:
         out: list[Instance] = []
-        for rec in values:
-            self.clock.saw(rec.arrival_ns)
-            out += self.aligner.update(rec)
+        update = self.aligner.update
+        for batch in values:
+            for rec in batch:
+                out += update(rec)
+            if batch:
+                self.clock.saw(batch[-1].arrival_ns)
         out += self.aligner.expire(self.clock.now())
-        return out, StatefulBatchLogic.RETAIN
+        return _one(out), StatefulBatchLogic.RETAIN
 
-    def on_notify(self) -> tuple[list[Instance], bool]:
-        return self.aligner.expire(self.clock.now()), StatefulBatchLogic.RETAIN
+    def on_notify(self) -> tuple[list[list[Instance]], bool]:
+        return _one(self.aligner.expire(self.clock.now())), StatefulBatchLogic.RETAIN
 
-    def on_eof(self) -> tuple[list[Instance], bool]:
+    def on_eof(self) -> tuple[list[list[Instance]], bool]:
         """End of a bounded input: whatever is still open is reported as it stands."""
-        return self.aligner.open_instances(), StatefulBatchLogic.RETAIN
+        return _one(self.aligner.open_instances()), StatefulBatchLogic.RETAIN
 
     def notify_at(self) -> datetime | None:
         return _next_tick() if self.aligner.n_open else None
@@ -83,7 +93,7 @@ class AlignLogic(StatefulBatchLogic[Collective, Instance, tuple[CollectiveAligne
         return copy.deepcopy(self.aligner), self.clock.event_ns
 
 
-class AnalyzeLogic(StatefulBatchLogic[Any, msgspec.Struct, tuple[JobAnalyzer, int]]):
+class AnalyzeLogic(StatefulBatchLogic[list[Any], list[msgspec.Struct], tuple[JobAnalyzer, int]]):
     """Per job: instances and records in, tables and verdicts out; the hang watchdog.
 
     Bytewax builds keyed state without telling it the key, so the analyzer is
@@ -98,25 +108,27 @@ class AnalyzeLogic(StatefulBatchLogic[Any, msgspec.Struct, tuple[JobAnalyzer, in
             self.analyzer, event_ns = resume
             self.clock.saw(event_ns)
 
-    def on_batch(self, values: list[Any]) -> tuple[list[msgspec.Struct], bool]:
+    def on_batch(self, values: list[list[Any]]) -> tuple[list[list[msgspec.Struct]], bool]:
         if self.analyzer is None:
-            self.analyzer = JobAnalyzer(values[0].job, self.settings)
+            self.analyzer = JobAnalyzer(values[0][0].job, self.settings)
         out: list[msgspec.Struct] = []
-        for item in values:
-            out += self.analyzer.update(item)
+        update = self.analyzer.update
+        for batch in values:
+            for item in batch:
+                out += update(item)
         self.clock.saw(self.analyzer.now_ns)
         out += self.analyzer.tick(self.clock.now())
-        return out, StatefulBatchLogic.RETAIN
+        return _one(out), StatefulBatchLogic.RETAIN
 
-    def on_notify(self) -> tuple[list[msgspec.Struct], bool]:
+    def on_notify(self) -> tuple[list[list[msgspec.Struct]], bool]:
         if self.analyzer is None:
             return [], StatefulBatchLogic.RETAIN
-        return self.analyzer.tick(self.clock.now()), StatefulBatchLogic.RETAIN
+        return _one(self.analyzer.tick(self.clock.now())), StatefulBatchLogic.RETAIN
 
-    def on_eof(self) -> tuple[list[msgspec.Struct], bool]:
+    def on_eof(self) -> tuple[list[list[msgspec.Struct]], bool]:
         if self.analyzer is None:
             return [], StatefulBatchLogic.RETAIN
-        return self.analyzer.finish(), StatefulBatchLogic.RETAIN
+        return _one(self.analyzer.finish()), StatefulBatchLogic.RETAIN
 
     def notify_at(self) -> datetime | None:
         return _next_tick()

@@ -1,28 +1,31 @@
 """The megatrace dataflow, top to bottom.
 
-Kafka records are decoded (bad ones become dead letters), stored raw,
+Kafka batches are decoded (bad records become dead letters), stored raw,
 aligned per communicator, analysed per job, and the results stored and
-announced. Started by ``megatrace run`` (or ``megatrace demo``); every
-judgement lives in ``detectors``.
+announced. Items are batches (lists) of records: Bytewax's cost is per item,
+so one item per poll and per key keeps the flow fast. Started by
+``megatrace run`` (or ``megatrace demo``); every judgement lives in ``detectors``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import bytewax.operators as op
 import msgspec
-from bytewax.connectors.kafka import KafkaSinkMessage, KafkaSourceMessage
+from bytewax.connectors.kafka import KafkaSinkMessage
 from bytewax.connectors.kafka import operators as kop
 from bytewax.connectors.stdio import StdOutSink
 from bytewax.dataflow import Dataflow
 
+from flows.kafka_source import RawBatch, RawKafkaSource
 from flows.logic import AlignLogic, AnalyzeLogic
 from flows.sinks import ClickHouseSink
 from schemas.codec import SchemaError, dead_letter, decode, encode
 from schemas.config import DetectSettings
-from schemas.records import Collective, DeadLetter, Verdict
+from schemas.records import Collective, DeadLetter, Kernel, Verdict
 from schemas.topics import Topics
 
 
@@ -40,36 +43,76 @@ class FlowConfig:
     batch_size: int = 5000
     detect: DetectSettings = field(default_factory=DetectSettings)
     console: bool = True
+    #: called with (records, oldest producer time ms, stored time ms) after raw rows are stored
+    on_stored: Callable[[int, int, int], None] | None = None
 
 
-def decode_message(msg: KafkaSourceMessage) -> msgspec.Struct:
-    """A schema record, or the dead letter that keeps the bytes and says why not."""
-    raw = msg.value or b""
-    try:
-        return decode(raw)
-    except SchemaError as err:
-        return dead_letter(
-            raw,
-            err,
-            now_ns=time.time_ns(),
-            step_id="decode",
-            topic=msg.topic or "",
-            partition=msg.partition if msg.partition is not None else -1,
-            offset=msg.offset if msg.offset is not None else -1,
-            key=msg.key,
-        )
+@dataclass
+class Decoded:
+    """One poll's records, decoded; refused ones kept as dead letters."""
+
+    records: list[msgspec.Struct]
+    dead: list[DeadLetter]
+    produced_ms: int
 
 
-def is_dead_letter(rec: msgspec.Struct) -> bool:
-    return isinstance(rec, DeadLetter)
+def decode_batch(batch: RawBatch) -> Decoded:
+    records: list[msgspec.Struct] = []
+    dead: list[DeadLetter] = []
+    for key, raw, offset in zip(batch.keys, batch.values, batch.offsets, strict=True):
+        try:
+            records.append(decode(raw))
+        except SchemaError as err:
+            dead.append(
+                dead_letter(
+                    raw,
+                    err,
+                    now_ns=time.time_ns(),
+                    step_id="decode",
+                    topic=batch.topic,
+                    partition=batch.partition,
+                    offset=offset,
+                    key=key,
+                )
+            )
+    return Decoded(records, dead, min(batch.produced_ms, default=0))
 
 
-def is_collective(rec: msgspec.Struct) -> bool:
-    return isinstance(rec, Collective)
+def collectives_by_comm(d: Decoded) -> list[tuple[str, list[Collective]]]:
+    groups: dict[str, list[Collective]] = {}
+    for r in d.records:
+        if isinstance(r, Collective):
+            groups.setdefault(f"{r.job}:{r.comm_hash:016x}", []).append(r)
+    return list(groups.items())
 
 
-def is_verdict(rec: msgspec.Struct) -> bool:
-    return isinstance(rec, Verdict)
+def others_by_job(d: Decoded) -> list[tuple[str, list[msgspec.Struct]]]:
+    """Everything the job analysis needs besides collectives (kernels are only stored)."""
+    groups: dict[str, list[msgspec.Struct]] = {}
+    for r in d.records:
+        if not isinstance(r, Collective | Kernel):
+            groups.setdefault(r.job, []).append(r)  # type: ignore[attr-defined]
+    return list(groups.items())
+
+
+def records_of(d: Decoded) -> tuple[list[msgspec.Struct], int]:
+    return d.records, d.produced_ms
+
+
+def dead_of(d: Decoded) -> list[DeadLetter]:
+    return d.dead
+
+
+def untimed(records: list[msgspec.Struct]) -> tuple[list[msgspec.Struct], int]:
+    return records, 0
+
+
+def has_dead(d: Decoded) -> bool:
+    return bool(d.dead)
+
+
+def verdicts_of(results: list[msgspec.Struct]) -> list[Verdict]:
+    return [r for r in results if isinstance(r, Verdict)]
 
 
 def to_kafka_message(rec: msgspec.Struct) -> KafkaSinkMessage[bytes | None, bytes]:
@@ -83,45 +126,43 @@ def verdict_line(v: Verdict) -> str:
 
 def build_flow(cfg: FlowConfig) -> Dataflow:
     flow = Dataflow("megatrace")
+    raw_sink = ClickHouseSink(cfg.clickhouse_url, cfg.database, on_write=cfg.on_stored)
     ch = ClickHouseSink(cfg.clickhouse_url, cfg.database)
-    kafka_in = kop.input(
+    consumer = {"bootstrap.servers": ",".join(cfg.brokers), **cfg.consumer_options}
+    raw = op.input(
         "kafka_in",
         flow,
-        brokers=cfg.brokers,
-        topics=list(cfg.topics.inputs),
-        tail=cfg.tail,
-        add_config=cfg.consumer_options,
-        batch_size=cfg.batch_size,
+        RawKafkaSource(consumer, list(cfg.topics.inputs), tail=cfg.tail, batch_size=cfg.batch_size),
     )
-    op.inspect("kafka_errors", kafka_in.errs)  # broker-side consume errors: logged, never fatal
-    # KafkaSourceMessage -> Record | DeadLetter
-    decoded = op.map("decode", kafka_in.oks, decode_message)
-    split = op.branch("split_dead_letters", decoded, is_dead_letter)
-    dead, records = split.trues, split.falses
-    # DeadLetter -> dead_letters table and the dead-letter topic
-    op.output("dead_to_clickhouse", dead, ch)
+    # RawBatch -> Decoded(records, dead letters)
+    decoded = op.map("decode", raw, decode_batch)
+    # list[Record] -> raw tables
+    op.output("records_to_clickhouse", op.map("records", decoded, records_of), raw_sink)
+    # list[DeadLetter] -> dead_letters table and the dead-letter topic
+    dead = op.map("dead", op.filter("with_dead", decoded, has_dead), dead_of)
+    op.output("dead_to_clickhouse", op.map("dead_untimed", dead, untimed), ch)
     kop.output(
         "dead_to_kafka",
-        op.map("dead_to_message", dead, to_kafka_message),
+        op.map("dead_to_message", op.flat_map("dead_each", dead, list), to_kafka_message),
         brokers=cfg.brokers,
         topic=cfg.topics.deadletter,
         add_config=cfg.producer_options,
     )
-    # Record -> its raw table
-    op.output("records_to_clickhouse", records, ch)
-    by_kind = op.branch("split_collectives", records, is_collective)
-    # (job:comm, Collective) -> (job:comm, Instance)
-    by_comm = op.key_on("key_by_comm", by_kind.trues, lambda r: f"{r.job}:{r.comm_hash:016x}")
+    # (job:comm, list[Collective]) -> (job:comm, list[Instance])
+    by_comm = op.flat_map("collectives_by_comm", decoded, collectives_by_comm)
     instances = op.stateful_batch("align", by_comm, lambda resume: AlignLogic(cfg.detect, resume))
-    # (job, Instance | other record) -> (job, AlignedCollective | StepSummary | RankStep | Verdict)
-    to_job = op.merge("to_job", op.key_rm("instances", instances), by_kind.falses)
-    by_job = op.key_on("key_by_job", to_job, lambda x: x.job)
+    inst_by_job = op.key_on(
+        "instances_by_job", op.key_rm("instances", instances), lambda batch: batch[0].job
+    )
+    # (job, list[Instance | other record]) -> (job, list[result record])
+    to_job = op.merge("to_job", inst_by_job, op.flat_map("others_by_job", decoded, others_by_job))
     results = op.key_rm(
         "results",
-        op.stateful_batch("analyze", by_job, lambda resume: AnalyzeLogic(cfg.detect, resume)),
+        op.stateful_batch("analyze", to_job, lambda resume: AnalyzeLogic(cfg.detect, resume)),
     )
-    op.output("results_to_clickhouse", results, ch)
-    verdicts = op.filter("verdicts", results, is_verdict)
+    # list[AlignedCollective | StepSummary | RankStep | Verdict] -> tables; verdicts announced
+    op.output("results_to_clickhouse", op.map("results_untimed", results, untimed), ch)
+    verdicts = op.flat_map("verdicts", results, verdicts_of)
     kop.output(
         "verdicts_to_kafka",
         op.map("verdict_to_message", verdicts, to_kafka_message),

@@ -110,13 +110,14 @@ class Table:
     time_column: str
     version_column: str | None = None
     _columns: list[tuple[str, str]] = field(init=False, repr=False)
-    _converters: list[tuple[str, Callable[[Any], Any]]] = field(init=False, repr=False)
+    _nested: list[tuple[int, Callable[[Any], Any]]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         info = mi.type_info(self.record)
         assert isinstance(info, mi.StructType)
         object.__setattr__(self, "_columns", [(f.name, _ch_type(f.type)) for f in info.fields])
-        object.__setattr__(self, "_converters", [(f.name, _to_value(f.type)) for f in info.fields])
+        nested = [(i, _to_value(f.type)) for i, f in enumerate(info.fields) if _has_struct(f.type)]
+        object.__setattr__(self, "_nested", nested)
 
     @property
     def columns(self) -> list[tuple[str, str]]:
@@ -150,7 +151,10 @@ class Table:
         """The row to insert for a record, in :attr:`column_names` order."""
         if type(record) is not self.record:
             raise TypeError(f"table {self.name} holds {self.record.__name__}, got {record!r}")
-        return [conv(getattr(record, name)) for name, conv in self._converters]
+        row = list(msgspec.structs.astuple(record))
+        for i, conv in self._nested:  # only nested records need converting
+            row[i] = conv(row[i])
+        return row
 
     def select_list(self) -> str:
         """Columns to select so that :meth:`from_row` rebuilds the exact record."""
@@ -171,6 +175,16 @@ class Table:
     def from_row(self, row: Mapping[str, Any]) -> Any:
         """The record a selected row (as a name -> value mapping) stands for."""
         return msgspec.convert(dict(row), self.record, strict=False)
+
+
+def _has_struct(t: mi.Type) -> bool:
+    if isinstance(t, mi.Metadata):
+        return _has_struct(t.type)
+    if isinstance(t, mi.UnionType):
+        return any(_has_struct(x) for x in t.types)
+    if isinstance(t, mi.ListType):
+        return _has_struct(t.item_type)
+    return isinstance(t, mi.StructType)
 
 
 def _is_bytes(t: mi.Type) -> bool:

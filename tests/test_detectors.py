@@ -148,8 +148,20 @@ def test_eval_prints_the_quality_table_on_a_small_catalogue() -> None:
 
     from megatrace.cli import cli
 
-    res = CliRunner().invoke(cli, ["eval", "--seeds", "1", "--scenario", "missing-recv",
-                                   "--scenario", "slow-link", "--scenario", "healthy"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "eval",
+            "--seeds",
+            "1",
+            "--scenario",
+            "missing-recv",
+            "--scenario",
+            "slow-link",
+            "--scenario",
+            "healthy",
+        ],
+    )
     assert res.exit_code == 0, res.output
     rows = {line.split()[0]: line.split() for line in res.output.splitlines() if line}
     assert rows["hang"][1:4] == ["1", "0", "0"]  # TP, FP, FN
