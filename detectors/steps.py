@@ -95,17 +95,23 @@ class StepAssembler:
         self._comm_step: dict[int, int] = {}  # highest step seen per communicator
         self._at: dict[int, int] = {}  # how many communicators have that highest step
         self._min_step = -1
+        self._expected = (-1, 0)
 
     def expected_instances(self) -> int:
+        """Instances one complete step has (cached; recomputed when communicators are added)."""
         t = self.topo
-        by_role = {role: 0 for role in CommRole}
+        if self._expected[0] == len(t.comms):
+            return self._expected[1]
+        by_role = dict.fromkeys(CommRole, 0)
         for c in t.comms.values():
             by_role[c.role] += 1
-        return (
+        n = (
             by_role[CommRole.TP] * t.tp_ops_per_step
             + by_role[CommRole.DP] * t.dp_ops_per_step
             + by_role[CommRole.PP] * 2 * t.job.num_microbatches
         )
+        self._expected = (len(t.comms), n)
+        return n
 
     def add(self, inst: Instance) -> list[StepReport]:
         topo = self.topo

@@ -99,7 +99,11 @@ class Topology:
 
     # ------------------------------------------------------------------ schedule
     def stage_order(self, stage: int) -> list[tuple[str, int]]:
-        return one_f_one_b(stage, self.job.pp, self.job.num_microbatches)
+        key = (stage, self.job.pp, self.job.num_microbatches)
+        cache = self.__dict__.setdefault("_orders", {})
+        if key not in cache:
+            cache[key] = one_f_one_b(*key)
+        return cache[key]
 
     @property
     def tp_ops_per_node(self) -> int:

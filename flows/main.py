@@ -26,6 +26,7 @@ from flows.sinks import ClickHouseSink
 from schemas.codec import SchemaError, dead_letter, decode, encode
 from schemas.config import DetectSettings
 from schemas.records import Collective, DeadLetter, Kernel, Verdict
+from schemas.tables import TABLE_FOR
 from schemas.topics import Topics
 
 
@@ -41,6 +42,7 @@ class FlowConfig:
     database: str
     tail: bool = True
     batch_size: int = 5000
+    idle_stop_s: float = 1.5
     detect: DetectSettings = field(default_factory=DetectSettings)
     console: bool = True
     #: called with (records, oldest producer time ms, stored time ms) after raw rows are stored
@@ -49,19 +51,24 @@ class FlowConfig:
 
 @dataclass
 class Decoded:
-    """One poll's records, decoded; refused ones kept as dead letters."""
+    """One poll's records, decoded; refused ones kept as dead letters.
+
+    ``rows`` keeps each valid record's original JSON per ClickHouse table.
+    """
 
     records: list[msgspec.Struct]
+    rows: dict[str, list[bytes]]
     dead: list[DeadLetter]
     produced_ms: int
 
 
 def decode_batch(batch: RawBatch) -> Decoded:
     records: list[msgspec.Struct] = []
+    rows: dict[str, list[bytes]] = {}
     dead: list[DeadLetter] = []
     for key, raw, offset in zip(batch.keys, batch.values, batch.offsets, strict=True):
         try:
-            records.append(decode(raw))
+            rec = decode(raw)
         except SchemaError as err:
             dead.append(
                 dead_letter(
@@ -75,7 +82,10 @@ def decode_batch(batch: RawBatch) -> Decoded:
                     key=key,
                 )
             )
-    return Decoded(records, dead, min(batch.produced_ms, default=0))
+            continue
+        records.append(rec)
+        rows.setdefault(TABLE_FOR[type(rec)].name, []).append(raw)
+    return Decoded(records, rows, dead, min(batch.produced_ms, default=0))
 
 
 def collectives_by_comm(d: Decoded) -> list[tuple[str, list[Collective]]]:
@@ -95,16 +105,20 @@ def others_by_job(d: Decoded) -> list[tuple[str, list[msgspec.Struct]]]:
     return list(groups.items())
 
 
-def records_of(d: Decoded) -> tuple[list[msgspec.Struct], int]:
-    return d.records, d.produced_ms
+def rows_of(d: Decoded) -> tuple[dict[str, list[bytes]], int]:
+    return d.rows, d.produced_ms
 
 
 def dead_of(d: Decoded) -> list[DeadLetter]:
     return d.dead
 
 
-def untimed(records: list[msgspec.Struct]) -> tuple[list[msgspec.Struct], int]:
-    return records, 0
+def as_rows(records: list[msgspec.Struct]) -> tuple[dict[str, list[bytes]], int]:
+    """Records produced here, as JSON rows per table."""
+    rows: dict[str, list[bytes]] = {}
+    for rec in records:
+        rows.setdefault(TABLE_FOR[type(rec)].name, []).append(encode(rec))
+    return rows, 0
 
 
 def has_dead(d: Decoded) -> bool:
@@ -132,15 +146,21 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
     raw = op.input(
         "kafka_in",
         flow,
-        RawKafkaSource(consumer, list(cfg.topics.inputs), tail=cfg.tail, batch_size=cfg.batch_size),
+        RawKafkaSource(
+            consumer,
+            list(cfg.topics.inputs),
+            tail=cfg.tail,
+            batch_size=cfg.batch_size,
+            idle_stop_s=cfg.idle_stop_s,
+        ),
     )
     # RawBatch -> Decoded(records, dead letters)
     decoded = op.map("decode", raw, decode_batch)
     # list[Record] -> raw tables
-    op.output("records_to_clickhouse", op.map("records", decoded, records_of), raw_sink)
+    op.output("records_to_clickhouse", op.map("rows", decoded, rows_of), raw_sink)
     # list[DeadLetter] -> dead_letters table and the dead-letter topic
     dead = op.map("dead", op.filter("with_dead", decoded, has_dead), dead_of)
-    op.output("dead_to_clickhouse", op.map("dead_untimed", dead, untimed), ch)
+    op.output("dead_to_clickhouse", op.map("dead_rows", dead, as_rows), ch)
     kop.output(
         "dead_to_kafka",
         op.map("dead_to_message", op.flat_map("dead_each", dead, list), to_kafka_message),
@@ -161,7 +181,7 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
         op.stateful_batch("analyze", to_job, lambda resume: AnalyzeLogic(cfg.detect, resume)),
     )
     # list[AlignedCollective | StepSummary | RankStep | Verdict] -> tables; verdicts announced
-    op.output("results_to_clickhouse", op.map("results_untimed", results, untimed), ch)
+    op.output("results_to_clickhouse", op.map("result_rows", results, as_rows), ch)
     verdicts = op.flat_map("verdicts", results, verdicts_of)
     kop.output(
         "verdicts_to_kafka",

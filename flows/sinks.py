@@ -4,8 +4,9 @@ Each worker's partition inserts everything Bytewax hands it, one insert per
 table, before returning: nothing is held back between batches, so a crash
 loses nothing that Bytewax considers written. Tables are ReplacingMergeTree on
 natural keys, so an at-least-once replay after recovery does not duplicate.
-Items are ``(records, produced_ms)``: the producer time of the oldest record,
-or 0, lets a caller measure end-to-end latency through ``on_write``.
+Items are ``(rows_by_table, produced_ms)``: each row is a record's JSON, as it
+came from Kafka (ClickHouse parses it itself); the producer time of the oldest
+record, or 0, lets a caller measure end-to-end latency through ``on_write``.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 from bytewax.outputs import DynamicSink, StatelessSinkPartition
 
-from infra.clickhouse import connect, insert_records
+from infra.clickhouse import connect, insert_json
 
-Timed = tuple[list[msgspec.Struct], int]
+Timed = tuple[dict[str, list[bytes]], int]
 
 
 class _ClickHousePartition(StatelessSinkPartition[Timed]):
@@ -31,13 +31,16 @@ class _ClickHousePartition(StatelessSinkPartition[Timed]):
         self._on_write = on_write
 
     def write_batch(self, items: list[Timed]) -> None:
-        records = [r for batch, _ in items for r in batch]
-        if records:
-            insert_records(self._client, self._database, records)
+        merged: dict[str, list[bytes]] = {}
+        for rows, _ in items:
+            for table, batch in rows.items():
+                merged.setdefault(table, []).extend(batch)
+        for table, batch in merged.items():
+            insert_json(self._client, self._database, table, batch)
         if self._on_write is not None:
             now_ms = time.time_ns() // 1_000_000
-            for batch, produced_ms in items:
-                self._on_write(len(batch), produced_ms, now_ms)
+            for rows, produced_ms in items:
+                self._on_write(sum(map(len, rows.values())), produced_ms, now_ms)
 
 
 class ClickHouseSink(DynamicSink[Timed]):

@@ -18,7 +18,8 @@ from urllib.parse import unquote, urlsplit
 
 import msgspec
 
-from schemas.tables import TABLES, Table, table_for
+from schemas.codec import encode
+from schemas.tables import TABLES, table_for
 
 
 class ClickHouseError(RuntimeError):
@@ -63,25 +64,52 @@ def connect(url: str) -> Any:
     )
 
 
+def _squash(type_name: str) -> str:
+    return "".join(type_name.split())
+
+
 def init_db(client: Any, database: str, retention_days: int) -> list[str]:
-    """Create the database and every table (idempotent); return the table names."""
+    """Create the database and every table (idempotent); return the table names.
+
+    A table that already exists with other columns (made by an older megatrace)
+    is an error that says so, rather than inserts failing later.
+    """
     client.command(f"CREATE DATABASE IF NOT EXISTS {database}")
     for table in TABLES.values():
         client.command(table.ddl(database, retention_days))
+        rows = client.query(f"DESCRIBE TABLE {database}.{table.name}").result_rows
+        have = {r[0]: _squash(r[1]) for r in rows if r[2] != "MATERIALIZED"}
+        want = {n: _squash(t) for n, t in table.columns}
+        if have != want:
+            diff = sorted(set(have.items()) ^ set(want.items()))
+            raise ClickHouseError(
+                f"table {database}.{table.name} exists with a different schema ({diff[:4]}...): "
+                f"it was made by another megatrace version; drop it or use another database"
+            )
     return list(TABLES)
+
+
+_JSON_INSERT = {"input_format_skip_unknown_fields": 1, "date_time_input_format": "best_effort"}
+
+
+def insert_json(client: Any, database: str, table: str, rows: list[bytes]) -> int:
+    """Insert records' JSON (one encoded record per item) into ``table``."""
+    if rows:
+        client.raw_insert(
+            f"{database}.{table}",
+            insert_block=b"\n".join(rows),
+            fmt="JSONEachRow",
+            settings=_JSON_INSERT,
+        )
+    return len(rows)
 
 
 def insert_records(client: Any, database: str, records: Iterable[msgspec.Struct]) -> int:
     """Insert records into their tables, one insert per table; return rows written."""
-    by_table: dict[str, list[list[Any]]] = defaultdict(list)
-    tables: dict[str, Table] = {}
+    by_table: dict[str, list[bytes]] = defaultdict(list)
     for rec in records:
-        t = table_for(rec)
-        tables[t.name] = t
-        by_table[t.name].append(t.to_row(rec))
-    for name, rows in by_table.items():
-        client.insert(f"{database}.{name}", rows, column_names=tables[name].column_names)
-    return sum(len(r) for r in by_table.values())
+        by_table[table_for(rec).name].append(encode(rec))
+    return sum(insert_json(client, database, name, rows) for name, rows in by_table.items())
 
 
 def read_records(
@@ -99,11 +127,7 @@ def read_records(
         sql += f" WHERE {where}"
     if order_by:
         sql += f" ORDER BY {order_by}"
-    result = client.query(
-        sql,
-        parameters=parameters or {},
-        column_formats={c: "bytes" for c in t.bytes_columns},
-    )
+    result = client.query(sql, parameters=parameters or {})
     names = result.column_names
     for row in result.result_rows:
         yield t.from_row(dict(zip(names, row, strict=True)))

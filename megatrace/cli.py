@@ -6,6 +6,7 @@ No domain logic lives here; each command calls into ``infra``, ``producers``,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -221,19 +222,44 @@ def _flow_config(obj: _Ctx, tail: bool):
         clickhouse_url=s.clickhouse_url(),
         database=obj.settings.clickhouse.database,
         tail=tail,
+        detect=obj.settings.detect,
     )
 
 
 @cli.command("run")
 @click.option("--once", is_flag=True, help="Stop at the end of the topics instead of tailing.")
+@click.option(
+    "--recovery-dir",
+    type=click.Path(file_okay=False),
+    help="Bytewax recovery store: a killed flow resumes from its last snapshot.",
+)
+@click.option(
+    "--snapshot-s", default=5.0, show_default=True, help="Seconds between snapshots (epoch length)."
+)
+@click.option("--quiet", is_flag=True, help="Do not print verdicts as they happen.")
 @click.pass_obj
-def run(obj: _Ctx, once: bool) -> None:
+def run(obj: _Ctx, once: bool, recovery_dir: str | None, snapshot_s: float, quiet: bool) -> None:
     """Run the dataflow against the configured broker and ClickHouse."""
+    from datetime import timedelta
+
+    from bytewax.recovery import RecoveryConfig, init_db_dir
     from bytewax.testing import run_main
 
     from flows.main import build_flow
 
-    run_main(build_flow(_flow_config(obj, tail=not once)))
+    recovery = None
+    if recovery_dir:
+        path = Path(recovery_dir)
+        if not path.exists():
+            path.mkdir(parents=True)
+            init_db_dir(path, 1)
+        recovery = RecoveryConfig(path)
+    cfg = _flow_config(obj, tail=not once)
+    if quiet:
+        cfg = dataclasses.replace(cfg, console=False)
+    run_main(
+        build_flow(cfg), epoch_interval=timedelta(seconds=snapshot_s), recovery_config=recovery
+    )
 
 
 def _publish(obj: _Ctx, records: Any, label: str) -> int:
@@ -517,6 +543,19 @@ def bench_codec(records: int) -> None:
 
     for line in codec_table(records):
         click.echo(line)
+
+
+@bench.command("pipeline")
+@click.option("--steps", default=8, show_default=True, help="Iterations of the healthy job.")
+@click.option("--scale", default="small", show_default=True)
+@click.option("--rate", default=20_000, show_default=True, help="Records/s of the paced run.")
+@click.option("--seconds", default=10.0, show_default=True, help="Length of the paced run.")
+@click.pass_obj
+def bench_pipeline(obj: _Ctx, steps: int, scale: str, rate: int, seconds: float) -> None:
+    """Raw consume+decode vs the full dataflow, and end-to-end latency, on this machine."""
+    from megatrace.bench import pipeline
+
+    pipeline(obj.settings, steps=steps, scale=scale, rate=rate, seconds=seconds, say=click.echo)
 
 
 def main() -> None:

@@ -287,6 +287,7 @@ class AlignedCollective(Record, frozen=True, kw_only=True, tag="aligned"):
     end_ns: TimeNs | None = None
     transfer_ns: DurationNs | None = None
     busbw_gbps: float | None = None
+    sender: int = -1  # the sending rank of a Send/Recv pair; -1 for collectives
     missing_ranks: list[Rank] = field(default_factory=list)
     unfinished_ranks: list[Rank] = field(default_factory=list)
     step: Count | None = None

@@ -3,24 +3,28 @@
 Every table is a ``ReplacingMergeTree`` ordered by the record's natural key, so
 replaying the same input (an at-least-once restart) never duplicates a row
 once merged; queries that must be exact read with ``FINAL``. Verdicts replace
-by ``revision``, so the latest update of an incident wins. Timestamps become
-``DateTime64(9, 'UTC')``; enums ``LowCardinality(String)``; nested records
-named tuples; each table is partitioned by day and expires by TTL.
+by ``revision``, so the latest update of an incident wins. Rows are inserted
+as the records' own JSON (``JSONEachRow``), parsed by ClickHouse itself.
+Timestamps are kept as ``Int64`` nanoseconds exactly as on the wire, and each
+gets a ``DateTime64(9, 'UTC')`` column materialized from it (``ts_ns`` ->
+``ts``) for partitioning, TTL and Grafana's time filters. Enums are
+``LowCardinality(String)``; nested records named tuples.
 
 >>> print(TABLES["heartbeats"].ddl("mt", retention_days=7))  # doctest: +NORMALIZE_WHITESPACE
 CREATE TABLE IF NOT EXISTS mt.heartbeats (
-  v Int64, job String, node String, rank Int64, clock LowCardinality(String),
-  ts_ns DateTime64(9, 'UTC'), pid Int64, step Nullable(Int64),
-  comms Array(Tuple(comm_hash UInt64, issued_seq Int64, completed_seq Int64))
+  v Int64, job String, node String, rank Int64, clock LowCardinality(String), ts_ns Int64,
+  pid Int64, step Nullable(Int64),
+  comms Array(Tuple(comm_hash UInt64, issued_seq Int64, completed_seq Int64)),
+  ts DateTime64(9, 'UTC') MATERIALIZED fromUnixTimestamp64Nano(ts_ns, 'UTC')
 ) ENGINE = ReplacingMergeTree
-PARTITION BY toYYYYMMDD(ts_ns)
+PARTITION BY toYYYYMMDD(ts)
 ORDER BY (job, rank, ts_ns)
-TTL toDateTime(ts_ns) + INTERVAL 7 DAY
+TTL toDateTime(ts) + INTERVAL 7 DAY
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,10 +51,21 @@ from schemas.records import (
 _DATETIME = "DateTime64(9, 'UTC')"
 
 
-def _ch_type(t: mi.Type) -> str:
-    """The ClickHouse column type of a msgspec type."""
+_TIME = "time"  # marker for timestamp fields (Int64 ns + a materialized DateTime64)
+
+
+def _is_time(t: mi.Type) -> bool:
     if isinstance(t, mi.Metadata):
-        if t.extra and "clickhouse" in t.extra:
+        return bool(t.extra and t.extra.get("clickhouse", "").startswith("DateTime64"))
+    if isinstance(t, mi.UnionType):
+        return any(_is_time(x) for x in t.types)
+    return False
+
+
+def _ch_type(t: mi.Type) -> str:
+    """The ClickHouse column type of a msgspec type (timestamps: Int64 ns)."""
+    if isinstance(t, mi.Metadata):
+        if t.extra and "clickhouse" in t.extra and not _is_time(t):
             return t.extra["clickhouse"]
         return _ch_type(t.type)
     if isinstance(t, mi.UnionType):
@@ -81,125 +96,83 @@ def _ch_type(t: mi.Type) -> str:
     raise TypeError(f"no ClickHouse type for {t}")
 
 
-def _to_value(t: mi.Type) -> Callable[[Any], Any]:
-    """A converter from a record attribute to what clickhouse-connect inserts."""
-    if isinstance(t, mi.Metadata):
-        return _to_value(t.type)
-    if isinstance(t, mi.UnionType):
-        (inner,) = [x for x in t.types if not isinstance(x, mi.NoneType)]
-        conv = _to_value(inner)
-        return lambda x: None if x is None else conv(x)
-    if isinstance(t, mi.EnumType):
-        return lambda x: x.value
-    if isinstance(t, mi.ListType):
-        conv = _to_value(t.item_type)
-        return lambda xs: [conv(x) for x in xs]
-    if isinstance(t, mi.StructType):
-        convs = [(f.name, _to_value(f.type)) for f in t.fields]
-        return lambda s: tuple(c(getattr(s, n)) for n, c in convs)
-    return lambda x: x
+def time_column(field_name: str) -> str:
+    """The DateTime64 column materialized from a ``*_ns`` field: ``ts_ns`` -> ``ts``."""
+    return field_name[:-3] if field_name.endswith("_ns") else f"{field_name}_time"
 
 
 @dataclass(frozen=True)
 class Table:
-    """One ClickHouse table holding one record type."""
+    """One ClickHouse table holding one record type (rows are inserted as JSON)."""
 
     name: str
     record: type[msgspec.Struct]
     order_by: tuple[str, ...]
-    time_column: str
+    time_field: str
     version_column: str | None = None
     _columns: list[tuple[str, str]] = field(init=False, repr=False)
-    _nested: list[tuple[int, Callable[[Any], Any]]] = field(init=False, repr=False)
+    _times: list[tuple[str, bool]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         info = mi.type_info(self.record)
         assert isinstance(info, mi.StructType)
         object.__setattr__(self, "_columns", [(f.name, _ch_type(f.type)) for f in info.fields])
-        nested = [(i, _to_value(f.type)) for i, f in enumerate(info.fields) if _has_struct(f.type)]
-        object.__setattr__(self, "_nested", nested)
+        times = [
+            (f.name, isinstance(f.type, mi.UnionType)) for f in info.fields if _is_time(f.type)
+        ]
+        object.__setattr__(self, "_times", times)
 
     @property
     def columns(self) -> list[tuple[str, str]]:
-        """(name, ClickHouse type) for every column, in record order."""
+        """(name, ClickHouse type) of the record's columns, in record order."""
         return list(self._columns)
 
     @property
     def column_names(self) -> list[str]:
         return [n for n, _ in self._columns]
 
+    @property
+    def time_columns(self) -> list[str]:
+        """The materialized DateTime64(9) columns (for Grafana's time filters)."""
+        return [time_column(n) for n, _ in self._times]
+
     def ddl(self, database: str, retention_days: int) -> str:
         """``CREATE TABLE IF NOT EXISTS`` for this table; ``retention_days=0`` keeps forever."""
-        cols = ", ".join(f"{n} {t}" for n, t in self._columns)
+        cols = [f"{n} {t}" for n, t in self._columns]
+        for n, nullable in self._times:
+            expr = f"fromUnixTimestamp64Nano({n}, 'UTC')"
+            if nullable:
+                expr = f"if(isNull({n}), NULL, fromUnixTimestamp64Nano(assumeNotNull({n}), 'UTC'))"
+                typ = f"Nullable({_DATETIME})"
+            else:
+                typ = _DATETIME
+            cols.append(f"{time_column(n)} {typ} MATERIALIZED {expr}")
         engine = (
             f"ReplacingMergeTree({self.version_column})"
             if self.version_column
             else ("ReplacingMergeTree")
         )
-        ttl = (
-            f"\nTTL toDateTime({self.time_column}) + INTERVAL {retention_days} DAY"
-            if retention_days > 0
-            else ""
-        )
+        t = time_column(self.time_field)
+        ttl = f"\nTTL toDateTime({t}) + INTERVAL {retention_days} DAY" if retention_days else ""
         return (
-            f"CREATE TABLE IF NOT EXISTS {database}.{self.name} (\n  {cols}\n) "
-            f"ENGINE = {engine}\nPARTITION BY toYYYYMMDD({self.time_column})\n"
+            f"CREATE TABLE IF NOT EXISTS {database}.{self.name} (\n  {', '.join(cols)}\n) "
+            f"ENGINE = {engine}\nPARTITION BY toYYYYMMDD({t})\n"
             f"ORDER BY ({', '.join(self.order_by)}){ttl}"
         )
 
-    def to_row(self, record: msgspec.Struct) -> list[Any]:
-        """The row to insert for a record, in :attr:`column_names` order."""
-        if type(record) is not self.record:
-            raise TypeError(f"table {self.name} holds {self.record.__name__}, got {record!r}")
-        row = list(msgspec.structs.astuple(record))
-        for i, conv in self._nested:  # only nested records need converting
-            row[i] = conv(row[i])
-        return row
-
     def select_list(self) -> str:
-        """Columns to select so that :meth:`from_row` rebuilds the exact record."""
-        return ", ".join(
-            f"toUnixTimestamp64Nano({n}) AS {n}"
-            if t.endswith(_DATETIME) or t == (f"Nullable({_DATETIME})")
-            else n
-            for n, t in self._columns
-        )
-
-    @property
-    def bytes_columns(self) -> list[str]:
-        """Columns holding raw bytes (read back as bytes, not text)."""
-        info = mi.type_info(self.record)
-        assert isinstance(info, mi.StructType)
-        return [f.name for f in info.fields if _is_bytes(f.type)]
+        return ", ".join(self.column_names)
 
     def from_row(self, row: Mapping[str, Any]) -> Any:
         """The record a selected row (as a name -> value mapping) stands for."""
         return msgspec.convert(dict(row), self.record, strict=False)
 
 
-def _has_struct(t: mi.Type) -> bool:
-    if isinstance(t, mi.Metadata):
-        return _has_struct(t.type)
-    if isinstance(t, mi.UnionType):
-        return any(_has_struct(x) for x in t.types)
-    if isinstance(t, mi.ListType):
-        return _has_struct(t.item_type)
-    return isinstance(t, mi.StructType)
-
-
-def _is_bytes(t: mi.Type) -> bool:
-    if isinstance(t, mi.Metadata):
-        return _is_bytes(t.type)
-    if isinstance(t, mi.UnionType):
-        return any(_is_bytes(x) for x in t.types)
-    return isinstance(t, mi.BytesType)
-
-
 _TABLE_LIST: Sequence[Table] = (
     Table("jobs", JobInfo, ("job",), "ts_ns"),
     Table("ranks", RankInfo, ("job", "rank"), "ts_ns"),
     Table("comms", CommInfo, ("job", "comm_hash"), "ts_ns"),
-    Table("collective_events", Collective, ("job", "comm_hash", "seq", "rank"), "enqueue_ns"),
+    Table("collective_events", Collective, ("job", "comm_hash", "seq", "rank", "op"), "enqueue_ns"),
     Table(
         "proxy_events",
         ProxySummary,
@@ -207,11 +180,16 @@ _TABLE_LIST: Sequence[Table] = (
         "first_ns",
     ),
     Table(
-        "kernel_events", Kernel, ("job", "node", "rank", "start_ns", "correlation_id"), "start_ns"
+        "kernel_events",
+        Kernel,
+        ("job", "node", "rank", "device", "stream", "start_ns", "correlation_id"),
+        "start_ns",
     ),
     Table("heartbeats", Heartbeat, ("job", "rank", "ts_ns"), "ts_ns"),
     Table("link_samples", LinkSample, ("job", "src_rank", "dst_rank", "nic", "ts_ns"), "ts_ns"),
-    Table("collectives", AlignedCollective, ("job", "comm_hash", "seq"), "first_arrival_ns"),
+    Table(
+        "collectives", AlignedCollective, ("job", "comm_hash", "seq", "sender"), "first_arrival_ns"
+    ),
     Table("rank_steps", RankStep, ("job", "step", "rank"), "start_ns"),
     Table("steps", StepSummary, ("job", "step"), "start_ns"),
     Table("verdicts", Verdict, ("job", "verdict_id"), "detected_ns", version_column="revision"),

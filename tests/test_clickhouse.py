@@ -50,7 +50,8 @@ def test_latest_verdict_revision_wins(ch: Any, database: str) -> None:
 def test_retention_ttl_is_in_the_ddl(ch: Any, database: str) -> None:
     init_db(ch, database + "_ttl", retention_days=3)
     ddl = ch.command(f"SHOW CREATE TABLE {database}_ttl.verdicts")
-    assert "TTL toDateTime(detected_ns) + toIntervalDay(3)" in ddl
+    assert "TTL toDateTime(detected) + toIntervalDay(3)" in ddl
+    assert "MATERIALIZED fromUnixTimestamp64Nano(detected_ns" in ddl
 
 
 def test_second_embedded_directory_is_a_clear_error(ch: Any, tmp_path) -> None:
@@ -61,3 +62,13 @@ def test_second_embedded_directory_is_a_clear_error(ch: Any, tmp_path) -> None:
 def test_unknown_url_scheme_is_a_clear_error() -> None:
     with pytest.raises(ClickHouseError, match="unsupported ClickHouse URL scheme 'ftp'"):
         connect("ftp://x")
+
+
+def test_a_table_with_an_old_schema_is_a_clear_error(ch: Any, database: str) -> None:
+    ch.command(f"DROP TABLE {database}.heartbeats")
+    ch.command(
+        f"CREATE TABLE {database}.heartbeats (job String, ts_ns DateTime64(9)) "
+        "ENGINE = MergeTree ORDER BY job"
+    )
+    with pytest.raises(ClickHouseError, match="heartbeats exists with a different schema"):
+        init_db(ch, database, retention_days=0)

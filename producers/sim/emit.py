@@ -278,7 +278,7 @@ class Emitter:
                         stream=13,
                         name=_NCCL_KERNEL[o],
                         kind=KernelKind.NCCL,
-                        correlation_id=0,
+                        correlation_id=self._next_corr(),
                         start_ns=s,
                         end_ns=e,
                         comm_hash=self.comm_hash[cm],
@@ -335,6 +335,11 @@ class Emitter:
                 )
             )
         return out
+
+    def _next_corr(self) -> int:
+        """CUPTI correlation ids are unique per launch; NCCL launches count from 2**32."""
+        self._corr = getattr(self, "_corr", 1 << 32) + 1
+        return self._corr
 
     def heartbeats(self, ts_ns: np.ndarray | int, step: int) -> list[Heartbeat]:
         sp = self.spec

@@ -1,0 +1,172 @@
+"""``megatrace bench pipeline``: raw consume+decode vs the full dataflow, and latency.
+
+Composition only: the simulator makes the records, the publisher sends them,
+the flow processes them; this module times the three and prints a table.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from flows.main import FlowConfig, build_flow
+from infra.clickhouse import init_db
+from infra.kafka import consumer_config, ensure_topics, producer_config
+from infra.stack import Stack
+from producers.publish import KafkaPublisher
+from producers.sim.scenarios import build
+from schemas.codec import decode
+from schemas.config import Settings
+from schemas.topics import Topics
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class _Probe:
+    """Collects (records, produced ms, stored ms) from the ClickHouse sink."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.last_ns = 0
+        self.lat: list[tuple[int, int]] = []
+
+    def __call__(self, count: int, produced_ms: int, stored_ms: int) -> None:
+        self.n += count
+        self.last_ns = time.monotonic_ns()
+        if produced_ms > 0:
+            self.lat.append((stored_ms - produced_ms, count))
+
+    def percentile(self, q: float) -> float:
+        if not self.lat:
+            return float("nan")
+        v = np.repeat([x for x, _ in self.lat], [c for _, c in self.lat])
+        return float(np.percentile(v, q))
+
+
+def _raw_consume(settings: Settings, bootstrap: str, topics: Topics, n: int) -> float:
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer(consumer_config(settings.kafka, bootstrap))
+    meta = c.list_topics(timeout=10)
+    c.assign([TopicPartition(t, p, 0) for t in topics.inputs for p in meta.topics[t].partitions])
+    got = 0
+    t0 = time.perf_counter()
+    deadline = t0 + 300
+    while got < n and time.perf_counter() < deadline:
+        for m in c.consume(5000, timeout=0.2):
+            if m.error() is None:
+                decode(m.value())
+                got += 1
+    dt = time.perf_counter() - t0
+    c.close()
+    return got / dt
+
+
+def _flow(settings: Settings, stack: Stack, topics: Topics, probe: _Probe, database: str) -> None:
+    from bytewax.testing import run_main
+
+    boot = stack.bootstrap()
+
+    def opts(conf: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in conf.items() if k != "bootstrap.servers"}
+
+    cfg = FlowConfig(
+        brokers=[boot],
+        consumer_options=opts(consumer_config(settings.kafka, boot)),
+        producer_options=opts(producer_config(settings.kafka, boot)),
+        topics=topics,
+        clickhouse_url=stack.clickhouse_url(),
+        database=database,
+        tail=False,
+        idle_stop_s=2.0,
+        console=False,
+        on_stored=probe,
+    )
+    run_main(build_flow(cfg))
+
+
+def pipeline(
+    settings: Settings,
+    *,
+    steps: int,
+    scale: str,
+    rate: int,
+    seconds: float,
+    say: Callable[[str], None],
+) -> None:
+    stack = Stack(settings)
+    stack.up()
+    boot = stack.bootstrap()
+    database = f"{settings.clickhouse.database}_bench"
+    init_db(stack.clickhouse(), database, 1)
+    prefix = f"bench{time.time_ns() % 10**9}."
+    topics = Topics(prefix=prefix)
+    ensure_topics(settings.kafka, boot, topics.all)
+    run = build("healthy", scale=scale, seed=0, steps=steps, now=True)
+    recs = list(run.records())
+    n = len(recs)
+    say(
+        f"{n} records of a {run.spec.world_size}-rank job, {settings.kafka.partitions} "
+        f"partitions per topic"
+    )
+    pub = KafkaPublisher(producer_config(settings.kafka, boot), topics)
+    t0 = time.perf_counter()
+    pub.publish_all(recs)
+    pub.flush()
+    produce_rate = n / (time.perf_counter() - t0)
+    raw_rate = _raw_consume(settings, boot, topics, n)
+    probe = _Probe()
+    rss0 = _rss_mb()
+    t0 = time.monotonic_ns()
+    _flow(settings, stack, topics, probe, database)
+    full_rate = probe.n / max(1e-9, (probe.last_ns - t0) / 1e9)
+    rss1 = _rss_mb()
+    # latency: a paced producer while the flow runs
+    topics2 = Topics(prefix=f"{prefix}lat.")
+    ensure_topics(settings.kafka, boot, topics2.all)
+    paced = list(build("healthy", scale=scale, seed=1, steps=max(2, steps), now=True).records())
+    total = min(len(paced), int(rate * seconds))
+    pub2 = KafkaPublisher(producer_config(settings.kafka, boot), topics2)
+
+    def produce() -> None:
+        start = time.perf_counter()
+        for i, rec in enumerate(paced[:total]):
+            pub2.publish(rec)
+            if i % 1000 == 0:
+                lag = i / rate - (time.perf_counter() - start)
+                if lag > 0:
+                    time.sleep(lag)
+                pub2._producer.poll(0)
+        pub2.flush()
+
+    probe2 = _Probe()
+    th = threading.Thread(target=produce, daemon=True)
+    th.start()
+    _flow(settings, stack, topics2, probe2, database)
+    th.join()
+    rss2 = _rss_mb()
+    rows = [
+        ("produce (idempotent producer)", f"{produce_rate:,.0f} records/s"),
+        ("raw consume + decode", f"{raw_rate:,.0f} records/s"),
+        ("full pipeline (decode, store, align, analyse)", f"{full_rate:,.0f} records/s"),
+        ("full / raw", f"{full_rate / raw_rate:.0%}"),
+        (f"latency p50 at {rate:,} records/s", f"{probe2.percentile(50):,.0f} ms"),
+        (f"latency p99 at {rate:,} records/s", f"{probe2.percentile(99):,.0f} ms"),
+        ("records through the paced run", f"{probe2.n:,} of {total:,}"),
+        (
+            "peak RSS after bulk run / after paced run",
+            f"{rss1:,.0f} / {rss2:,.0f} MB (before: {rss0:,.0f} MB)",
+        ),
+    ]
+    width = max(len(a) for a, _ in rows)
+    for a, b in rows:
+        say(f"{a:<{width}}  {b}")
+
+
+__all__ = ["pipeline"]
