@@ -68,7 +68,14 @@ def _raw_consume(settings: Settings, bootstrap: str, topics: Topics, n: int) -> 
     return got / dt
 
 
-def _flow(settings: Settings, stack: Stack, topics: Topics, probe: _Probe, database: str) -> None:
+def _flow(
+    settings: Settings,
+    stack: Stack,
+    topics: Topics,
+    probe: _Probe,
+    database: str,
+    idle_s: float = 2.0,
+) -> None:
     from bytewax.testing import run_main
 
     boot = stack.bootstrap()
@@ -148,7 +155,7 @@ def pipeline(
     probe2 = _Probe()
     th = threading.Thread(target=produce, daemon=True)
     th.start()
-    _flow(settings, stack, topics2, probe2, database)
+    _flow(settings, stack, topics2, probe2, database, idle_s=10.0)  # outlast quiet partitions
     th.join()
     rss2 = _rss_mb()
     rows = [
@@ -169,4 +176,43 @@ def pipeline(
         say(f"{a:<{width}}  {b}")
 
 
-__all__ = ["pipeline"]
+def simulate(scales: list[str], steps: int, say: Callable[[str], None]) -> None:
+    """Generation throughput per scale: the columnar engine, records, and encoded bytes."""
+    from producers.sim.emit import Emitter
+    from producers.sim.engine import Engine
+    from producers.sim.scenarios import scale_spec
+    from schemas.codec import encode
+
+    say(
+        f"{'scale':<8} {'ranks':>6} {'events/step':>12} {'engine ev/s':>13} "
+        f"{'records/s':>11} {'encoded rec/s':>14}"
+    )
+    for scale in scales:
+        engine = Engine(scale_spec(scale))
+        emitter = Emitter(engine)
+        n_ev = t_eng = t_rec = t_enc = 0.0
+        n_rec = 0
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            tr = engine.step()
+            t1 = time.perf_counter()
+            recs = list(emitter.step_records(tr))
+            t2 = time.perf_counter()
+            for r in recs:
+                encode(r)
+            t3 = time.perf_counter()
+            n_ev += (
+                len(tr.colls["rank"])
+                + len(tr.proxies["rank"])
+                + len(tr.kernels["rank"])
+                + (len(tr.links["src"]) + engine.spec.world_size)
+            )
+            n_rec += len(recs)
+            t_eng, t_rec, t_enc = t_eng + t1 - t0, t_rec + t2 - t0, t_enc + t3 - t0
+        say(
+            f"{scale:<8} {engine.spec.world_size:>6} {n_ev / steps:>12,.0f} {n_ev / t_eng:>13,.0f} "
+            f"{n_rec / t_rec:>11,.0f} {n_rec / t_enc:>14,.0f}"
+        )
+
+
+__all__ = ["pipeline", "simulate"]

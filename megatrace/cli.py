@@ -558,6 +558,22 @@ def bench_pipeline(obj: _Ctx, steps: int, scale: str, rate: int, seconds: float)
     pipeline(obj.settings, steps=steps, scale=scale, rate=rate, seconds=seconds, say=click.echo)
 
 
+@bench.command("simulate")
+@click.option(
+    "--scale",
+    "scales",
+    multiple=True,
+    default=["tiny", "small", "medium", "large"],
+    show_default=True,
+)
+@click.option("--steps", default=2, show_default=True)
+def bench_simulate(scales: tuple[str, ...], steps: int) -> None:
+    """Simulator generation throughput per scale (one core)."""
+    from megatrace.bench import simulate as sim_bench
+
+    sim_bench(list(scales), steps, click.echo)
+
+
 def main() -> None:
     try:
         cli(standalone_mode=True)

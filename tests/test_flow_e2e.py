@@ -97,3 +97,25 @@ def test_analyze_names_the_bad_line(tmp_path) -> None:
     res = CliRunner().invoke(cli, ["analyze", str(bad)])
     assert res.exit_code == 1
     assert "r.jsonl:1" in res.output and "rank" in res.output
+
+
+def test_a_64_rank_scenario_goes_through_the_broker_and_decodes(settings: Settings) -> None:
+    from collections import Counter
+
+    from schemas.codec import decode
+    from schemas.topics import Topics
+    from tests.helpers import consume_all
+
+    run = build("slow-gpu", scale="small", seed=0, steps=3, kernels=False)
+    records = list(run.records())
+    assert run.spec.world_size == 64
+    pub = publisher(settings)
+    pub.publish_all(records)
+    pub.flush()
+    topics = Topics(prefix=settings.kafka.topic_prefix)
+    per_topic = Counter(topics.for_record(r) for r in records)
+    got: Counter[str] = Counter()
+    for topic in topics.inputs:
+        for m in consume_all(settings, topic, expect=per_topic[topic], timeout_s=30):
+            got[type(decode(m.value())).__name__] += 1
+    assert got == Counter(type(r).__name__ for r in records)
