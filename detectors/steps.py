@@ -96,6 +96,7 @@ class StepAssembler:
         self._at: dict[int, int] = {}  # how many communicators have that highest step
         self._min_step = -1
         self._expected = (-1, 0)
+        self._known = -1
 
     def expected_instances(self) -> int:
         """Instances one complete step has (cached; recomputed when communicators are added)."""
@@ -141,11 +142,13 @@ class StepAssembler:
         moved two steps past it: partitions of a topic are read at different paces,
         so the communicators seen so far say nothing about the others.
         """
-        for c in self.topo.comms:
-            if c not in self._comm_step:  # not heard from yet: holds the watermark at -1
-                self._comm_step[c] = -1
-                self._at[-1] = self._at.get(-1, 0) + 1
-                self._min_step = -1
+        if len(self.topo.comms) != self._known:
+            self._known = len(self.topo.comms)
+            for c in self.topo.comms:
+                if c not in self._comm_step:  # not heard from yet: holds the watermark at -1
+                    self._comm_step[c] = -1
+                    self._at[-1] = self._at.get(-1, 0) + 1
+                    self._min_step = -1
         prev = self._comm_step.get(comm)
         if prev is not None and step <= prev:
             return []
