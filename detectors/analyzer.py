@@ -260,20 +260,7 @@ class JobAnalyzer:
             ):
                 out.append(v)
             self.slow_open = None
-            for (src, dst), culprit in self.link_culprits.items():
-                if v := self.book.report(
-                    VerdictKind.LINK_DEGRADATION,
-                    Cause.NETWORK_LINK,
-                    culprit,
-                    onset_step=None,
-                    onset_ns=0,
-                    detected_ns=rep.end_ns,
-                    severity=0.0,
-                    confidence=0.9,
-                    src_rank=src,
-                    dst_rank=dst,
-                ):
-                    out.append(v)
+            out += self._link_severity(0.0, rep)
             return out
         return self._burst(onset, ratio, length, rep)
 

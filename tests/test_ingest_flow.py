@@ -9,14 +9,14 @@ from bytewax.testing import run_main
 
 from flows.main import build_flow
 from infra.clickhouse import read_records
-from producers.sample import sample_job
+from producers.sim.scenarios import build
 from schemas.codec import decode
 from schemas.config import Settings
 from schemas.records import EVENT_TYPES, DeadLetter
 from schemas.tables import TABLE_FOR
 from schemas.topics import Topics
 from schemas.units import DeadLetterReason
-from tests.examples import T0, every_record
+from tests.examples import every_record
 from tests.helpers import consume_all, flow_config, publisher
 
 pytestmark = pytest.mark.integration
@@ -39,7 +39,8 @@ def test_every_event_type_reaches_clickhouse_and_bad_input_is_dead_lettered(
     # bad records first and in the middle: the flow must keep going after them
     for raw, _ in BAD[:2]:
         pub.publish_raw(topics.heartbeat, b"job-a", raw)
-    bulk = list(sample_job("job-b", nodes=2, gpus_per_node=4, steps=25, t0_ns=T0))
+    sim = build("healthy", scale="tiny", seed=0, steps=4)
+    bulk = list(sim.records())
     pub.publish_all(bulk[: len(bulk) // 2])
     for raw, _ in BAD[2:]:
         pub.publish_raw(topics.comm, b"job-a", raw)
@@ -54,7 +55,7 @@ def test_every_event_type_reaches_clickhouse_and_bad_input_is_dead_lettered(
         table = TABLE_FOR[type(rec)].name
         assert rec in list(read_records(ch, db, table, "job = 'job-a'")), table
     stored = sum(
-        len(list(read_records(ch, db, t, "job = 'job-b'")))
+        len(list(read_records(ch, db, t, f"job = '{sim.spec.job}'")))
         for t in (
             "jobs",
             "ranks",
