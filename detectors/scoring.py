@@ -121,7 +121,7 @@ class Score:
             rows.append(
                 f"{kind:<22} {k.tp:>4} {k.fp:>4} {k.fn:>4} {k.precision:>6.2f} "
                 f"{k.recall:>6.2f} {k.f1:>5.2f} {k.culprit_accuracy:>7.0%} "
-                f"{p50:>7.2f}s {p95:>7.2f}s {s50:>9.1f}"
+                f"{_secs(p50):>8} {_secs(p95):>8} {_num(s50):>9}"
             )
         per10k = self.healthy_alarms / self.healthy_steps * 1e4 if self.healthy_steps else 0.0
         rows.append(
@@ -129,6 +129,14 @@ class Score:
             f"({self.healthy_alarms} over {self.healthy_steps} steps)"
         )
         return rows
+
+
+def _secs(x: float) -> str:
+    return "-" if np.isnan(x) else f"{x:.2f}s"
+
+
+def _num(x: float) -> str:
+    return "-" if np.isnan(x) else f"{x:.1f}"
 
 
 def _culprit_ok(lab: FaultLabel, v: Verdict) -> bool:

@@ -496,8 +496,15 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
 @click.option("--scale", "scales", multiple=True, default=["tiny"], show_default=True)
 @click.option("--seeds", default=3, show_default=True, help="Seeds per scenario.")
 @click.option("--scenario", "names", multiple=True, help="Only these scenarios.")
-def evaluate(scales: tuple[str, ...], seeds: int, names: tuple[str, ...]) -> None:
-    """Detection quality on the labelled scenario catalogue (megatrace's detectors)."""
+@click.option(
+    "--baselines/--no-baselines",
+    default=True,
+    show_default=True,
+    help="Also score the peers' rules (HTA, NVRx, Flight Recorder, fixed threshold).",
+)
+def evaluate(scales: tuple[str, ...], seeds: int, names: tuple[str, ...], baselines: bool) -> None:
+    """Detection quality on the labelled scenario catalogue, megatrace beside its peers."""
+    from detectors.baselines import BASELINES
     from detectors.replay import Replay
     from detectors.scoring import Score
     from producers.sim.scenarios import SCENARIOS, build
@@ -510,24 +517,30 @@ def evaluate(scales: tuple[str, ...], seeds: int, names: tuple[str, ...]) -> Non
         if n != "story"
         for seed in range(seeds)
     ]
-    score = Score()
-    cost: list[float] = []
+    methods = ["megatrace", *(BASELINES if baselines else [])]
+    scores = {m: Score() for m in methods}
+    cost: dict[str, float] = dict.fromkeys(methods, 0.0)
     with click.progressbar(
         todo, label="scenarios", item_show_func=lambda x: x and f"{x[0]} {x[1]} seed {x[2]}"
     ) as bar:
         for name, scale, seed in bar:
             run = build(name, scale=scale, seed=seed + 100)
+            records = list(run.records(emit_kernels=baselines))
             replay = Replay()
             t0 = time.perf_counter()
-            verdicts = [
-                v for v in replay.run(run.records(emit_kernels=False)) if isinstance(v, Verdict)
-            ]
-            cost.append(time.perf_counter() - t0)
+            found = [v for v in replay.run(records) if isinstance(v, Verdict)]
+            cost["megatrace"] += time.perf_counter() - t0
             step_ns = next(iter(replay.jobs.values())).expected_step_ns() or 0.0
-            score.add_run(run.labels, verdicts, run.steps, step_ns)
-    for line in score.table():
-        click.echo(line)
-    click.echo(f"{len(todo)} runs, {sum(cost):.1f}s of simulation + analysis")
+            scores["megatrace"].add_run(run.labels, found, run.steps, step_ns)
+            for m in methods[1:]:
+                t0 = time.perf_counter()
+                found = BASELINES[m]().run(records)
+                cost[m] += time.perf_counter() - t0
+                scores[m].add_run(run.labels, found, run.steps, step_ns)
+    for m in methods:
+        click.echo(f"\n== {m} ({cost[m]:.1f}s of analysis over {len(todo)} runs)")
+        for line in scores[m].table():
+            click.echo(line)
 
 
 @cli.group()

@@ -152,6 +152,7 @@ def test_eval_prints_the_quality_table_on_a_small_catalogue() -> None:
         cli,
         [
             "eval",
+            "--no-baselines",
             "--seeds",
             "1",
             "--scenario",
@@ -163,7 +164,21 @@ def test_eval_prints_the_quality_table_on_a_small_catalogue() -> None:
         ],
     )
     assert res.exit_code == 0, res.output
+
     rows = {line.split()[0]: line.split() for line in res.output.splitlines() if line}
     assert rows["hang"][1:4] == ["1", "0", "0"]  # TP, FP, FN
     assert rows["link_degradation"][1:4] == ["1", "0", "0"]
     assert "false alarms per 10,000 healthy steps: 0.0" in res.output
+
+
+def test_eval_scores_the_peers_rules_too() -> None:
+    from click.testing import CliRunner
+
+    from megatrace.cli import cli
+
+    res = CliRunner().invoke(cli, ["eval", "--seeds", "1", "--scenario", "missing-recv"])
+    assert res.exit_code == 0, res.output
+    fr = res.output.split("== flight-recorder")[1].split("==")[0]
+    hang = next(line for line in fr.splitlines() if line.startswith("hang"))
+    assert "600." in hang  # the watchdog timeout is its latency
+    assert "== hta" in res.output and "== nvrx" in res.output and "== fixed-threshold" in res.output
