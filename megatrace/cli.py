@@ -227,7 +227,7 @@ def _flow_config(obj: _Ctx, tail: bool):
 
 
 @cli.command("run")
-@click.option("--once", is_flag=True, help="Stop at the end of the topics instead of tailing.")
+@click.option("--once", is_flag=True, help="Stop when the topics stay quiet instead of tailing.")
 @click.option(
     "--recovery-dir",
     type=click.Path(file_okay=False),
@@ -236,17 +236,35 @@ def _flow_config(obj: _Ctx, tail: bool):
 @click.option(
     "--snapshot-s", default=5.0, show_default=True, help="Seconds between snapshots (epoch length)."
 )
+@click.option("--workers", default=1, show_default=True, help="Worker threads in this process.")
+@click.option("--process-id", type=int, help="This process's index in a multi-process cluster.")
+@click.option("--addresses", help="host:port of every process of the cluster, ';'-separated.")
 @click.option("--quiet", is_flag=True, help="Do not print verdicts as they happen.")
 @click.pass_obj
-def run(obj: _Ctx, once: bool, recovery_dir: str | None, snapshot_s: float, quiet: bool) -> None:
-    """Run the dataflow against the configured broker and ClickHouse."""
+def run(
+    obj: _Ctx,
+    once: bool,
+    recovery_dir: str | None,
+    snapshot_s: float,
+    workers: int,
+    process_id: int | None,
+    addresses: str | None,
+    quiet: bool,
+) -> None:
+    """Run the dataflow against the configured broker and ClickHouse.
+
+    Scale out with several processes (--process-id/--addresses) over partitioned
+    topics; with the embedded ClickHouse each process needs its own directory.
+    """
     from datetime import timedelta
 
+    from bytewax._bytewax import cli_main
     from bytewax.recovery import RecoveryConfig, init_db_dir
-    from bytewax.testing import run_main
 
     from flows.main import build_flow
 
+    if (process_id is None) != (addresses is None):
+        raise click.UsageError("--process-id and --addresses go together")
     recovery = None
     if recovery_dir:
         path = Path(recovery_dir)
@@ -257,8 +275,13 @@ def run(obj: _Ctx, once: bool, recovery_dir: str | None, snapshot_s: float, quie
     cfg = _flow_config(obj, tail=not once)
     if quiet:
         cfg = dataclasses.replace(cfg, console=False)
-    run_main(
-        build_flow(cfg), epoch_interval=timedelta(seconds=snapshot_s), recovery_config=recovery
+    cli_main(
+        build_flow(cfg),
+        workers_per_process=workers,
+        process_id=process_id,
+        addresses=addresses.split(";") if addresses else None,
+        epoch_interval=timedelta(seconds=snapshot_s),
+        recovery_config=recovery,
     )
 
 
