@@ -215,4 +215,59 @@ def simulate(scales: list[str], steps: int, say: Callable[[str], None]) -> None:
         )
 
 
-__all__ = ["pipeline", "simulate"]
+def analyze(scale: str, steps: int, say: Callable[[str], None]) -> None:
+    """Cost of the detectors per training step at a scale, in one process, by stage."""
+    from detectors.align import CollectiveAligner
+    from detectors.analyzer import JobAnalyzer
+    from schemas.records import Collective
+
+    run = build("slow-gpu", scale=scale, seed=0, steps=steps, kernels=False)
+    records = list(run.records())
+    aligners: dict[int, CollectiveAligner] = {}
+    job = JobAnalyzer(run.spec.job)
+    step_s: list[float] = []
+    plain_step = job._step
+
+    def timed_step(rep):
+        t0 = time.perf_counter()
+        out = plain_step(rep)
+        step_s.append(time.perf_counter() - t0)
+        return out
+
+    job._step = timed_step  # type: ignore[method-assign]
+    t_align = t_job = 0.0
+    instances = 0
+    for rec in records:
+        t0 = time.perf_counter()
+        if isinstance(rec, Collective):
+            al = aligners.get(rec.comm_hash)
+            if al is None:
+                al = aligners[rec.comm_hash] = CollectiveAligner()
+            found = al.update(rec)
+            t1 = time.perf_counter()
+            t_align += t1 - t0
+            instances += len(found)
+            for inst in found:
+                job.update(inst)
+            t_job += time.perf_counter() - t1
+        else:
+            job.update(rec)
+            t_job += time.perf_counter() - t0
+    n = run.steps
+    med = sorted(step_s)[len(step_s) // 2] if step_s else 0.0
+    say(
+        f"{scale}: {run.spec.world_size} ranks, {len(records) / n:,.0f} records and "
+        f"{instances / n:,.0f} collective instances per step"
+    )
+    say(
+        f"  alignment (per communicator, parallel across workers)  {t_align / n * 1e3:9.1f} ms/step"
+    )
+    say(f"  per-job ingest of instances + step analysis           {t_job / n * 1e3:9.1f} ms/step")
+    say(
+        f"  step analysis alone (change points, critical path,     {med * 1e3:9.1f} ms median, "
+        f"{max(step_s, default=0) * 1e3:.1f} ms max"
+    )
+    say("   localisation, step and rank tables)")
+
+
+__all__ = ["analyze", "pipeline", "simulate"]

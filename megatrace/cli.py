@@ -610,6 +610,16 @@ def bench_simulate(scales: tuple[str, ...], steps: int) -> None:
     sim_bench(list(scales), steps, click.echo)
 
 
+@bench.command("analyze")
+@click.option("--scale", default="large", show_default=True)
+@click.option("--steps", default=8, show_default=True)
+def bench_analyze(scale: str, steps: int) -> None:
+    """Detector cost per training step at a scale (4,096 ranks by default)."""
+    from megatrace.bench import analyze as analyze_bench
+
+    analyze_bench(scale, steps, click.echo)
+
+
 def main() -> None:
     try:
         cli(standalone_mode=True)
