@@ -609,7 +609,12 @@ class Engine:
                     first=arrive[fin],
                     last=endb[fin],
                     gpu_wait=np.minimum(self.lead[s][fin], 50e3),
-                    peer_wait=np.where(np.isfinite(lastw), lastw - arrive, 0.0)[fin]
+                    peer_wait=np.subtract(
+                        lastw,
+                        arrive,
+                        out=np.zeros(arrive.shape),
+                        where=np.isfinite(lastw) & np.isfinite(arrive),
+                    )[fin]
                     + np.broadcast_to(xfer - lat - edge_xfer, arrive.shape)[fin],
                     net_wait=np.where(hung_edge[fin], INF, edge_xfer[fin]),
                     flush_wait=0.0,
