@@ -398,6 +398,38 @@ def simulate(
         )
 
 
+@cli.group("import")
+def import_() -> None:
+    """Import records from real sources (one-shot)."""
+
+
+@import_.command("kineto")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--job", required=True, help="Job id to give the records.")
+@click.option("--node", default="unknown", show_default=True, help="Host the traces came from.")
+@click.option(
+    "--to", "to", default="kafka", show_default=True, help="'kafka' or a JSON-lines file."
+)
+@click.pass_obj
+def import_kineto(obj: _Ctx, paths: tuple[str, ...], job: str, node: str, to: str) -> None:
+    """PyTorch profiler (Kineto) traces: CUPTI kernels and NCCL kernel metadata."""
+    from producers.kineto import TraceError, read_kineto
+    from schemas.codec import write_jsonl
+
+    def records():
+        for p in paths:
+            yield from read_kineto(Path(p), job=job, node=node)
+
+    try:
+        if to == "kafka":
+            n = _publish(obj, records(), "publishing")
+        else:
+            n = write_jsonl(Path(to), records())
+    except TraceError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{n} records from {len(paths)} trace(s)")
+
+
 @cli.command("analyze")
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="One verdict per line as JSON.")

@@ -1,0 +1,50 @@
+"""The Kineto/CUPTI reader on a real PyTorch profiler trace (../shared/fixtures)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from producers.kineto import TraceError, read_kineto
+from schemas.codec import decode, encode
+from schemas.records import CommInfo, Kernel
+from schemas.units import CollOp, KernelKind
+
+FIXTURE = (
+    Path(__file__).resolve().parents[2] / "shared/fixtures/kineto/rank0_allreduce_nccl2.17.json.gz"
+)
+if not FIXTURE.exists():  # a checkout with shared/ inside it
+    FIXTURE = (
+        Path(__file__).resolve().parents[1]
+        / "shared/fixtures/kineto/rank0_allreduce_nccl2.17.json.gz"
+    )
+
+pytestmark = pytest.mark.skipif(not FIXTURE.exists(), reason="shared fixtures not present")
+
+
+def test_real_trace_gives_kernels_with_nccl_metadata() -> None:
+    recs = list(read_kineto(FIXTURE, job="hta", node="host-a"))
+    kernels = [r for r in recs if isinstance(r, Kernel)]
+    kinds = Counter(k.kind for k in kernels)
+    assert kinds[KernelKind.NCCL] == 21
+    assert kinds[KernelKind.COMPUTE] == 2700 - 21
+    assert kinds[KernelKind.MEMCPY] == 960 and kinds[KernelKind.MEMSET] == 114
+    nccl = [k for k in kernels if k.kind == KernelKind.NCCL]
+    # DDP broadcasts parameters at start, then all-reduces gradients
+    assert Counter(k.coll_op for k in nccl) == {CollOp.ALL_REDUCE: 15, CollOp.BROADCAST: 6}
+    assert all(k.group_size == 2 and k.rank == 0 and k.pg_name == "0" for k in nccl)
+    assert nccl[0].count == 6637568
+    (pg,) = [r for r in recs if isinstance(r, CommInfo)]
+    assert pg.ranks == [0, 1] and {k.comm_hash for k in nccl} == {pg.comm_hash}
+    # real unix-epoch nanoseconds, end after start, and every record is a valid wire record
+    assert all(1.7e18 < k.start_ns <= k.end_ns < 1.8e18 for k in kernels)
+    assert all(decode(encode(r)) == r for r in recs[:: max(1, len(recs) // 500)])
+
+
+def test_not_a_trace_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "x.json"
+    bad.write_text('{"hello": 1}')
+    with pytest.raises(TraceError, match="not a Kineto trace"):
+        list(read_kineto(bad, job="j", node="n"))
