@@ -273,6 +273,9 @@ def run(
             init_db_dir(path, 1)
         recovery = RecoveryConfig(path)
     cfg = _flow_config(obj, tail=not once)
+    from infra.clickhouse import init_db
+
+    init_db(obj.stack().clickhouse(), cfg.database, obj.settings.clickhouse.retention_days)
     if quiet:
         cfg = dataclasses.replace(cfg, console=False)
     cli_main(
