@@ -19,7 +19,8 @@ from detectors.align import Instance
 from detectors.topology import Topology
 from schemas.units import CommRole
 
-SpanKey = tuple[int, int, str, int]  # (dp replica, stage, phase, micro-batch)
+SpanKey = tuple[int, int, str, int]
+_NEVER = 1 << 62  # (dp replica, stage, phase, micro-batch)
 
 
 @dataclass
@@ -57,26 +58,26 @@ class _Acc:
     start: int = 1 << 62
     end: int = 0
     dp_end: int = 0
-    lateness: np.ndarray = field(init=False)
-    blame: np.ndarray = field(init=False)
-    wait: np.ndarray = field(init=False)
-    lead_sum: np.ndarray = field(init=False)
-    lead_n: np.ndarray = field(init=False)
-    first: np.ndarray = field(init=False)
-    last_end: np.ndarray = field(init=False)
+    lateness: list[float] = field(init=False)
+    blame: list[float] = field(init=False)
+    wait: list[float] = field(init=False)
+    lead_sum: list[float] = field(init=False)
+    lead_n: list[int] = field(init=False)
+    first: list[int] = field(init=False)
+    last_end: list[int] = field(init=False)
     spans: dict[SpanKey, list[int]] = field(default_factory=dict)
     node_late: dict[SpanKey, dict[int, float]] = field(default_factory=dict)
     transfer: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         w = self.world
-        self.lateness = np.zeros(w)
-        self.blame = np.zeros(w)
-        self.wait = np.zeros(w)
-        self.lead_sum = np.zeros(w)
-        self.lead_n = np.zeros(w)
-        self.first = np.full(w, np.iinfo(np.int64).max, dtype=np.int64)
-        self.last_end = np.zeros(w, dtype=np.int64)
+        self.lateness = [0.0] * w
+        self.blame = [0.0] * w
+        self.wait = [0.0] * w
+        self.lead_sum = [0.0] * w
+        self.lead_n = [0] * w
+        self.first = [_NEVER] * w
+        self.last_end = [0] * w
 
 
 class StepAssembler:
@@ -167,42 +168,48 @@ class StepAssembler:
         return []
 
     def _fold(self, acc: _Acc, inst: Instance, phase: str, mb: int | None, role: CommRole) -> None:
+        # plain Python: members are few (a TP group, a DP ring, a pair), numpy calls cost more
         acc.n += 1
-        ranks = np.fromiter(inst.ranks, dtype=np.int64)
-        arr = np.fromiter(inst.arrival, dtype=np.int64)
-        end = np.fromiter(inst.end, dtype=np.int64)
-        enq = np.fromiter(inst.enqueue, dtype=np.int64)
-        acc.start = min(acc.start, int(arr.min()))
-        acc.end = max(acc.end, int(end.max()))
-        np.minimum.at(acc.first, ranks, arr)
-        np.maximum.at(acc.last_end, ranks, end)
-        acc.lead_sum[ranks] += arr - enq
-        acc.lead_n[ranks] += 1
-        if role != CommRole.PP:
-            acc.wait[ranks] += arr.max() - arr
+        ranks, arr, end, enq = inst.ranks, inst.arrival, inst.end, inst.enqueue
+        a_min, a_max, e_max = min(arr), max(arr), max(end)
+        acc.start = min(acc.start, a_min)
+        acc.end = max(acc.end, e_max)
+        first, last_end, lead_sum, lead_n = acc.first, acc.last_end, acc.lead_sum, acc.lead_n
+        wait = acc.wait if role != CommRole.PP else None
+        for r, a, e, q in zip(ranks, arr, end, enq, strict=True):
+            if a < first[r]:
+                first[r] = a
+            if e > last_end[r]:
+                last_end[r] = e
+            lead_sum[r] += a - q
+            lead_n[r] += 1
+            if wait is not None:
+                wait[r] += a_max - a
         if role == CommRole.DP:
-            acc.dp_end = max(acc.dp_end, int(end.max()))
+            acc.dp_end = max(acc.dp_end, e_max)
         x = inst.transfer_ns
         if x is not None and role in (CommRole.DP, CommRole.PP):
             acc.transfer[inst.comm_hash] = max(acc.transfer.get(inst.comm_hash, 0), x)
         if role != CommRole.TP or len(ranks) < 2:
             return
-        rel = arr - arr.mean()
-        acc.lateness[ranks] += rel
-        order = np.argsort(arr)
+        mean = sum(arr) / len(arr)
+        order = sorted(range(len(arr)), key=arr.__getitem__)
         acc.blame[ranks[order[-1]]] += float(arr[order[-1]] - arr[order[-2]])
-        stage, replica, _ = self.topo.coords(int(ranks[0]))
+        stage, replica, _ = self.topo.coords(ranks[0])
         key = (replica, stage, phase, mb if mb is not None else -1)
         span = acc.spans.get(key)
         if span is None:
-            acc.spans[key] = [int(arr.min()), int(end.max())]
-            acc.node_late[key] = dict.fromkeys(ranks.tolist(), 0.0)
+            acc.spans[key] = [a_min, e_max]
+            nl = acc.node_late[key] = dict.fromkeys(ranks, 0.0)
         else:
-            span[0] = min(span[0], int(arr.min()))
-            span[1] = max(span[1], int(end.max()))
-        nl = acc.node_late[key]
-        for r, v in zip(ranks.tolist(), rel.tolist(), strict=True):
-            nl[r] = nl.get(r, 0.0) + v
+            span[0] = min(span[0], a_min)
+            span[1] = max(span[1], e_max)
+            nl = acc.node_late[key]
+        lateness = acc.lateness
+        for r, a in zip(ranks, arr, strict=True):
+            rel = a - mean
+            lateness[r] += rel
+            nl[r] = nl.get(r, 0.0) + rel
 
     def _close_through(self, step: int) -> list[StepReport]:
         out = []
@@ -211,10 +218,11 @@ class StepAssembler:
             end = acc.dp_end or acc.end
             start = self._prev_end if self._prev_end is not None else acc.start
             self._prev_end = end
-            lead = np.divide(
-                acc.lead_sum, acc.lead_n, out=np.zeros_like(acc.lead_sum), where=acc.lead_n > 0
-            )
-            first = np.where(acc.first == np.iinfo(np.int64).max, -1, acc.first)
+            lead_sum = np.array(acc.lead_sum)
+            lead_n = np.array(acc.lead_n)
+            lead = np.divide(lead_sum, lead_n, out=np.zeros_like(lead_sum), where=lead_n > 0)
+            first = np.array(acc.first, dtype=np.int64)
+            first[first == _NEVER] = -1
             out.append(
                 StepReport(
                     step=s,
@@ -223,12 +231,12 @@ class StepAssembler:
                     duration_ns=max(0, end - start),
                     complete=acc.n >= self.expected_instances(),
                     n_instances=acc.n,
-                    lateness_ns=acc.lateness,
-                    blame_ns=acc.blame,
-                    wait_ns=acc.wait,
+                    lateness_ns=np.array(acc.lateness),
+                    blame_ns=np.array(acc.blame),
+                    wait_ns=np.array(acc.wait),
                     host_lead_ns=lead,
                     first_ns=first,
-                    last_end_ns=acc.last_end,
+                    last_end_ns=np.array(acc.last_end, dtype=np.int64),
                     spans=acc.spans,
                     node_lateness=acc.node_late,
                     transfer_ns=acc.transfer,
