@@ -6,7 +6,8 @@ cost of a simple flow. Here each partition's poll becomes one
 timestamps). Each Kafka partition is a Bytewax partition; its snapshot is the
 next offset to read, so a flow restarted from its recovery store resumes
 where it was (at least once: the sinks are idempotent). With ``tail=False``
-a partition stops once no message arrived for ``idle_stop_s``.
+the source stops once none of its partitions (in this process) received a
+message for ``idle_stop_s``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ class RawBatch:
         return len(self.values)
 
 
+class _Quiet:
+    """When any partition of one source (in this process) last saw a message."""
+
+    def __init__(self) -> None:
+        self.last_ns = time.monotonic_ns()
+
+
 class _Partition(StatefulSourcePartition[RawBatch, int]):
     def __init__(
         self,
@@ -41,6 +49,7 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         tail: bool,
         batch_size: int,
         idle_stop_s: float,
+        quiet: _Quiet,
     ) -> None:
         from confluent_kafka import Consumer, TopicPartition
 
@@ -56,7 +65,8 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         self._batch_size = batch_size
         self._eof = False
         self._idle_stop_ns = int(idle_stop_s * 1e9)
-        self._last_msg_ns = time.monotonic_ns()
+        self._quiet = quiet
+        quiet.last_ns = time.monotonic_ns()  # the quiet period starts when reading starts
 
     def next_batch(self) -> list[RawBatch]:
         if self._eof:
@@ -74,12 +84,13 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         now = time.monotonic_ns()
         if batch.offsets:
             self._offset = batch.offsets[-1] + 1
-            self._last_msg_ns = now
+            self._quiet.last_ns = now
             return [batch]
-        # Bounded run: stop once the partition stayed quiet for idle_stop_s. Partition-EOF
-        # events are not used: they depend on the broker's high watermark, which some
+        # Bounded run: stop once the whole source stayed quiet for idle_stop_s (a partition
+        # may legitimately be quiet longer while others still flow). Partition-EOF events
+        # are not used: they depend on the broker's high watermark, which some
         # Kafka-protocol brokers (Tansu) report wrongly.
-        if not self._tail and now - self._last_msg_ns >= self._idle_stop_ns:
+        if not self._tail and now - self._quiet.last_ns >= self._idle_stop_ns:
             self._eof = True
         return []
 
@@ -110,6 +121,7 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
         self.tail = tail
         self.batch_size = batch_size
         self.idle_stop_s = idle_stop_s
+        self._quiet = _Quiet()
 
     def list_parts(self) -> list[str]:
         from confluent_kafka.admin import AdminClient
@@ -133,5 +145,12 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
 
         start = OFFSET_BEGINNING if resume_state is None else resume_state
         return _Partition(
-            self.config, topic, int(idx), start, self.tail, self.batch_size, self.idle_stop_s
+            self.config,
+            topic,
+            int(idx),
+            start,
+            self.tail,
+            self.batch_size,
+            self.idle_stop_s,
+            self._quiet,
         )

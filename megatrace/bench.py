@@ -155,7 +155,7 @@ def pipeline(
     probe2 = _Probe()
     th = threading.Thread(target=produce, daemon=True)
     th.start()
-    _flow(settings, stack, topics2, probe2, database, idle_s=10.0)  # outlast quiet partitions
+    _flow(settings, stack, topics2, probe2, database, idle_s=3.0)
     th.join()
     rss2 = _rss_mb()
     rows = [
