@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from bytewax.inputs import FixedPartitionedSource, StatefulSourcePartition
 
@@ -30,6 +30,9 @@ class RawBatch:
 
     def __len__(self) -> int:
         return len(self.values)
+
+
+_BACKOFF = timedelta(milliseconds=5)
 
 
 class _Quiet:
@@ -66,12 +69,13 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         self._eof = False
         self._idle_stop_ns = int(idle_stop_s * 1e9)
         self._quiet = quiet
+        self._awake: datetime | None = None
         quiet.last_ns = time.monotonic_ns()  # the quiet period starts when reading starts
 
     def next_batch(self) -> list[RawBatch]:
         if self._eof:
             raise StopIteration
-        msgs = self._consumer.consume(self._batch_size, 0.05)
+        msgs = self._consumer.consume(self._batch_size, 0)  # never block the worker
         batch = RawBatch(self._topic, self._partition)
         for m in msgs:
             err = m.error()
@@ -85,7 +89,9 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         if batch.offsets:
             self._offset = batch.offsets[-1] + 1
             self._quiet.last_ns = now
+            self._awake = None
             return [batch]
+        self._awake = datetime.now(UTC) + _BACKOFF
         # Bounded run: stop once the whole source stayed quiet for idle_stop_s (a partition
         # may legitimately be quiet longer while others still flow). Partition-EOF events
         # are not used: they depend on the broker's high watermark, which some
@@ -95,7 +101,8 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         return []
 
     def next_awake(self) -> datetime | None:
-        return None
+        # an empty poll backs off a little instead of blocking or spinning
+        return self._awake
 
     def snapshot(self) -> int:
         return self._offset
