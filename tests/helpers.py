@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 from confluent_kafka import Consumer, TopicPartition
 
@@ -50,3 +52,27 @@ def consume_all(settings: Settings, topic: str, expect: int, timeout_s: float = 
         return out
     finally:
         c.close()
+
+
+def megatrace_cmd(
+    settings: Settings, url: str, database: str, state: Path, *args: str
+) -> list[str]:
+    """The ``megatrace`` command line pointing at the test broker and a ClickHouse URL."""
+    return [
+        sys.executable,
+        "-m",
+        "megatrace",
+        "--bootstrap-servers",
+        settings.kafka.bootstrap_servers,
+        "--topic-prefix",
+        settings.kafka.topic_prefix,
+        "--clickhouse-url",
+        url,
+        "--database",
+        database,
+        "--retention-days",
+        "0",
+        "--state-dir",
+        str(state),
+        *args,
+    ]

@@ -24,7 +24,7 @@ from producers.sim.scenarios import build
 from schemas.config import Settings
 from schemas.records import Verdict
 from schemas.tables import TABLE_FOR
-from tests.helpers import publisher
+from tests.helpers import megatrace_cmd, publisher
 
 pytestmark = pytest.mark.integration
 
@@ -49,25 +49,7 @@ def test_killed_flow_resumes_without_loss_or_duplicates(settings: Settings, tmp_
     pub.publish_all(records)
     pub.flush()
     url = f"chdb://{tmp_path / 'ch'}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatrace",
-        "--bootstrap-servers",
-        settings.kafka.bootstrap_servers,
-        "--topic-prefix",
-        settings.kafka.topic_prefix,
-        "--clickhouse-url",
-        url,
-        "--database",
-        "rec",
-        "--retention-days",
-        "0",
-        "--state-dir",
-        str(tmp_path / "st"),
-        "db",
-        "init",
-    ]
+    cmd = megatrace_cmd(settings, url, "rec", tmp_path / "st", "db", "init")
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     flow = [
         *cmd[:-2],

@@ -16,7 +16,7 @@ from producers.sim.scenarios import build
 from schemas.config import Settings
 from schemas.records import Verdict
 from schemas.tables import TABLE_FOR
-from tests.helpers import publisher
+from tests.helpers import megatrace_cmd, publisher
 
 pytestmark = pytest.mark.integration
 
@@ -31,27 +31,6 @@ print(json.dumps(out))
 """
 
 
-def _cmd(settings: Settings, url: str, state: Path, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "megatrace",
-        "--bootstrap-servers",
-        settings.kafka.bootstrap_servers,
-        "--topic-prefix",
-        settings.kafka.topic_prefix,
-        "--clickhouse-url",
-        url,
-        "--database",
-        "so",
-        "--retention-days",
-        "0",
-        "--state-dir",
-        str(state),
-        *args,
-    ]
-
-
 def test_two_processes_store_and_conclude_what_one_does(settings: Settings, tmp_path: Path) -> None:
     run = build("story", scale="tiny", seed=4, steps=30, kernels=False)
     records = list(run.records())
@@ -63,16 +42,17 @@ def test_two_processes_store_and_conclude_what_one_does(settings: Settings, tmp_
     urls = [f"chdb://{tmp_path / f'ch{i}'}" for i in range(2)]
     for i, url in enumerate(urls):
         subprocess.run(
-            _cmd(settings, url, tmp_path, "db", "init"),
+            megatrace_cmd(settings, url, "so", tmp_path, "db", "init"),
             check=True,
             capture_output=True,
             timeout=120,
         )
         procs.append(
             subprocess.Popen(
-                _cmd(
+                megatrace_cmd(
                     settings,
                     url,
+                    "so",
                     tmp_path,
                     "run",
                     "--once",

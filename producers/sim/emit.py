@@ -173,52 +173,31 @@ class Emitter:
             p["flush_wait"].astype(np.int64).tolist(),
             strict=True,
         ):
-            if snd:
-                out.append(
-                    ProxySummary(
-                        job=job,
-                        node=nodes[r],
-                        rank=r,
-                        clock=_CLOCK,
-                        comm_hash=hashes[cm],
-                        seq=sq,
-                        channel=ch,
-                        peer=peer,
-                        direction=Direction.SEND,
-                        steps_posted=st,
-                        steps_done=ds,
-                        size_bytes=nb,
-                        first_ns=f,
-                        last_ns=la,
-                        send_gpu_wait_ns=gw,
-                        send_peer_wait_ns=pw,
-                        send_wait_ns=nw,
-                        nic=nics[r],
-                    )
+            waits = (
+                {"send_gpu_wait_ns": gw, "send_peer_wait_ns": pw, "send_wait_ns": nw}
+                if snd
+                else {"recv_wait_ns": nw, "recv_flush_wait_ns": fw, "recv_gpu_wait_ns": gw}
+            )
+            out.append(
+                ProxySummary(
+                    job=job,
+                    node=nodes[r],
+                    rank=r,
+                    clock=_CLOCK,
+                    comm_hash=hashes[cm],
+                    seq=sq,
+                    channel=ch,
+                    peer=peer,
+                    direction=Direction.SEND if snd else Direction.RECV,
+                    steps_posted=st,
+                    steps_done=ds,
+                    size_bytes=nb,
+                    first_ns=f,
+                    last_ns=la,
+                    nic=nics[r],
+                    **waits,
                 )
-            else:
-                out.append(
-                    ProxySummary(
-                        job=job,
-                        node=nodes[r],
-                        rank=r,
-                        clock=_CLOCK,
-                        comm_hash=hashes[cm],
-                        seq=sq,
-                        channel=ch,
-                        peer=peer,
-                        direction=Direction.RECV,
-                        steps_posted=st,
-                        steps_done=ds,
-                        size_bytes=nb,
-                        first_ns=f,
-                        last_ns=la,
-                        recv_wait_ns=nw,
-                        recv_flush_wait_ns=fw,
-                        recv_gpu_wait_ns=gw,
-                        nic=nics[r],
-                    )
-                )
+            )
         return out
 
     def kernels(self, tr: StepTrace) -> list[Kernel]:
