@@ -43,6 +43,7 @@ from schemas.records import (
     RankStep,
     StepSummary,
     Verdict,
+    event_time,
 )
 from schemas.units import Cause, CollOp, Phase, VerdictKind
 
@@ -51,14 +52,6 @@ _BUSBW_FACTOR = {
     CollOp.ALL_GATHER: lambda n: (n - 1) / n,
     CollOp.REDUCE_SCATTER: lambda n: (n - 1) / n,
 }
-
-
-def _ts(rec: Any) -> int:
-    for name in ("ts_ns", "end_ns", "last_ns", "start_ns", "enqueue_ns"):
-        v = getattr(rec, name, None)
-        if v is not None:
-            return int(v)
-    return 0
 
 
 class JobAnalyzer:
@@ -122,7 +115,7 @@ class JobAnalyzer:
                 out += self.update(rec)
         if isinstance(item, Instance):
             return out + self._instance(item)
-        self.now_ns = max(self.now_ns, _ts(item))
+        self.now_ns = max(self.now_ns, event_time(item))
         match item:
             case JobInfo():
                 return out + self._job(item)

@@ -9,6 +9,7 @@ so one item per poll and per key keeps the flow fast. Started by
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from flows.kafka_source import RawBatch, RawKafkaSource
 from flows.logic import AlignLogic, AnalyzeLogic
 from flows.sinks import ClickHouseSink
 from schemas.codec import SchemaError, dead_letter, decode, encode
-from schemas.config import DetectSettings
+from schemas.config import DetectSettings, Settings
 from schemas.records import Collective, DeadLetter, Kernel, Verdict
 from schemas.tables import TABLE_FOR
 from schemas.topics import Topics
@@ -60,6 +61,27 @@ class Decoded:
     rows: dict[str, list[bytes]]
     dead: list[DeadLetter]
     produced_ms: int
+
+
+def flow_config(
+    settings: Settings, bootstrap: str, clickhouse_url: str, **overrides: object
+) -> FlowConfig:
+    """The flow's configuration from :class:`Settings` and the resolved addresses."""
+    from infra.kafka import consumer_config, producer_config
+
+    def options(conf: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in conf.items() if k != "bootstrap.servers"}
+
+    base = FlowConfig(
+        brokers=bootstrap.split(","),
+        consumer_options=options(consumer_config(settings.kafka, bootstrap)),
+        producer_options=options(producer_config(settings.kafka, bootstrap)),
+        topics=Topics(prefix=settings.kafka.topic_prefix),
+        clickhouse_url=clickhouse_url,
+        database=settings.clickhouse.database,
+        detect=settings.detect,
+    )
+    return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
 
 def decode_batch(batch: RawBatch) -> Decoded:

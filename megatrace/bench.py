@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from flows.main import FlowConfig, build_flow
+from flows.main import build_flow, flow_config
 from infra.clickhouse import init_db
 from infra.kafka import consumer_config, ensure_topics, producer_config
 from infra.stack import Stack
@@ -78,20 +78,14 @@ def _flow(
 ) -> None:
     from bytewax.testing import run_main
 
-    boot = stack.bootstrap()
-
-    def opts(conf: dict[str, str]) -> dict[str, str]:
-        return {k: v for k, v in conf.items() if k != "bootstrap.servers"}
-
-    cfg = FlowConfig(
-        brokers=[boot],
-        consumer_options=opts(consumer_config(settings.kafka, boot)),
-        producer_options=opts(producer_config(settings.kafka, boot)),
+    cfg = flow_config(
+        settings,
+        stack.bootstrap(),
+        stack.clickhouse_url(),
         topics=topics,
-        clickhouse_url=stack.clickhouse_url(),
         database=database,
         tail=False,
-        idle_stop_s=2.0,
+        idle_stop_s=idle_s,
         console=False,
         on_stored=probe,
     )

@@ -205,25 +205,10 @@ def deadletters(obj: _Ctx) -> None:
 
 
 def _flow_config(obj: _Ctx, tail: bool):
-    from flows.main import FlowConfig
-    from infra.kafka import consumer_config, producer_config
+    from flows.main import flow_config
 
     s = obj.stack()
-    bootstrap = s.bootstrap()
-
-    def options(conf: dict[str, str]) -> dict[str, str]:
-        return {k: v for k, v in conf.items() if k != "bootstrap.servers"}
-
-    return FlowConfig(
-        brokers=bootstrap.split(","),
-        consumer_options=options(consumer_config(obj.settings.kafka, bootstrap)),
-        producer_options=options(producer_config(obj.settings.kafka, bootstrap)),
-        topics=s.topics,
-        clickhouse_url=s.clickhouse_url(),
-        database=obj.settings.clickhouse.database,
-        tail=tail,
-        detect=obj.settings.detect,
-    )
+    return flow_config(obj.settings, s.bootstrap(), s.clickhouse_url(), tail=tail)
 
 
 @cli.command("run")
@@ -309,11 +294,11 @@ def _publish(obj: _Ctx, records: Any, label: str) -> int:
 
 def _paced(records: Any, speed: float) -> Any:
     """Yield records no faster than their timestamps (x speed) allow."""
-    from producers.sim.scenarios import emit_time
+    from schemas.records import event_time
 
     t_wall0, t_ev0 = time.monotonic(), None
     for rec in records:
-        ev = emit_time(rec)
+        ev = event_time(rec)
         if ev:
             t_ev0 = t_ev0 or ev
             lag = (ev - t_ev0) / 1e9 / speed - (time.monotonic() - t_wall0)

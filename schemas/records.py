@@ -403,6 +403,20 @@ class DeadLetter(Struct, frozen=True, kw_only=True, tag="dead", tag_field="type"
     raw: bytes
 
 
+def event_time(record: Struct) -> int:
+    """When a record happened as its producer would send it: the end of what it
+    describes, else its sample time, else its start (ns; 0 if it carries no time).
+
+    >>> event_time(Heartbeat(job="j", node="n", rank=0, ts_ns=7))
+    7
+    """
+    for name in ("end_ns", "last_ns", "ts_ns", "start_ns", "enqueue_ns"):
+        v = getattr(record, name, None)
+        if v is not None:
+            return int(v)
+    return 0
+
+
 #: Records a node (or a stand-in for one) publishes.
 EVENT_TYPES: tuple[type[Record], ...] = (
     JobInfo,

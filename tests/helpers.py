@@ -9,6 +9,7 @@ from pathlib import Path
 from confluent_kafka import Consumer, TopicPartition
 
 from flows.main import FlowConfig
+from flows.main import flow_config as make_flow_config
 from infra.kafka import consumer_config, producer_config
 from producers.publish import KafkaPublisher
 from schemas.config import Settings
@@ -23,19 +24,8 @@ def publisher(settings: Settings) -> KafkaPublisher:
 
 
 def flow_config(settings: Settings, *, tail: bool = False) -> FlowConfig:
-    boot = settings.kafka.bootstrap_servers
-
-    def opts(conf: dict[str, str]) -> dict[str, str]:
-        return {k: v for k, v in conf.items() if k != "bootstrap.servers"}
-
-    return FlowConfig(
-        brokers=[boot],
-        consumer_options=opts(consumer_config(settings.kafka, boot)),
-        producer_options=opts(producer_config(settings.kafka, boot)),
-        topics=Topics(prefix=settings.kafka.topic_prefix),
-        clickhouse_url=settings.clickhouse.url.get(),
-        database=settings.clickhouse.database,
-        tail=tail,
+    return make_flow_config(
+        settings, settings.kafka.bootstrap_servers, settings.clickhouse.url.get(), tail=tail
     )
 
 

@@ -203,7 +203,6 @@ class Emitter:
     def kernels(self, tr: StepTrace) -> list[Kernel]:
         out: list[Kernel] = []
         k = tr.kernels
-        sp = self.spec
         if len(k["rank"]):
             rank = k["rank"].astype(np.int64)
             start, end = self._abs(k["start"], rank), self._abs(k["end"], rank)
@@ -215,21 +214,7 @@ class Emitter:
                 k["corr"].astype(np.int64).tolist(),
                 strict=True,
             ):
-                out.append(
-                    Kernel(
-                        job=sp.job,
-                        node=self.nodes[r],
-                        rank=r,
-                        clock=_CLOCK,
-                        device=r % sp.gpus_per_node,
-                        stream=7,
-                        name=KERNEL_NAMES[nm],
-                        kind=KernelKind.COMPUTE,
-                        correlation_id=corr,
-                        start_ns=s,
-                        end_ns=e,
-                    )
-                )
+                out.append(self._kernel(r, s, e, 7, KERNEL_NAMES[nm], KernelKind.COMPUTE, corr))
         c = tr.colls
         if len(c["rank"]):
             rank = c["rank"].astype(np.int64)
@@ -248,18 +233,14 @@ class Emitter:
                     continue  # still running: CUPTI reports a kernel when it ends
                 o = OPS[op]
                 out.append(
-                    Kernel(
-                        job=sp.job,
-                        node=self.nodes[r],
-                        rank=r,
-                        clock=_CLOCK,
-                        device=r % sp.gpus_per_node,
-                        stream=13,
-                        name=_NCCL_KERNEL[o],
-                        kind=KernelKind.NCCL,
-                        correlation_id=self._next_corr(),
-                        start_ns=s,
-                        end_ns=e,
+                    self._kernel(
+                        r,
+                        s,
+                        e,
+                        13,
+                        _NCCL_KERNEL[o],
+                        KernelKind.NCCL,
+                        self._next_corr(),
                         comm_hash=self.comm_hash[cm],
                         coll_op=o,
                         count=cnt,
@@ -314,6 +295,32 @@ class Emitter:
                 )
             )
         return out
+
+    def _kernel(
+        self,
+        rank: int,
+        start: int,
+        end: int,
+        stream: int,
+        name: str,
+        kind: KernelKind,
+        corr: int,
+        **nccl: object,
+    ) -> Kernel:
+        return Kernel(
+            job=self.spec.job,
+            node=self.nodes[rank],
+            rank=rank,
+            clock=_CLOCK,
+            device=rank % self.spec.gpus_per_node,
+            stream=stream,
+            name=name,
+            kind=kind,
+            correlation_id=corr,
+            start_ns=start,
+            end_ns=end,
+            **nccl,
+        )  # type: ignore[arg-type]
 
     def _next_corr(self) -> int:
         """CUPTI correlation ids are unique per launch; NCCL launches count from 2**32."""

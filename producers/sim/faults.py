@@ -43,8 +43,17 @@ def _rank_fields(spec: JobSpec, rank: int) -> dict[str, object]:
     }
 
 
-def _link(spec: JobSpec, src: int, dst: int) -> str:
-    return f"{spec.node_of(src)}/{spec.nic_of(src)}->{spec.node_of(dst)}/{spec.nic_of(dst)}"
+def _link_fields(spec: JobSpec, src: int, dst: int) -> dict[str, object]:
+    """A link culprit: its ends, the sending rank and node, and the link's name."""
+    name = f"{spec.node_of(src)}/{spec.nic_of(src)}->{spec.node_of(dst)}/{spec.nic_of(dst)}"
+    return {
+        "src_rank": src,
+        "dst_rank": dst,
+        "rank": src,
+        "node": spec.node_of(src),
+        "link": name,
+        "phase": Phase.TRANSFER,
+    }
 
 
 @dataclass(frozen=True)
@@ -127,13 +136,8 @@ class SlowLink(Fault):
             onset_ns,
             kind=VerdictKind.LINK_DEGRADATION,
             cause=Cause.NETWORK_LINK,
-            src_rank=self.src_rank,
-            dst_rank=self.dst_rank,
-            rank=self.src_rank,
-            node=spec.node_of(self.src_rank),
-            link=_link(spec, self.src_rank, self.dst_rank),
+            **_link_fields(spec, self.src_rank, self.dst_rank),
             magnitude=self.factor,
-            phase=Phase.TRANSFER,
         )
 
 
@@ -193,12 +197,7 @@ class NetworkHang(Fault):
             onset_ns,
             kind=VerdictKind.HANG,
             cause=Cause.NETWORK_LINK,
-            src_rank=self.src_rank,
-            dst_rank=self.dst_rank,
-            rank=self.src_rank,
-            node=spec.node_of(self.src_rank),
-            link=_link(spec, self.src_rank, self.dst_rank),
-            phase=Phase.TRANSFER,
+            **_link_fields(spec, self.src_rank, self.dst_rank),
             note="posted, never completed",
         )
 

@@ -31,7 +31,7 @@ from producers.sim.faults import (
     SlowLink,
 )
 from producers.sim.job import JobSpec
-from schemas.records import FaultLabel
+from schemas.records import FaultLabel, event_time
 from schemas.units import Phase
 
 #: Cluster sizes: name -> (tp, pp, dp, gpus_per_node, layers, global batch)
@@ -140,17 +140,8 @@ def _step_times(spec: JobSpec, faults: list[Fault], steps: int) -> list[float]:
 
 def _time_ordered(emitter: Emitter, trace: StepTrace) -> list[msgspec.Struct]:
     recs = list(emitter.step_records(trace))
-    keys = np.fromiter((emit_time(r) for r in recs), dtype=np.int64, count=len(recs))
+    keys = np.fromiter((event_time(r) for r in recs), dtype=np.int64, count=len(recs))
     return [recs[i] for i in np.argsort(keys, kind="stable")]
-
-
-def emit_time(r: msgspec.Struct) -> int:
-    """When a real producer would send this record."""
-    for name in ("end_ns", "last_ns", "ts_ns", "start_ns", "enqueue_ns"):
-        v = getattr(r, name, None)
-        if v is not None:
-            return v
-    return 0
 
 
 # --------------------------------------------------------------------------- catalogue
