@@ -20,6 +20,7 @@ import msgspec
 
 from schemas.codec import encode
 from schemas.tables import TABLES, table_for
+from schemas.views import VIEWS
 
 
 class ClickHouseError(RuntimeError):
@@ -69,7 +70,8 @@ def _squash(type_name: str) -> str:
 
 
 def init_db(client: Any, database: str, retention_days: int) -> list[str]:
-    """Create the database and every table (idempotent); return the table names.
+    """Create the database, every table and the query model's views (idempotent);
+    return the table names.
 
     A table that already exists with other columns (made by an older megatrace)
     is an error that says so, rather than inserts failing later.
@@ -86,6 +88,8 @@ def init_db(client: Any, database: str, retention_days: int) -> list[str]:
                 f"table {database}.{table.name} exists with a different schema ({diff[:4]}...): "
                 f"it was made by another megatrace version; drop it or use another database"
             )
+    for view in VIEWS:
+        client.command(view.ddl(database, retention_days))
     return list(TABLES)
 
 

@@ -251,7 +251,10 @@ class Heartbeat(NodeEvent, frozen=True, kw_only=True, tag="hb"):
 
 
 class LinkSample(NodeEvent, frozen=True, kw_only=True, tag="link"):
-    """Throughput of one NIC towards one peer over a window of work requests."""
+    """Throughput of one NIC towards one peer over a window of work requests.
+
+    The link is named ``node/nic->dst_node/dst_nic`` everywhere (verdicts, views).
+    """
 
     ts_ns: TimeNs
     window_ns: DurationNs
@@ -259,6 +262,7 @@ class LinkSample(NodeEvent, frozen=True, kw_only=True, tag="link"):
     src_rank: Rank
     dst_rank: Rank
     dst_node: str = ""
+    dst_nic: str = ""
     comm_hash: CommHash | None = None
     func: CollOp | None = None
     size_bytes: Count = 0

@@ -287,6 +287,7 @@ class Emitter:
                     src_rank=s,
                     dst_rank=d,
                     dst_node=self.nodes[d],
+                    dst_nic=self.nics[d],
                     comm_hash=self.comm_hash[cm],
                     size_bytes=int(nb),
                     throughput_gbps=nb * 8 / x if x > 0 else 0.0,

@@ -1,0 +1,464 @@
+"""Grafana dashboards over the ClickHouse query model, defined once here.
+
+Each panel is a :class:`Panel` with its SQL written for the official ClickHouse
+datasource plugin (``grafana-clickhouse-datasource``): Grafana's template
+variables (``${job}``, ``${node}``, ``${rank}``) and the plugin's macros
+(``$__timeFilter(col)``, ``$__timeInterval(col)``, ``$__interval_s``,
+``$__conditionalAll(cond, $var)``). ``python -m infra.grafana.dashboards``
+writes the JSON files under ``infra/grafana/dashboards/``, which provisioning
+loads; a test keeps the files equal to what this module builds, and runs
+every panel's SQL through :func:`expand` on the embedded engine.
+
+>>> sql = "WHERE $__timeFilter(ts) AND job='${job}' AND $__conditionalAll(rank IN (${rank}), $rank)"
+>>> print(expand(sql, {"job": "j1", "rank": ["3", "5"]}, (0, 60)))
+WHERE ts >= toDateTime(0) AND ts <= toDateTime(60) AND job='j1' AND rank IN (3,5)
+>>> print(expand("$__conditionalAll(rank IN (${rank}), $rank)", {"rank": ALL}, (0, 60)))
+ 1=1
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DATASOURCE = {"type": "grafana-clickhouse-datasource", "uid": "megatrace-clickhouse"}
+DB = "megatrace"  # the database name in the committed dashboards
+HERE = Path(__file__).parent
+ALL = "$__all"  # the value Grafana gives a variable when "All" is selected
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel: a title, a visualisation, its SQL and what the test expects of it."""
+
+    key: str
+    title: str
+    kind: str  # Grafana panel type: table, timeseries, heatmap, barchart, stat
+    sql: str
+    format: str = "table"  # or "timeseries"
+    width: int = 12
+    height: int = 8
+    description: str = ""
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    sql: str
+    multi: bool = False
+    include_all: bool = False
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    uid: str
+    title: str
+    panels: Sequence[Panel]
+    variables: Sequence[Variable] = ()
+    annotations: Sequence[tuple[str, str]] = ()  # (name, SQL returning time, timeEnd, text)
+
+    def panel(self, key: str) -> Panel:
+        return next(p for p in self.panels if p.key == key)
+
+
+_JOB = Variable("job", f"SELECT DISTINCT job FROM {DB}.jobs FINAL ORDER BY job")
+_NODE = Variable(
+    "node",
+    f"SELECT DISTINCT node FROM {DB}.ranks FINAL WHERE job = '${{job}}' ORDER BY node",
+    multi=True,
+    include_all=True,
+)
+_RANK = Variable(
+    "rank",
+    f"SELECT DISTINCT rank FROM {DB}.ranks FINAL WHERE job = '${{job}}' ORDER BY rank",
+    multi=True,
+    include_all=True,
+)
+
+FLEET = Dashboard(
+    "megatrace-fleet",
+    "megatrace - fleet overview",
+    [
+        Panel(
+            "unhealthy_jobs",
+            "Unhealthy jobs",
+            "stat",
+            f"SELECT countIf(health != 'healthy') AS unhealthy FROM {DB}.job_status",
+            width=6,
+            height=4,
+        ),
+        Panel(
+            "open_hangs",
+            "Hung jobs",
+            "stat",
+            f"SELECT countIf(health = 'hung') AS hung FROM {DB}.job_status",
+            width=6,
+            height=4,
+        ),
+        Panel(
+            "lost_throughput",
+            "Throughput lost now (sum over jobs)",
+            "stat",
+            f"SELECT round(sum(worst_severity), 2) AS lost FROM {DB}.job_status",
+            width=12,
+            height=4,
+        ),
+        Panel(
+            "jobs",
+            "Jobs now",
+            "table",
+            f"""SELECT job, health, open_incidents, round(worst_severity * 100, 1) AS lost_pct,
+       ranks, last_step, last_heartbeat, worst_summary
+FROM {DB}.job_status
+ORDER BY health = 'healthy', worst_severity DESC, job""",
+            width=24,
+            description="One row per job: hung jobs first, then by throughput lost.",
+        ),
+        Panel(
+            "open_incidents",
+            "Open incidents in range",
+            "table",
+            f"""SELECT detected, job, kind, cause, node, rank, link,
+       round(severity * 100, 1) AS lost_pct, round(confidence, 2) AS confidence, summary
+FROM {DB}.verdicts FINAL
+WHERE status != 'resolved' AND $__timeFilter(detected)
+ORDER BY severity DESC, detected DESC
+LIMIT 200""",
+            width=24,
+        ),
+        Panel(
+            "verdicts_over_time",
+            "Verdicts by kind",
+            "timeseries",
+            f"""SELECT $__timeInterval(detected) AS time, kind, count() AS verdicts
+FROM {DB}.verdicts FINAL
+WHERE $__timeFilter(detected)
+GROUP BY time, kind ORDER BY time""",
+            format="timeseries",
+        ),
+        Panel(
+            "top_nodes",
+            "Top offending nodes (7 days)",
+            "barchart",
+            f"""SELECT node, count() AS incidents, round(sum(severity), 3) AS lost,
+       groupUniqArray(kind) AS kinds
+FROM {DB}.node_incidents FINAL
+WHERE ts >= now() - INTERVAL 7 DAY
+GROUP BY node ORDER BY lost DESC, incidents DESC LIMIT 20""",
+            description="Nodes named as culprits by incidents of the last week.",
+        ),
+    ],
+)
+
+JOB = Dashboard(
+    "megatrace-job",
+    "megatrace - job drill-down",
+    [
+        Panel(
+            "verdicts",
+            "Verdicts",
+            "table",
+            f"""SELECT onset, detected, status, kind, cause, node, rank, gpu, link, step,
+       microbatch, phase, pp_stage, round(severity * 100, 1) AS lost_pct, summary
+FROM {DB}.verdicts FINAL
+WHERE job = '${{job}}' AND $__timeFilter(detected)
+ORDER BY onset""",
+            width=24,
+        ),
+        Panel(
+            "step_time",
+            "Step time (ms) and expected",
+            "timeseries",
+            f"""SELECT start AS time, duration_ns / 1e6 AS step_ms, expected_ns / 1e6 AS expected_ms
+FROM {DB}.steps FINAL
+WHERE job = '${{job}}' AND $__timeFilter(start)
+ORDER BY time""",
+            format="timeseries",
+            description="Change points and incidents show as annotations.",
+        ),
+        Panel(
+            "throughput",
+            "Throughput vs expected",
+            "timeseries",
+            f"""SELECT start AS time, throughput_ratio
+FROM {DB}.steps FINAL
+WHERE job = '${{job}}' AND $__timeFilter(start) AND throughput_ratio IS NOT NULL
+ORDER BY time""",
+            format="timeseries",
+        ),
+        Panel(
+            "lateness_heatmap",
+            "Lateness heat map (rank x step, ms)",
+            "heatmap",
+            f"""SELECT step, rank, round(lateness_ns / 1e6, 3) AS lateness_ms
+FROM {DB}.rank_steps FINAL
+WHERE job = '${{job}}' AND $__timeFilter(start)
+  AND $__conditionalAll(rank IN (${{rank}}), $rank)
+  AND $__conditionalAll(node IN (${{node:singlequote}}), $node)
+ORDER BY step, rank""",
+            width=24,
+            height=10,
+            options={"calculate": False, "yAxis": {"axisLabel": "rank"}},
+        ),
+        Panel(
+            "blame",
+            "Blame by rank (time others waited on it)",
+            "table",
+            f"""SELECT rank, node, pp_stage,
+       round(sum(blame_ns) / 1e6, 1) AS blame_ms, round(avg(lateness_ns) / 1e6, 3) AS lateness_ms
+FROM {DB}.rank_steps FINAL
+WHERE job = '${{job}}' AND $__timeFilter(start)
+  AND $__conditionalAll(node IN (${{node:singlequote}}), $node)
+GROUP BY rank, node, pp_stage ORDER BY blame_ms DESC LIMIT 20""",
+        ),
+        Panel(
+            "critical_path",
+            "Critical path of the slowest step",
+            "table",
+            f"""WITH worst AS (
+  SELECT step, duration_ns, critical_path FROM {DB}.steps FINAL
+  WHERE job = '${{job}}' AND $__timeFilter(start)
+  ORDER BY duration_ns DESC LIMIT 1
+)
+SELECT step, round(duration_ns / 1e6, 1) AS step_ms, i AS position, critical_path[i] AS node
+FROM worst ARRAY JOIN arrayEnumerate(critical_path) AS i
+ORDER BY position""",
+            description="Nodes are F|B<micro-batch>s<PP stage>, in schedule order.",
+        ),
+        Panel(
+            "rank_wait",
+            "Wait per rank and step (ms)",
+            "timeseries",
+            f"""SELECT start AS time, toString(rank) AS rank, wait_ns / 1e6 AS wait_ms
+FROM {DB}.rank_steps FINAL
+WHERE job = '${{job}}' AND $__timeFilter(start)
+  AND $__conditionalAll(rank IN (${{rank}}), $rank)
+ORDER BY time""",
+            format="timeseries",
+            width=24,
+        ),
+    ],
+    variables=[_JOB, _NODE, _RANK],
+    annotations=[
+        (
+            "incidents",
+            f"""SELECT onset AS time, detected AS timeEnd, concat(kind, ': ', summary) AS text
+FROM {DB}.verdicts FINAL WHERE job = '${{job}}' AND $__timeFilter(onset)""",
+        )
+    ],
+)
+
+LINKS = Dashboard(
+    "megatrace-links",
+    "megatrace - links and NICs",
+    [
+        Panel(
+            "link_throughput",
+            "Throughput per link (Gb/s, per minute)",
+            "timeseries",
+            f"""SELECT ts AS time, link, avgMerge(avg_gbps) AS gbps
+FROM {DB}.link_minutes
+WHERE job = '${{job}}' AND $__timeFilter(ts)
+  AND $__conditionalAll(splitByChar('/', link)[1] IN (${{node:singlequote}}), $node)
+GROUP BY time, link ORDER BY time""",
+            format="timeseries",
+            width=24,
+        ),
+        Panel(
+            "slowest_links",
+            "Slowest links against their own best",
+            "table",
+            f"""SELECT link, src_rank, dst_rank, round(min(min_gbps), 1) AS worst_gbps,
+       round(max(max_gbps), 1) AS best_gbps,
+       round(1 - min(min_gbps) / nullIf(max(max_gbps), 0), 3) AS drop
+FROM {DB}.link_minutes
+WHERE job = '${{job}}' AND $__timeFilter(ts)
+GROUP BY link, src_rank, dst_rank ORDER BY drop DESC LIMIT 20""",
+        ),
+        Panel(
+            "link_verdicts",
+            "Link and NIC incidents",
+            "table",
+            f"""SELECT detected, status, link, cause, src_rank, dst_rank,
+       round(severity * 100, 1) AS lost_pct, summary
+FROM {DB}.verdicts FINAL
+WHERE job = '${{job}}' AND $__timeFilter(detected)
+  AND (kind = 'link_degradation' OR cause IN ('network_link', 'nic'))
+ORDER BY detected""",
+        ),
+        Panel(
+            "proxy_waits",
+            "Proxy wait states per edge (ms)",
+            "table",
+            f"""SELECT rank, peer, direction, count() AS ops,
+       round(sum(send_wait_ns) / 1e6, 1) AS send_wait_ms,
+       round(sum(recv_wait_ns) / 1e6, 1) AS recv_wait_ms,
+       round(sum(send_gpu_wait_ns) / 1e6, 1) AS send_gpu_wait_ms,
+       round(sum(recv_gpu_wait_ns) / 1e6, 1) AS recv_gpu_wait_ms
+FROM {DB}.proxy_events FINAL
+WHERE job = '${{job}}' AND $__timeFilter(first)
+GROUP BY rank, peer, direction ORDER BY send_wait_ms DESC LIMIT 20""",
+            width=24,
+            description="Decision table: long SendWait/RecvWait on one edge = link/NIC; "
+            "long SendGPUWait at the sender = its GPU is late.",
+        ),
+    ],
+    variables=[_JOB, _NODE],
+)
+
+DASHBOARDS: tuple[Dashboard, ...] = (FLEET, JOB, LINKS)
+
+# --------------------------------------------------------------------------- JSON
+
+
+def _target(sql: str, fmt: str) -> dict[str, Any]:
+    return {
+        "datasource": DATASOURCE,
+        "editorType": "sql",
+        "format": 0 if fmt == "timeseries" else 1,
+        "queryType": fmt,
+        "rawSql": sql,
+        "refId": "A",
+    }
+
+
+def to_json(d: Dashboard) -> dict[str, Any]:
+    """The dashboard as Grafana's JSON model."""
+    panels, x, y, row_h = [], 0, 0, 0
+    for i, p in enumerate(d.panels, start=1):
+        if x + p.width > 24:
+            x, y, row_h = 0, y + row_h, 0
+        panels.append(
+            {
+                "id": i,
+                "type": p.kind,
+                "title": p.title,
+                "description": p.description,
+                "datasource": DATASOURCE,
+                "gridPos": {"x": x, "y": y, "w": p.width, "h": p.height},
+                "options": dict(p.options),
+                "targets": [_target(p.sql, p.format)],
+            }
+        )
+        x, row_h = x + p.width, max(row_h, p.height)
+    templating = [
+        {
+            "name": v.name,
+            "type": "query",
+            "datasource": DATASOURCE,
+            "query": v.sql,
+            "definition": v.sql,
+            "multi": v.multi,
+            "includeAll": v.include_all,
+            "refresh": 2,
+        }
+        for v in d.variables
+    ]
+    annotations = [
+        {
+            "name": name,
+            "enable": True,
+            "iconColor": "red",
+            "datasource": DATASOURCE,
+            "target": _target(sql, "table"),
+        }
+        for name, sql in d.annotations
+    ]
+    return {
+        "uid": d.uid,
+        "title": d.title,
+        "tags": ["megatrace"],
+        "timezone": "utc",
+        "schemaVersion": 39,
+        "refresh": "30s",
+        "time": {"from": "now-6h", "to": "now"},
+        "templating": {"list": templating},
+        "annotations": {"list": annotations},
+        "panels": panels,
+    }
+
+
+def dashboard_path(d: Dashboard) -> Path:
+    return HERE / "dashboards" / f"{d.uid}.json"
+
+
+def render(d: Dashboard) -> str:
+    return json.dumps(to_json(d), indent=2) + "\n"
+
+
+def write_all() -> list[Path]:
+    """Write every dashboard's JSON file (run after editing a panel)."""
+    out = []
+    for d in DASHBOARDS:
+        path = dashboard_path(d)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(render(d))
+        out.append(path)
+    return out
+
+
+# --------------------------------------------------------------------------- SQL
+
+_COND_ALL = re.compile(r"\$__conditionalAll\((.*?),\s*\$(\w+)\)")
+_VAR = re.compile(r"\$\{(\w+)(?::(\w+))?\}|\$(\w+)\b")
+
+
+def _format(value: str | list[str], how: str | None) -> str:
+    values = value if isinstance(value, list) else [value]
+    if how == "singlequote":
+        return ",".join("'" + v.replace("'", "\\'") + "'" for v in values)
+    return ",".join(values)
+
+
+def expand(
+    sql: str,
+    variables: Mapping[str, str | list[str]],
+    time_range_s: tuple[int, int],
+    interval_s: int = 60,
+    database: str = DB,
+) -> str:
+    """The SQL Grafana and the ClickHouse plugin would send, for the given variable
+    values (``ALL`` for "All"), time range (Unix seconds) and database."""
+    t0, t1 = time_range_s
+
+    def cond_all(m: re.Match[str]) -> str:
+        return " 1=1" if variables.get(m.group(2)) == ALL else m.group(1)
+
+    sql = _COND_ALL.sub(cond_all, sql)
+    sql = re.sub(
+        r"\$__timeFilter\((\w+)\)",
+        lambda m: f"{m.group(1)} >= toDateTime({t0}) AND {m.group(1)} <= toDateTime({t1})",
+        sql,
+    )
+    sql = re.sub(
+        r"\$__timeInterval\((\w+)\)",
+        lambda m: f"toStartOfInterval(toDateTime({m.group(1)}), INTERVAL {interval_s} second)",
+        sql,
+    )
+    sql = sql.replace("$__interval_s", str(interval_s))
+    sql = sql.replace("$__fromTime", f"toDateTime({t0})").replace("$__toTime", f"toDateTime({t1})")
+
+    def var(m: re.Match[str]) -> str:
+        name = m.group(1) or m.group(3)
+        if name not in variables:
+            raise KeyError(f"no value for template variable ${name}")
+        return _format(variables[name], m.group(2))
+
+    sql = _VAR.sub(var, sql)
+    if database != DB:
+        sql = re.sub(rf"\b{DB}\.", f"{database}.", sql)
+    return sql
+
+
+def main() -> None:
+    for path in write_all():
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
