@@ -21,12 +21,14 @@ from bytewax.connectors.kafka import operators as kop
 from bytewax.connectors.stdio import StdOutSink
 from bytewax.dataflow import Dataflow
 
+from detectors.alerting import AlertGate
 from flows.kafka_source import RawBatch, RawKafkaSource
 from flows.logic import AlignLogic, AnalyzeLogic
 from flows.sinks import ClickHouseSink
+from flows.webhooks import WebhookSink
 from schemas.codec import SchemaError, dead_letter, decode, encode
-from schemas.config import DetectSettings, Settings
-from schemas.records import Collective, DeadLetter, Kernel, Verdict
+from schemas.config import AlertSettings, DetectSettings, Settings
+from schemas.records import Alert, Collective, DeadLetter, Kernel, Verdict
 from schemas.tables import TABLE_FOR
 from schemas.topics import Topics
 
@@ -45,6 +47,7 @@ class FlowConfig:
     batch_size: int = 5000
     idle_stop_s: float = 1.5
     detect: DetectSettings = field(default_factory=DetectSettings)
+    alerts: AlertSettings = field(default_factory=AlertSettings)
     console: bool = True
     #: called with (records, oldest producer time ms, stored time ms) after raw rows are stored
     on_stored: Callable[[int, int, int], None] | None = None
@@ -80,6 +83,7 @@ def flow_config(
         clickhouse_url=clickhouse_url,
         database=settings.clickhouse.database,
         detect=settings.detect,
+        alerts=settings.alerts,
     )
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
@@ -156,6 +160,13 @@ def to_kafka_message(rec: msgspec.Struct) -> KafkaSinkMessage[bytes | None, byte
     return KafkaSinkMessage(key=key, value=encode(rec))
 
 
+def gate_alerts(
+    gate: AlertGate | None, v: Verdict, settings: AlertSettings
+) -> tuple[AlertGate, list[Alert]]:
+    gate = gate or AlertGate(settings)
+    return gate, gate.update(v)
+
+
 def verdict_line(v: Verdict) -> str:
     return f"[{v.status.value:>8}] {v.job} {v.verdict_id} r{v.revision}: {v.summary}"
 
@@ -212,6 +223,13 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
         topic=cfg.topics.verdict,
         add_config=cfg.producer_options,
     )
+    if cfg.alerts.webhooks:
+        # (job, Verdict) -> (job, Alert): one per incident, its updates, its resolution
+        keyed = op.key_on("verdicts_by_job", verdicts, lambda v: v.job)
+        alerts = op.stateful_flat_map(
+            "alert_gate", keyed, lambda gate, v: gate_alerts(gate, v, cfg.alerts)
+        )
+        op.output("alerts_to_webhooks", op.key_rm("alerts", alerts), WebhookSink(cfg.alerts))
     if cfg.console:
         op.output(
             "verdicts_to_console", op.map("verdict_line", verdicts, verdict_line), StdOutSink()

@@ -118,11 +118,73 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     partial_timeout_ms: float = 200.0
 
 
+class WebhookSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One alert endpoint.
+
+    ``format``: ``generic`` (the alert as JSON), ``slack`` (incoming webhook) or
+    ``feishu`` (Feishu/Lark custom bot). ``min_level``: ``info``, ``warning`` or
+    ``critical``; ``kinds``: verdict kinds to send (empty: all). ``secret``
+    signs each request (HMAC-SHA256: an ``X-Megatrace-Signature`` header, or
+    Feishu's own ``timestamp``/``sign`` fields). The URL is a secret too
+    (Slack and Feishu put the token in it).
+    """
+
+    name: str
+    url: Secret
+    format: str = "generic"
+    min_level: str = "info"
+    kinds: list[str] = msgspec.field(default_factory=list)
+    secret: Secret = Secret("")
+    timeout_s: float = 5.0
+    max_retries: int = 6
+    backoff_s: float = 0.5
+    max_backoff_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.format not in WEBHOOK_FORMATS:
+            raise ValueError(
+                f"webhook {self.name!r}: format {self.format!r} "
+                f"(valid: {', '.join(WEBHOOK_FORMATS)})"
+            )
+        if self.min_level not in ALERT_LEVELS:
+            raise ValueError(
+                f"webhook {self.name!r}: min_level {self.min_level!r} "
+                f"(valid: {', '.join(ALERT_LEVELS)})"
+            )
+
+
+WEBHOOK_FORMATS = ("generic", "slack", "feishu")
+ALERT_LEVELS = ("info", "warning", "critical")
+
+
+class AlertSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Alert delivery: endpoints, and when an incident is worth another message.
+
+    In TOML, endpoints are ``[[alerts.webhooks]]`` tables; in the environment,
+    ``MEGATRACE_ALERTS__WEBHOOKS`` holds them as a JSON list. An incident sends
+    one alert when it opens, an update when its level changes or its severity
+    moved by ``severity_step`` (at most every ``update_interval_s`` of job
+    time), and one when it resolves. ``warning``/``critical``: severity
+    (fraction of throughput lost) from which an incident has that level; hangs
+    are always critical. ``queue_size``: alerts held per endpoint while it is
+    slow or down (the oldest are dropped, and counted, beyond that).
+    """
+
+    webhooks: list[WebhookSettings] = msgspec.field(default_factory=list)
+    warning: float = 0.05
+    critical: float = 0.2
+    severity_step: float = 0.1
+    update_interval_s: float = 300.0
+    max_incidents_per_hour: int = 20
+    queue_size: int = 1000
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     kafka: KafkaSettings = KafkaSettings()
     clickhouse: ClickHouseSettings = ClickHouseSettings()
     stack: StackSettings = StackSettings()
     detect: DetectSettings = DetectSettings()
+    alerts: AlertSettings = AlertSettings()
 
     def public(self) -> dict[str, Any]:
         """A printable view with secrets masked and passwords removed from URLs."""
@@ -136,16 +198,24 @@ def _mask(obj: Any) -> Any:
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***``.
+    """The URL with what may hold a credential replaced by ``***``: the password,
+    the query, and any path deeper than one segment (webhook tokens live there).
 
     >>> redact_url("http://bob:pw@ch:8123/db")
     'http://bob:***@ch:8123/db'
+    >>> redact_url("https://hooks.slack.com/services/T0/B0/XYZ")
+    'https://hooks.slack.com/***'
     """
     parts = urlsplit(url)
-    if parts.password is None:
+    if parts.scheme == "chdb":
         return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    if parts.password is not None:
+        parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
+    if parts.query:
+        parts = parts._replace(query="***")
+    if parts.path.strip("/").count("/") >= 1:
+        parts = parts._replace(path="/***")
+    return urlunsplit(parts)
 
 
 def _dec_hook(tp: type, obj: Any) -> Any:
@@ -192,6 +262,11 @@ def _parse_env_value(name: str, value: str, typ: Any) -> Any:
             raise ConfigError(f"{name}={value!r}: expected {typ.__name__}") from None
     if typ is bool:
         return value.lower() in ("1", "true", "yes", "on")
+    if getattr(typ, "__origin__", None) is list:
+        try:
+            return msgspec.json.decode(value)
+        except msgspec.DecodeError:
+            raise ConfigError(f"{name}: expected a JSON list") from None
     if getattr(typ, "__origin__", None) is dict:
         pairs = [p.split("=", 1) for p in value.split(",") if p]
         return {k.strip(): v.strip() for k, v in pairs}

@@ -27,6 +27,7 @@ from msgspec import Struct, field
 
 from schemas.units import (
     SCHEMA_VERSION,
+    AlertLevel,
     Cause,
     ClockSource,
     CollOp,
@@ -389,6 +390,21 @@ class FaultLabel(Record, frozen=True, kw_only=True, tag="label"):
     on_critical_path: bool = True
     throughput_cost: Fraction = 0.0
     note: str = ""
+
+
+class Alert(Record, frozen=True, kw_only=True, tag="alert"):
+    """One message about an incident to the alert webhooks.
+
+    ``alert_id`` is stable for (incident, event, revision): receivers can drop
+    repeats (delivery is at-least-once). ``suppressed`` counts the job's other
+    incidents not announced because of the hourly cap.
+    """
+
+    alert_id: str
+    event: VerdictStatus
+    level: AlertLevel
+    verdict: Verdict
+    suppressed: Count = 0
 
 
 class DeadLetter(Struct, frozen=True, kw_only=True, tag="dead", tag_field="type"):

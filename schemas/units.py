@@ -172,6 +172,14 @@ class VerdictStatus(StrEnum):
     RESOLVED = "resolved"
 
 
+class AlertLevel(StrEnum):
+    """How loudly an incident is announced (webhooks route on it)."""
+
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+
 class DeadLetterReason(StrEnum):
     """Why a record was refused; one counter per reason."""
 
