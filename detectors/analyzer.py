@@ -427,6 +427,10 @@ class JobAnalyzer:
             return [v] if v else []
         self.link_culprits[(ev.src_rank, ev.dst_rank)] = culprit
         step = next((r.step for r in self.recent if r.end_ns >= ev.onset_ns), None)
+        if step is None and self.recent:  # samples ran ahead of the steps: extrapolate
+            last = self.recent[-1]
+            per_step = max(self.expected_step_ns() or last.duration_ns, 1)
+            step = last.step + 1 + int(max(0, ev.onset_ns - last.end_ns) // per_step)
         link = topo.link_name(ev.src_rank, ev.dst_rank)
         shifted = self.shift.shifted and self.shift.baseline
         severity = (

@@ -533,6 +533,34 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
         f"  {steps[0][0]} steps analysed (mean {steps[0][1]} ms); query them in "
         f"{_redact(s.clickhouse_url())} database {db_name}"
     )
+    from megatrace.report import write_report
+
+    page = write_report(client, db_name, sp.job, Path(obj.settings.stack.state_dir) / "reports")
+    click.echo(f"  report with pictures: {page}")
+
+
+@cli.command("report")
+@click.option("--job", required=True, help="The job to report on.")
+@click.option(
+    "--out", default=None, help="Directory for the HTML and PNGs (default: <state-dir>/reports)."
+)
+@click.pass_obj
+def report(obj: _Ctx, job: str, out: str | None) -> None:
+    """One self-contained HTML file (and PNGs) about a job, from ClickHouse."""
+    from megatrace.report import ReportError, write_report
+
+    out_dir = Path(out) if out else Path(obj.settings.stack.state_dir) / "reports"
+    try:
+        page = write_report(
+            obj.stack().clickhouse(),
+            obj.settings.clickhouse.database,
+            job,
+            out_dir,
+            say=click.echo,
+        )
+    except ReportError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"report: {page}")
 
 
 @cli.command("eval")

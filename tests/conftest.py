@@ -64,3 +64,22 @@ def settings(broker: BrokerInfo, clickhouse_url: str, database: str, tmp_path: P
     )
     ensure_topics(s.kafka, broker.bootstrap, Topics(prefix=s.kafka.topic_prefix).all)
     return s
+
+
+@pytest.fixture(scope="session")
+def story(ch: Any) -> dict[str, Any]:
+    """The demo's faulty job, analysed by the detectors and stored as the flow stores it:
+    a degraded link from step 7, a slow GPU on rank 15 from step 18, and rank 5
+    never posting a Recv at step 32 (timestamps around now)."""
+    from detectors.replay import Replay
+    from infra.clickhouse import insert_records
+    from producers.sim.scenarios import build
+
+    db = f"story_{time.time_ns() % 10**9}"
+    init_db(ch, db, retention_days=0)
+    run = build("story", scale="demo", seed=0, now=True)
+    records = list(run.records())
+    results = list(Replay().run(records))
+    insert_records(ch, db, [*records, *results, *run.labels])
+    now = int(time.time())
+    return {"db": db, "job": run.spec.job, "range": (now - 3600, now + 3600), "labels": run.labels}

@@ -9,15 +9,12 @@ as Grafana and the ClickHouse plugin would.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from detectors.replay import Replay
-from infra.clickhouse import init_db, insert_records
 from infra.grafana.dashboards import (
     ALL,
     DASHBOARDS,
@@ -29,22 +26,9 @@ from infra.grafana.dashboards import (
     expand,
     render,
 )
-from producers.sim.scenarios import build
 
 pytestmark = pytest.mark.integration
 GRAFANA = Path(__file__).parent.parent / "infra" / "grafana"
-
-
-@pytest.fixture(scope="module")
-def story(ch: Any) -> dict[str, Any]:
-    db = f"grafana_{time.time_ns() % 10**9}"
-    init_db(ch, db, retention_days=0)
-    run = build("story", scale="demo", seed=0, now=True)
-    records = list(run.records())
-    results = list(Replay().run(records))
-    insert_records(ch, db, [*records, *results, *run.labels])
-    now = int(time.time())
-    return {"db": db, "job": run.spec.job, "range": (now - 3600, now + 3600), "labels": run.labels}
 
 
 def rows(ch: Any, story: dict[str, Any], sql: str, **variables: Any) -> list[dict[str, Any]]:

@@ -163,8 +163,8 @@ JOB = Dashboard(
             "verdicts",
             "Verdicts",
             "table",
-            f"""SELECT onset, detected, status, kind, cause, node, rank, gpu, link, step,
-       microbatch, phase, pp_stage, round(severity * 100, 1) AS lost_pct, summary
+            f"""SELECT onset, detected, status, kind, cause, node, rank, gpu, link, onset_step,
+       step, microbatch, phase, pp_stage, round(severity * 100, 1) AS lost_pct, summary
 FROM {DB}.verdicts FINAL
 WHERE job = '${{job}}' AND $__timeFilter(detected)
 ORDER BY onset""",
