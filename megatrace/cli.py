@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import msgspec
 
 from schemas.config import ConfigError, Settings, config_file_path, load_settings
 
@@ -271,6 +272,60 @@ def run(
         epoch_interval=timedelta(seconds=snapshot_s),
         recovery_config=recovery,
     )
+
+
+@cli.command("agent")
+@click.option("--job", help="Job id stamped on records that carry none.")
+@click.option("--node", help="Node name stamped on records that carry none (default: hostname).")
+@click.option("--socket", "socket_path", help="Unix datagram socket local producers send to.")
+@click.option("--tail", "tails", multiple=True, help="Glob of JSON-lines files to follow.")
+@click.option("--spool-dir", help="On-disk queue of accepted, undelivered records.")
+@click.option("--spool-max-mb", type=int, help="Spool bound; beyond it records are dropped.")
+@click.option("--health-file", help="JSON file the agent writes its health to.")
+@click.option("--health-interval-s", type=float, help="Seconds between health reports.")
+@click.pass_obj
+def agent(obj: _Ctx, **flags: Any) -> None:
+    """The node agent: local producers -> spool -> Kafka, nothing lost on broker outages."""
+    import signal
+    import threading
+
+    from infra.kafka import producer_config
+    from producers.agent import NodeAgent
+
+    over = {k: (list(v) if k == "tails" else v) for k, v in flags.items() if v not in (None, ())}
+    if "tails" in over:
+        over["tail"] = over.pop("tails")
+    if "socket_path" in over:
+        over["socket"] = over.pop("socket_path")
+    cfg = msgspec.structs.replace(obj.settings.agent, **over)
+    st = obj.stack()
+    bootstrap = st.bootstrap()
+    node_agent = NodeAgent(
+        cfg,
+        producer_config(obj.settings.kafka, bootstrap),
+        st.topics,
+        Path(obj.settings.stack.state_dir),
+    )
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    node_agent.start()
+    click.echo(
+        f"agent on {node_agent.node}: socket {cfg.socket}, tailing {list(cfg.tail) or 'nothing'}, "
+        f"spool {cfg.spool_dir} (max {cfg.spool_max_mb} MiB), broker {bootstrap}",
+        err=True,
+    )
+    while not done.wait(cfg.health_interval_s):
+        h = node_agent.write_health()
+        click.echo(
+            f"agent: in {h.accepted} out {h.delivered} refused {h.refused} dropped {h.dropped} "
+            f"spool {h.spool_bytes / 2**20:.1f} MiB (undelivered {h.pending_bytes / 2**10:.0f} KiB)"
+            f" broker {'up' if h.broker_up else 'DOWN'}",
+            err=True,
+        )
+    node_agent.stop()
+    h = node_agent.snapshot()
+    click.echo(f"agent stopped: in {h.accepted} out {h.delivered} dropped {h.dropped}", err=True)
 
 
 def _publish(obj: _Ctx, records: Any, label: str) -> int:

@@ -179,12 +179,39 @@ class AlertSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     queue_size: int = 1000
 
 
+class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The node agent (``megatrace agent``), one per GPU node.
+
+    ``job``/``node`` are stamped on records that arrive without them (the NCCL
+    plugin does not know the job; empty ``node`` means this host's name).
+    ``socket``: the Unix datagram socket local producers send JSON lines to.
+    ``tail``: globs of JSON-lines files to follow. ``spool_dir``/``spool_max_mb``:
+    the on-disk queue of accepted, undelivered records (full: new records are
+    dropped and counted). ``health_file``: where health is written every
+    ``health_interval_s``. ``stall_s``: records in flight with no delivery for
+    this long are taken back and sent again from the spool with a fresh
+    producer (a wedged producer, e.g. after the broker lost its producer state).
+    """
+
+    job: str = ""
+    node: str = ""
+    socket: str = ".megatrace/agent.sock"
+    tail: list[str] = msgspec.field(default_factory=list)
+    spool_dir: str = ".megatrace/spool"
+    spool_max_mb: int = 1024
+    max_inflight: int = 50_000
+    health_interval_s: float = 10.0
+    health_file: str = ".megatrace/agent-health.json"
+    stall_s: float = 20.0
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     kafka: KafkaSettings = KafkaSettings()
     clickhouse: ClickHouseSettings = ClickHouseSettings()
     stack: StackSettings = StackSettings()
     detect: DetectSettings = DetectSettings()
     alerts: AlertSettings = AlertSettings()
+    agent: AgentSettings = AgentSettings()
 
     def public(self) -> dict[str, Any]:
         """A printable view with secrets masked and passwords removed from URLs."""
@@ -263,6 +290,8 @@ def _parse_env_value(name: str, value: str, typ: Any) -> Any:
     if typ is bool:
         return value.lower() in ("1", "true", "yes", "on")
     if getattr(typ, "__origin__", None) is list:
+        if not value.lstrip().startswith("["):  # a plain comma-separated list
+            return [v.strip() for v in value.split(",") if v.strip()]
         try:
             return msgspec.json.decode(value)
         except msgspec.DecodeError:

@@ -1,0 +1,388 @@
+"""The node agent: one per GPU node, from local producers to Kafka without loss.
+
+Local producers (the PyTorch collector, the NCCL profiler plugin, readers of
+log files) hand the agent JSON lines, either as datagrams on a Unix socket
+(:class:`AgentClient`, which never blocks them) or in files the agent tails.
+The agent stamps the job and node on records that lack them, validates every
+line with the schema codec (a refused line becomes a dead letter, counted and
+published to the dead-letter topic), and appends it to its :class:`Spool`
+on disk. A publisher thread sends the spool, in order, with an idempotent,
+compressing Kafka producer, and moves the spool's cursor only over records
+the broker acknowledged. When the broker is unreachable the spool grows
+(bounded; when full, new records are dropped, counted and logged) and drains
+in order when the broker returns. Health (records in and out, refused,
+dropped, the spool's size and lag, whether the broker is reachable) is logged
+and written to a JSON file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from producers.spool import Position, Spool
+from schemas.codec import SchemaError, dead_letter, decode, encode
+from schemas.config import AgentSettings
+from schemas.topics import Topics, message_key
+from schemas.units import DeadLetterReason
+
+log = logging.getLogger(__name__)
+
+_MAX_DATAGRAM = 1 << 16
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def pack(topic: str, key: bytes | None, value: bytes) -> bytes:
+    """One spool entry: the topic, the key and the record's bytes."""
+    t, k = topic.encode(), key or b""
+    return struct.pack("<BH", len(t), len(k)) + t + k + value
+
+
+def unpack(frame: bytes) -> tuple[str, bytes | None, bytes]:
+    nt, nk = struct.unpack_from("<BH", frame)
+    t = frame[3 : 3 + nt].decode()
+    k = frame[3 + nt : 3 + nt + nk]
+    return t, (k or None), frame[3 + nt + nk :]
+
+
+# --------------------------------------------------------------------------- client
+
+
+class AgentClient:
+    """What local producers use to reach the agent: never blocks, never raises.
+
+    Records go out as newline-separated JSON in datagrams of at most 64 KiB.
+    If the agent is absent or its socket buffer is full, the datagram is
+    dropped and counted (:attr:`dropped`): training must never wait for us.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = str(path)
+        self.sent = 0
+        self.dropped = 0
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+
+    def send_lines(self, lines: Iterable[bytes]) -> None:
+        buf: list[bytes] = []
+        size = 0
+        for line in lines:
+            if size + len(line) + 1 > _MAX_DATAGRAM and buf:
+                self._send(buf)
+                buf, size = [], 0
+            buf.append(line)
+            size += len(line) + 1
+        if buf:
+            self._send(buf)
+
+    def send(self, records: Iterable[msgspec.Struct]) -> None:
+        self.send_lines(encode(r) for r in records)
+
+    def _send(self, lines: list[bytes]) -> None:
+        try:
+            self._sock.sendto(b"\n".join(lines), self.path)
+            self.sent += len(lines)
+        except OSError:  # no agent, or its buffer is full: drop, count, move on
+            self.dropped += len(lines)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+# --------------------------------------------------------------------------- agent
+
+
+@dataclass
+class AgentHealth:
+    accepted: int = 0
+    refused: int = 0
+    dropped: int = 0
+    delivered: int = 0
+    delivery_errors: int = 0
+    inflight: int = 0
+    spool_bytes: int = 0
+    pending_bytes: int = 0
+    broker_up: bool = False
+    last_error: str = ""
+    ts: float = 0.0
+
+
+class NodeAgent:
+    """Accepts lines, spools them, and publishes the spool (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        producer_config: dict[str, str],
+        topics: Topics,
+        state_dir: Path,
+    ) -> None:
+        self.settings = settings
+        self.topics = topics
+        self.node = settings.node or socket.gethostname()
+        self.state_dir = Path(state_dir)
+        self.spool = Spool(settings.spool_dir, max_bytes=settings.spool_max_mb << 20)
+        self.health = AgentHealth()
+        self._producer_config = {
+            "compression.type": "lz4",
+            "linger.ms": "20",
+            "message.timeout.ms": "30000",
+            **producer_config,
+        }
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._offsets_file = self.state_dir / "agent-tail-offsets.json"
+        self._offsets: dict[str, int] = self._load_offsets()
+
+    # ------------------------------------------------------------------ input
+    def _stamp(self, raw: bytes, err: SchemaError) -> bytes | None:
+        """Fill in job/node on a record that lacks them (None: cannot help)."""
+        if err.reason != DeadLetterReason.MISSING_FIELD or err.field not in ("job", "node"):
+            return None
+        try:
+            obj = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        if self.settings.job:
+            obj.setdefault("job", self.settings.job)
+        obj.setdefault("node", self.node)
+        return msgspec.json.encode(obj)
+
+    def accept(self, lines: Iterable[bytes], source: str = "socket") -> int:
+        """Validate, stamp and spool lines; return how many were spooled."""
+        frames: list[bytes] = []
+        refused = 0
+        for line in lines:
+            raw = line.strip()
+            if not raw:
+                continue
+            rec = None
+            err: SchemaError | None = None
+            for _ in range(3):  # stamping may supply job, then node
+                try:
+                    rec = decode(raw)
+                    break
+                except SchemaError as e:
+                    err = e
+                    stamped = self._stamp(raw, e)
+                    if stamped is None or stamped == raw:
+                        break
+                    raw = stamped
+            if rec is not None:
+                frames.append(pack(self.topics.for_record(rec), message_key(rec), raw))
+                continue
+            assert err is not None
+            refused += 1
+            dead = dead_letter(raw, err, now_ns=time.time_ns(), step_id=f"agent:{source}")
+            frames.append(pack(self.topics.deadletter, None, encode(dead)))
+        with self._lock:
+            taken = self.spool.append(frames)
+            self.health.accepted += taken
+            self.health.refused += refused
+            lost = len(frames) - taken
+            if lost:
+                self.health.dropped += lost
+                log.error(
+                    "agent spool full (%d MiB): dropped %d records (%d so far)",
+                    self.settings.spool_max_mb,
+                    lost,
+                    self.health.dropped,
+                )
+        return taken
+
+    def _serve_socket(self) -> None:
+        path = Path(self.settings.socket)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        sock.bind(str(path))
+        sock.settimeout(0.2)
+        try:
+            while not self._stop.is_set():
+                try:
+                    data = sock.recv(_MAX_DATAGRAM)
+                except TimeoutError:
+                    continue
+                self.accept(data.split(b"\n"), "socket")
+        finally:
+            sock.close()
+            path.unlink(missing_ok=True)
+
+    def _load_offsets(self) -> dict[str, int]:
+        try:
+            return {k: int(v) for k, v in json.loads(self._offsets_file.read_text()).items()}
+        except (OSError, ValueError):
+            return {}
+
+    def tail_once(self) -> int:
+        """Read what was appended to the tailed files since last time; return lines taken."""
+        taken = 0
+        for pattern in self.settings.tail:
+            for name in sorted(glob.glob(pattern)):
+                size = os.path.getsize(name)
+                start = self._offsets.get(name, 0)
+                if size < start:  # truncated or replaced: start over
+                    start = 0
+                if size == start:
+                    continue
+                with open(name, "rb") as f:
+                    f.seek(start)
+                    data = f.read(size - start)
+                end = data.rfind(b"\n") + 1  # whole lines only
+                if end == 0:
+                    continue
+                taken += self.accept(data[:end].split(b"\n"), f"file:{name}")
+                self._offsets[name] = start + end
+                tmp = self._offsets_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps(self._offsets))
+                os.replace(tmp, self._offsets_file)
+        return taken
+
+    def _serve_tail(self) -> None:
+        while not self._stop.wait(0.2):
+            self.tail_once()
+
+    # ------------------------------------------------------------------ output
+    def _publish(self) -> None:
+        from confluent_kafka import KafkaError, Producer
+
+        def on_error(err: KafkaError) -> None:
+            self.health.last_error = err.name()
+            if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
+                self.health.broker_up = False
+
+        conf = {**self._producer_config, "error_cb": on_error}
+        producer = Producer(conf)
+        # (position, status) in spool order; status: None pending, True ok, False failed
+        inflight: deque[list[Any]] = deque()
+
+        def delivered(entry: list[Any]):
+            def cb(err: Any, _msg: Any) -> None:
+                entry[1] = err is None
+                if err is None:
+                    self.health.broker_up = True
+                else:
+                    self.health.delivery_errors += 1
+                    self.health.last_error = str(err)
+
+            return cb
+
+        progress_at = time.monotonic()
+        while True:
+            stopping = self._stop.is_set()
+            room = self.settings.max_inflight - len(inflight)
+            if room > 0:
+                with self._lock:
+                    batch = self.spool.read(min(room, 5000))
+                for frame, pos in batch:
+                    topic, key, value = unpack(frame)
+                    entry: list[Any] = [pos, None]
+                    while True:
+                        try:
+                            producer.produce(
+                                topic, value=value, key=key, on_delivery=delivered(entry)
+                            )
+                            break
+                        except BufferError:
+                            producer.poll(0.05)
+                    inflight.append(entry)
+            producer.poll(0.05 if inflight else 0.1)
+            last: Position | None = None
+            while inflight and inflight[0][1] is True:
+                last = inflight.popleft()[0]
+                self.health.delivered += 1
+            now = time.monotonic()
+            if last is not None or not inflight:
+                progress_at = now
+            if last is not None:
+                with self._lock:
+                    self.spool.commit(last)
+            stalled = bool(inflight) and now - progress_at > self.settings.stall_s
+            if inflight and (inflight[0][1] is False or stalled):
+                # refused, timed out or wedged: take back what is in flight, then resend
+                # everything after the cursor, in order, with a fresh producer
+                if stalled:
+                    log.warning(
+                        "agent: no delivery for %.0fs with %d records in flight; resending "
+                        "from the spool with a new producer",
+                        now - progress_at,
+                        len(inflight),
+                    )
+                    producer.purge(in_queue=True, in_flight=True)
+                    producer.poll(0)
+                else:
+                    producer.flush(10)
+                progress_at = now
+                inflight.clear()
+                with self._lock:
+                    self.spool.rewind()
+                producer = Producer(conf)
+                self._stop.wait(1.0)
+            self.health.inflight = len(inflight)
+            if stopping and not inflight:
+                break
+            if stopping and self._drain_deadline < time.monotonic():
+                log.warning(
+                    "agent stopping with %d records unsent (kept in the spool)", len(inflight)
+                )
+                break
+
+    # ------------------------------------------------------------------ control
+    def snapshot(self) -> AgentHealth:
+        with self._lock:
+            self.health.spool_bytes = self.spool.size_bytes
+            self.health.pending_bytes = self.spool.pending()
+        self.health.ts = time.time()
+        return AgentHealth(**asdict(self.health))
+
+    def write_health(self) -> AgentHealth:
+        h = self.snapshot()
+        path = Path(self.settings.health_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(h)))
+        os.replace(tmp, path)
+        return h
+
+    def start(self) -> None:
+        self._drain_deadline = float("inf")
+        targets = [self._publish, self._serve_socket]
+        if self.settings.tail:
+            targets.append(self._serve_tail)
+        for target in targets:
+            t = threading.Thread(target=target, name=f"agent-{target.__name__}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, drain_s: float = 10.0) -> None:
+        """Stop taking input; try for ``drain_s`` to deliver what is spooled."""
+        self._drain_deadline = time.monotonic() + drain_s
+        self._stop.set()
+        for t in self._threads:
+            t.join(drain_s + 5)
+        with contextlib.suppress(Exception):
+            self.write_health()
+        self.spool.close()
+
+
+__all__ = ["AgentClient", "AgentHealth", "NodeAgent", "pack", "unpack"]
