@@ -265,3 +265,60 @@ def analyze(scale: str, steps: int, say: Callable[[str], None]) -> None:
 
 
 __all__ = ["analyze", "pipeline", "simulate"]
+
+
+def collector(calls: int, say: Callable[[str], None]) -> None:
+    """Cost of the PyTorch collector per call, in this process (a one-rank Gloo group)."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from producers.torch_collector import Collector
+    from schemas.codec import encode
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    sent = [0]
+
+    def sink(records: list) -> None:  # what the agent client does, minus the socket
+        sent[0] += len([encode(r) for r in records])
+
+    col = Collector(job="bench", sink=sink, flush_s=0.05)
+    col.declare()
+    t = torch.ones(1024)
+
+    def per_call(fn: Callable[[], object], n: int = calls) -> float:
+        for _ in range(min(1000, n)):
+            fn()
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter_ns() - t0) / n
+
+    def noop(*_: object, **__: object) -> None:
+        return None
+
+    wrapped = col._collective("all_reduce", noop)
+    bare_noop = per_call(lambda: noop(t))
+    hot_path = per_call(lambda: (wrapped(t), col._pending.clear())) - bare_noop
+    for _ in range(10_000):
+        wrapped(t)
+    t0 = time.perf_counter_ns()
+    n = len(col.drain())
+    drain = (time.perf_counter_ns() - t0) / max(n, 1)
+    plain = per_call(lambda: dist.all_reduce(t))
+    col.install()  # the background thread drains every 50 ms, as in a job
+    traced = per_call(lambda: dist.all_reduce(t))
+    col.uninstall()
+    dist.destroy_process_group()
+    say(f"PyTorch collector, {calls} calls each (one-rank Gloo group, 1024 floats)")
+    say(f"{'what':<46}{'per call':>12}")
+    say(f"{'hot path (wrapper around a no-op)':<46}{hot_path / 1000:>10.2f}µs")
+    say(f"{'Gloo all_reduce without the collector':<46}{plain / 1000:>10.2f}µs")
+    say(f"{'Gloo all_reduce with the collector':<46}{traced / 1000:>10.2f}µs")
+    say(f"{'added to the caller':<46}{(traced - plain) / 1000:>10.2f}µs")
+    say(f"{'record building, background thread':<46}{drain / 1000:>10.2f}µs")
+    say(f"({sent[0]} records built and encoded by the background thread)")

@@ -697,6 +697,15 @@ def bench_pipeline(obj: _Ctx, steps: int, scale: str, rate: int, seconds: float)
     pipeline(obj.settings, steps=steps, scale=scale, rate=rate, seconds=seconds, say=click.echo)
 
 
+@bench.command("collector")
+@click.option("--calls", default=20_000, show_default=True)
+def bench_collector(calls: int) -> None:
+    """Overhead of the PyTorch collector per torch.distributed call."""
+    from megatrace.bench import collector
+
+    collector(calls, click.echo)
+
+
 @bench.command("simulate")
 @click.option(
     "--scale",

@@ -1,0 +1,604 @@
+"""PyTorch collector: every ``torch.distributed`` collective and point-to-point call.
+
+One line in a training script (after ``init_process_group``)::
+
+    from producers import torch_collector
+    torch_collector.enable(tp=2, pp=2, dp=2, num_layers=8, num_microbatches=4)
+
+or, with no code change, under torchrun::
+
+    torchrun --nproc-per-node 8 -m producers.torch_collector train.py --args ...
+
+(the layout then comes from ``MEGATRACE_TP``/``_PP``/``_DP``/``_LAYERS``/
+``_MICROBATCHES`` or from Megatron's ``parallel_state`` when it is set up).
+
+The collector wraps the ``torch.distributed`` functions (any backend: NCCL,
+Gloo), so code must call them through the module (``dist.all_reduce``), as
+Megatron does. Per call the hot path only takes two clock readings, bumps the
+communicator's sequence number and appends a small list; a background thread
+turns those into :class:`~schemas.records.Collective` records, emits a
+:class:`~schemas.records.Heartbeat` per rank every ``heartbeat_s``, and hands
+batches to the sink (the node agent's socket by default; it never blocks).
+A call still unfinished after ``partial_after_s`` is also reported as joined
+but not finished, so a hang shows who waits and who never came.
+
+Communicators get a stable hash from their member ranks, so every member
+names a group the same way. Point-to-point calls go on a two-rank
+communicator per pair of ranks (the n-th Send from A to B meets the n-th Recv
+at B from A). Roles (TP/PP/DP) follow the declared Megatron layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+
+from schemas.records import Collective, CommInfo, CommProgress, Heartbeat, JobInfo, RankInfo
+from schemas.units import CollOp, CommRole, DType
+
+Sink = Callable[[list[msgspec.Struct]], None]
+
+_OPS: dict[str, CollOp] = {
+    "all_reduce": CollOp.ALL_REDUCE,
+    "broadcast": CollOp.BROADCAST,
+    "reduce": CollOp.REDUCE,
+    "all_gather": CollOp.ALL_GATHER,
+    "all_gather_into_tensor": CollOp.ALL_GATHER,
+    "reduce_scatter": CollOp.REDUCE_SCATTER,
+    "reduce_scatter_tensor": CollOp.REDUCE_SCATTER,
+    "all_to_all_single": CollOp.ALL_TO_ALL,
+    "barrier": CollOp.BARRIER,
+}
+_P2P = ("send", "recv", "isend", "irecv")
+
+
+class CollectorError(RuntimeError):
+    """The collector cannot run (torch missing, or enabled before the process group)."""
+
+
+def _torch() -> Any:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        raise CollectorError(
+            "the PyTorch collector needs torch: pip install 'megatrace[torch]'"
+        ) from None
+    return dist
+
+
+def comm_hash(kind: str, ranks: Iterable[int]) -> int:
+    """A communicator's hash, the same on every member.
+
+    >>> comm_hash("group", [0, 1]) == comm_hash("group", (0, 1))
+    True
+    """
+    digest = hashlib.blake2b(f"{kind}:{','.join(map(str, ranks))}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def megatron_groups(world: int, tp: int, pp: int, dp: int) -> dict[tuple[int, ...], CommRole]:
+    """Member ranks -> role of Megatron's TP, DP and PP groups (tp = r % TP first).
+
+    >>> g = megatron_groups(8, 2, 2, 2)
+    >>> g[(0, 1)], g[(0, 2)], g[(0, 4)]
+    (<CommRole.TP: 'tp'>, <CommRole.DP: 'dp'>, <CommRole.PP: 'pp'>)
+    """
+    out: dict[tuple[int, ...], CommRole] = {}
+    for s in range(pp):
+        for d in range(dp if tp > 1 else 0):
+            out[tuple(s * tp * dp + d * tp + t for t in range(tp))] = CommRole.TP
+        for t in range(tp if dp > 1 else 0):
+            out[tuple(s * tp * dp + d * tp + t for d in range(dp))] = CommRole.DP
+    for d in range(dp if pp > 1 else 0):
+        for t in range(tp):
+            out[tuple(s * tp * dp + d * tp + t for s in range(pp))] = CommRole.PP
+    out.setdefault(tuple(range(world)), CommRole.WORLD)
+    return out
+
+
+class _Comm:
+    __slots__ = ("completed", "hash", "issued", "rank_in_comm", "ranks", "size")
+
+    def __init__(self, h: int, ranks: tuple[int, ...], me: int) -> None:
+        self.hash = h
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.rank_in_comm = ranks.index(me) if me in ranks else 0
+        self.issued = -1
+        self.completed = -1
+
+
+class Collector:
+    """Records one process's ``torch.distributed`` calls (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        job: str,
+        sink: Sink,
+        node: str | None = None,
+        gpu: int | None = None,
+        heartbeat_s: float = 0.5,
+        partial_after_s: float = 0.2,
+        flush_s: float = 0.05,
+    ) -> None:
+        dist = _torch()
+        if not dist.is_initialized():
+            raise CollectorError("enable the collector after torch.distributed.init_process_group")
+        self.dist = dist
+        self.job = job
+        self.sink = sink
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.node = node or socket.gethostname()
+        self.gpu = gpu if gpu is not None else int(os.environ.get("LOCAL_RANK", self.rank))
+        self.heartbeat_s = heartbeat_s
+        self.partial_ns = int(partial_after_s * 1e9)
+        self.flush_s = flush_s
+        self.layout: dict[tuple[int, ...], CommRole] = {}
+        self.tp = self.pp = self.dp = 1
+        self.step: int | None = None
+        self.calls = 0
+        self._groups: dict[int, _Comm] = {}  # id(process group) -> communicator
+        self._pairs: dict[tuple[int, int], _Comm] = {}  # (low, high) global ranks
+        self._p2p_seq: dict[tuple[int, int], int] = {}  # (pair hash, sender) -> next seq
+        self._p2p_done: dict[int, int] = {}
+        self._pending: deque[list[Any]] = deque()  # appended by callers, drained here
+        self._meta: list[msgspec.Struct] = []
+        self._announced: set[int] = set()
+        self._originals: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._tls = threading.local()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ layout
+    def declare(
+        self,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int | None = None,
+        num_layers: int = 0,
+        num_microbatches: int = 1,
+        global_batch_size: int = 0,
+        micro_batch_size: int = 0,
+        gpus_per_node: int | None = None,
+    ) -> None:
+        """The job's parallel layout (Megatron order); rank 0 publishes the job record."""
+        dp = dp or self.world // (tp * pp)
+        self.tp, self.pp, self.dp = tp, pp, dp
+        self.layout = megatron_groups(self.world, tp, pp, dp)
+        now = time.time_ns()
+        if self.rank == 0:
+            self._meta.append(
+                JobInfo(
+                    job=self.job,
+                    ts_ns=now,
+                    source="torch",
+                    world_size=self.world,
+                    tp=tp,
+                    pp=pp,
+                    dp=dp,
+                    num_layers=num_layers,
+                    global_batch_size=global_batch_size,
+                    micro_batch_size=micro_batch_size,
+                    num_microbatches=num_microbatches,
+                    gpus_per_node=gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 8)),
+                )
+            )
+        stage, rest = divmod(self.rank, tp * dp)
+        self._meta.append(
+            RankInfo(
+                job=self.job,
+                ts_ns=now,
+                rank=self.rank,
+                node=self.node,
+                gpu=self.gpu,
+                tp_rank=self.rank % tp,
+                pp_stage=stage,
+                dp_rank=rest // tp,
+            )
+        )
+        self._announced.clear()
+        for c in [*self._groups.values(), *self._pairs.values()]:
+            self._announce(c)
+
+    def _stage(self, rank: int) -> int:
+        return rank // (self.tp * self.dp)
+
+    def _announce(self, c: _Comm) -> None:
+        if c.hash in self._announced:
+            return
+        self._announced.add(c.hash)
+        pair = c in self._pairs.values()
+        role = CommRole.PP if pair and self.pp > 1 else self.layout.get(c.ranks, CommRole.OTHER)
+        if pair and self.pp == 1:
+            role = CommRole.OTHER
+        stage = min(self._stage(r) for r in c.ranks)
+        self._meta.append(
+            CommInfo(
+                job=self.job,
+                ts_ns=time.time_ns(),
+                comm_hash=c.hash,
+                role=role,
+                ranks=list(c.ranks),
+                name=f"{role.value}:{','.join(map(str, c.ranks))}",
+                pp_stage=stage,
+            )
+        )
+
+    def _comm(self, group: Any) -> _Comm:
+        c = self._groups.get(id(group))
+        if c is None:
+            dist = self.dist
+            g = group if group is not None else dist.distributed_c10d._get_default_group()
+            ranks = tuple(dist.get_process_group_ranks(g))
+            c = self._groups[id(group)] = _Comm(comm_hash("group", ranks), ranks, self.rank)
+            self._announce(c)
+        return c
+
+    def _pair(self, peer: int) -> _Comm:
+        key = (min(self.rank, peer), max(self.rank, peer))
+        c = self._pairs.get(key)
+        if c is None:
+            c = self._pairs[key] = _Comm(comm_hash("p2p", key), key, self.rank)
+            self._announce(c)
+        return c
+
+    # ------------------------------------------------------------------ hot path
+    def _collective(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        op = _OPS[name]
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            if group is None:
+                group = _positional_group(name, args)
+            c = self._comm(group)
+            c.issued += 1
+            t = _first_tensor(args, kwargs)
+            entry = [c, op, c.issued, t, None, time.time_ns(), None, False]
+            self._pending.append(entry)
+            self.calls += 1
+            work = fn(*args, **kwargs)
+            if work is None or not kwargs.get("async_op", False):
+                entry[6] = time.time_ns()
+                return work
+            return _Work(work, [entry])
+
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        wrapper.__name__ = name
+        return wrapper
+
+    def _p2p_entry(self, sending: bool, tensor: Any, peer: int) -> list[Any]:
+        c = self._pair(peer)
+        key = (c.hash, self.rank if sending else peer)
+        seq = self._p2p_seq.get(key, 0)
+        self._p2p_seq[key] = seq + 1
+        c.issued += 1
+        op = CollOp.SEND if sending else CollOp.RECV
+        entry = [c, op, seq, tensor, peer, time.time_ns(), None, False]
+        self._pending.append(entry)
+        self.calls += 1
+        return entry
+
+    def _p2p(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        sending = name in ("send", "isend")
+        blocking = name in ("send", "recv")
+
+        def wrapper(tensor: Any, peer: int | None = None, *args: Any, **kwargs: Any) -> Any:
+            if getattr(self._tls, "batch", False):  # recorded by batch_isend_irecv
+                return fn(tensor, peer, *args, **kwargs)
+            if peer is None:
+                peer = kwargs.get("dst" if sending else "src")
+            if peer is None:
+                group_peer = kwargs.get("group_dst" if sending else "group_src")
+                if group_peer is not None:
+                    group = kwargs.get("group") or (args[0] if args else None)
+                    peer = self.dist.get_global_rank(
+                        group or self.dist.distributed_c10d._get_default_group(), group_peer
+                    )
+            if peer is None:  # recv from any source: nothing to pair it with
+                return fn(tensor, *args, **kwargs)
+            entry = self._p2p_entry(sending, tensor, peer)
+            work = fn(tensor, peer, *args, **kwargs)
+            if blocking:
+                entry[6] = time.time_ns()
+                return work
+            return _Work(work, [entry])
+
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        wrapper.__name__ = name
+        return wrapper
+
+    def _batch(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(p2p_op_list: list[Any]) -> Any:
+            entries = [
+                self._p2p_entry(getattr(op.op, "__name__", "") == "isend", op.tensor, op.peer)
+                for op in p2p_op_list
+            ]
+            self._tls.batch = True
+            try:
+                works = fn(p2p_op_list)
+            finally:
+                self._tls.batch = False
+            if len(works) == len(entries):
+                return [_Work(w, [e]) for w, e in zip(works, entries, strict=True)]
+            return [_Work(w, entries) for w in works]  # coalesced: one completion for all
+
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapper
+
+    # ------------------------------------------------------------------ off the hot path
+    def _record(self, e: list[Any]) -> Collective:
+        c, op, seq, t, peer, enq, end, _ = e
+        count, nbytes, dtype = _tensor_info(t)
+        return Collective(
+            job=self.job,
+            node=self.node,
+            rank=self.rank,
+            comm_hash=c.hash,
+            comm_size=c.size,
+            rank_in_comm=c.rank_in_comm,
+            op=op,
+            seq=seq,
+            count=count,
+            size_bytes=nbytes,
+            dtype=dtype,
+            enqueue_ns=enq,
+            end_ns=end,
+            peer=peer,
+        )
+
+    def drain(self, now_ns: int | None = None) -> list[msgspec.Struct]:
+        """Records due now: metadata, finished calls, and calls overdue (as unfinished)."""
+        now = now_ns or time.time_ns()
+        out: list[msgspec.Struct] = self._meta
+        self._meta = []
+        keep = []
+        pending = self._pending
+        for _ in range(len(pending)):  # callers may append meanwhile: take only these
+            e = pending.popleft()
+            if e[6] is not None:
+                out.append(self._record(e))
+                c = e[0]
+                c.completed = c.completed + 1 if e[1].is_p2p else max(c.completed, e[2])
+            else:
+                if not e[7] and now - e[5] > self.partial_ns:
+                    out.append(self._record(e))
+                    e[7] = True
+                keep.append(e)
+        pending.extendleft(reversed(keep))
+        return out
+
+    def heartbeat(self, now_ns: int | None = None) -> Heartbeat:
+        comms = [*self._groups.values(), *self._pairs.values()]
+        return Heartbeat(
+            job=self.job,
+            node=self.node,
+            rank=self.rank,
+            ts_ns=now_ns or time.time_ns(),
+            pid=os.getpid(),
+            step=self.step,
+            comms=[
+                CommProgress(comm_hash=c.hash, issued_seq=c.issued, completed_seq=c.completed)
+                for c in {c.hash: c for c in comms}.values()
+            ],
+        )
+
+    def _loop(self) -> None:
+        next_hb = 0.0
+        while not self._stop.wait(self.flush_s):
+            out = self.drain()
+            if time.monotonic() >= next_hb:
+                out.append(self.heartbeat())
+                next_hb = time.monotonic() + self.heartbeat_s
+            if out:
+                self.sink(out)
+        self.sink(self.drain())
+
+    # ------------------------------------------------------------------ control
+    def install(self) -> Collector:
+        """Wrap the functions in ``torch.distributed`` and in its ``distributed_c10d``
+        module (``P2POp`` and ``batch_isend_irecv`` look them up there)."""
+        dist = self.dist
+        c10d = dist.distributed_c10d
+        for name in (*_OPS, *_P2P, "batch_isend_irecv"):
+            fn = getattr(c10d, name, None) or getattr(dist, name, None)
+            if fn is None or name in self._originals:
+                continue
+            self._originals[name] = fn
+            if name == "batch_isend_irecv":
+                wrap = self._batch(fn)
+            elif name in _P2P:
+                wrap = self._p2p(name, fn)
+            else:
+                wrap = self._collective(name, fn)
+            for module in (dist, c10d):
+                if hasattr(module, name):
+                    setattr(module, name, wrap)
+        self._thread = threading.Thread(target=self._loop, name="megatrace-collector", daemon=True)
+        self._thread.start()
+        return self
+
+    def uninstall(self) -> None:
+        for name, fn in self._originals.items():
+            for module in (self.dist, self.dist.distributed_c10d):
+                if hasattr(module, name):
+                    setattr(module, name, fn)
+        self._originals.clear()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+
+class _Work:
+    """A torch ``Work`` that stamps its calls' completion when it is waited on."""
+
+    def __init__(self, work: Any, entries: list[list[Any]]) -> None:
+        self._work = work
+        self._entries = entries
+
+    def _done(self) -> None:
+        now = time.time_ns()
+        for e in self._entries:
+            if e[6] is None:
+                e[6] = now
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        r = self._work.wait(*args, **kwargs)
+        self._done()
+        return r
+
+    def is_completed(self) -> bool:
+        done = bool(self._work.is_completed())
+        if done:
+            self._done()
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _positional_group(name: str, args: tuple[Any, ...]) -> Any:
+    # where the group goes: all_reduce(t, op, group), broadcast(t, src, group),
+    # reduce(t, dst, op, group), all_gather(list, t, group)
+    index = {"all_reduce": 2, "broadcast": 2, "reduce": 3, "all_gather": 2}.get(name)
+    if index is not None and len(args) > index:
+        return args[index]
+    return None
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    for a in (*args, *kwargs.values()):
+        if hasattr(a, "numel"):
+            return a
+        if isinstance(a, list | tuple) and a and hasattr(a[0], "numel"):
+            return a[0]
+    return None
+
+
+_DTYPES: dict[Any, tuple[DType, int]] = {}
+
+
+def _tensor_info(t: Any) -> tuple[int, int, DType]:
+    if t is None:
+        return 0, 0, DType.UINT8
+    known = _DTYPES.get(t.dtype)
+    if known is None:
+        name = str(t.dtype).removeprefix("torch.")
+        dtype = DType(name) if name in DType._value2member_map_ else DType.UINT8
+        known = _DTYPES[t.dtype] = (dtype, int(t.element_size()))
+    n = int(t.numel())
+    return n, n * known[1], known[0]
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def default_sink() -> Sink:
+    """The node agent's socket (``MEGATRACE_AGENT__SOCKET``), or a JSON-lines file
+    (``MEGATRACE_COLLECT_FILE``) the agent tails."""
+    from schemas.codec import encode
+
+    path = os.environ.get("MEGATRACE_COLLECT_FILE")
+    if path:
+        lock = threading.Lock()
+
+        def to_file(records: list[msgspec.Struct]) -> None:
+            with lock, open(path, "ab") as f:
+                f.write(b"".join(encode(r) + b"\n" for r in records))
+
+        return to_file
+    from producers.agent import AgentClient
+
+    client = AgentClient(os.environ.get("MEGATRACE_AGENT__SOCKET", ".megatrace/agent.sock"))
+    return client.send
+
+
+_active: Collector | None = None
+
+
+def enable(
+    job: str | None = None,
+    *,
+    sink: Sink | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    dp: int | None = None,
+    num_layers: int | None = None,
+    num_microbatches: int | None = None,
+    **kwargs: Any,
+) -> Collector:
+    """Start collecting in this process (after ``init_process_group``); idempotent."""
+    global _active
+    if _active is not None:
+        return _active
+    env = os.environ
+    job = job or env.get("MEGATRACE_JOB") or env.get("TORCHELASTIC_RUN_ID") or "torch-job"
+    col = Collector(job=job, sink=sink or default_sink(), **kwargs)
+    layout = _megatron_layout() or {}
+    col.declare(
+        tp=tp or int(env.get("MEGATRACE_TP", layout.get("tp", 1))),
+        pp=pp or int(env.get("MEGATRACE_PP", layout.get("pp", 1))),
+        dp=dp or (int(env["MEGATRACE_DP"]) if "MEGATRACE_DP" in env else None),
+        num_layers=num_layers or int(env.get("MEGATRACE_LAYERS", 0)),
+        num_microbatches=num_microbatches or int(env.get("MEGATRACE_MICROBATCHES", 1)),
+    )
+    _active = col.install()
+    return col
+
+
+def disable() -> None:
+    """Stop collecting; what was recorded is flushed to the sink."""
+    global _active
+    if _active is not None:
+        _active.uninstall()
+        _active = None
+
+
+def _megatron_layout() -> dict[str, int] | None:
+    try:
+        from megatron.core import parallel_state as ps  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    if not ps.model_parallel_is_initialized():
+        return None
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+    }
+
+
+def _launch(argv: list[str]) -> None:
+    """``-m producers.torch_collector script.py ...``: enable once the process group is up."""
+    import runpy
+
+    dist = _torch()
+    original = dist.init_process_group
+
+    def init_then_enable(*args: Any, **kwargs: Any) -> Any:
+        r = original(*args, **kwargs)
+        enable()
+        return r
+
+    dist.init_process_group = init_then_enable
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m producers.torch_collector SCRIPT [ARGS...]")
+    _launch(sys.argv[1:])
+
+
+__all__ = ["Collector", "CollectorError", "comm_hash", "disable", "enable", "megatron_groups"]

@@ -1,0 +1,83 @@
+"""The PyTorch collector in one process (a one-rank Gloo group): records, sequence
+numbers, completion of async work, partial reports, heartbeats, and uninstall."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+from producers import torch_collector  # noqa: E402
+from schemas.records import Collective, CommInfo, Heartbeat, JobInfo, RankInfo  # noqa: E402
+from schemas.units import CollOp, CommRole  # noqa: E402
+
+
+@pytest.fixture
+def pg() -> Iterator[None]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    torch_collector.disable()
+    dist.destroy_process_group()
+
+
+def test_enable_before_the_process_group_is_a_clear_error() -> None:
+    with pytest.raises(torch_collector.CollectorError, match="init_process_group"):
+        torch_collector.Collector(job="j", sink=lambda r: None)
+
+
+def test_calls_become_records_with_sequence_numbers_and_completion(pg: None) -> None:
+    got: list[Any] = []
+    col = torch_collector.Collector(job="j", sink=got.extend, node="n0")
+    col.declare(tp=1, pp=1, num_layers=2, num_microbatches=1)
+    original = dist.all_reduce
+    col.install()
+    try:
+        t = torch.ones(16, dtype=torch.bfloat16)
+        dist.all_reduce(t)
+        dist.broadcast(t, 0)
+        work = dist.all_reduce(t, async_op=True)
+        pending = col.drain(now_ns=2**62)  # not waited on yet: reported as unfinished
+        (unfinished,) = [r for r in pending if isinstance(r, Collective)][-1:]
+        assert unfinished.end_ns is None and unfinished.seq == 2
+        work.wait()
+        col.heartbeat()
+    finally:
+        col.uninstall()
+    assert dist.all_reduce is original  # uninstall puts torch back
+    colls = [r for r in [*pending, *got] if isinstance(r, Collective)]
+    finished = [c for c in colls if c.end_ns is not None]
+    assert [(c.op, c.seq) for c in finished] == [
+        (CollOp.ALL_REDUCE, 0),
+        (CollOp.BROADCAST, 1),
+        (CollOp.ALL_REDUCE, 2),
+    ]
+    c = finished[0]
+    assert (c.count, c.size_bytes, c.dtype.value, c.comm_size, c.node) == (
+        16,
+        32,
+        "bfloat16",
+        1,
+        "n0",
+    )
+    assert all(c.end_ns >= c.enqueue_ns for c in finished)
+    meta = {type(r) for r in [*pending, *got]}
+    assert {JobInfo, RankInfo, CommInfo} <= meta
+    (world,) = [r for r in [*pending, *got] if isinstance(r, CommInfo)]
+    assert world.ranks == [0] and world.role == CommRole.WORLD
+    hb = col.heartbeat()
+    assert isinstance(hb, Heartbeat) and hb.comms[0].completed_seq == 2
+
+
+def test_the_same_group_gets_the_same_hash_on_every_member() -> None:
+    a = torch_collector.comm_hash("group", (0, 1, 2, 3))
+    assert a == torch_collector.comm_hash("group", [0, 1, 2, 3])
+    assert a != torch_collector.comm_hash("group", (0, 1, 2, 4))
+    assert a != torch_collector.comm_hash("p2p", (0, 1, 2, 3))
