@@ -286,9 +286,6 @@ def run(
 @click.pass_obj
 def agent(obj: _Ctx, **flags: Any) -> None:
     """The node agent: local producers -> spool -> Kafka, nothing lost on broker outages."""
-    import signal
-    import threading
-
     from infra.kafka import producer_config
     from producers.agent import NodeAgent
 
@@ -306,9 +303,7 @@ def agent(obj: _Ctx, **flags: Any) -> None:
         st.topics,
         Path(obj.settings.stack.state_dir),
     )
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+    done = _stop_on_signal()
     node_agent.start()
     click.echo(
         f"agent on {node_agent.node}: socket {cfg.socket}, tailing {list(cfg.tail) or 'nothing'}, "
@@ -471,6 +466,88 @@ def import_kineto(obj: _Ctx, paths: tuple[str, ...], job: str, node: str, to: st
     except TraceError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"{n} records from {len(paths)} trace(s)")
+
+
+@import_.command("megatrace-logs")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--config",
+    "megatron_config",
+    required=True,
+    type=click.Path(exists=True),
+    help="Megatron arguments: JSON, YAML, or a text of --flags.",
+)
+@click.option("--job", required=True, help="Job id to give the records.")
+@click.option("--world-size", type=int, help="If the Megatron config does not say.")
+@click.option(
+    "--to",
+    default="kafka",
+    show_default=True,
+    help="'kafka', or a JSON-lines file for `megatrace analyze`.",
+)
+@click.option("--follow", is_flag=True, help="Keep tailing the growing logs (to Kafka).")
+@click.pass_obj
+def import_megatrace_logs(
+    obj: _Ctx,
+    directory: str,
+    megatron_config: str,
+    job: str,
+    world_size: int | None,
+    to: str,
+    follow: bool,
+) -> None:
+    """The original MEGATRACE tool's per-rank call logs and per-NIC throughput CSV."""
+    from producers.megatrace_logs import (
+        LogFormatError,
+        MegatraceLogReader,
+        follow_dir,
+        import_dir,
+        read_megatron_config,
+    )
+    from schemas.codec import write_jsonl
+
+    try:
+        cfg = read_megatron_config(Path(megatron_config), world_size)
+        if follow:
+            if to != "kafka":
+                raise click.UsageError("--follow publishes to Kafka (leave --to out)")
+            from infra.kafka import producer_config
+            from producers.publish import KafkaPublisher
+
+            st = obj.stack()
+            pub = KafkaPublisher(producer_config(obj.settings.kafka, st.bootstrap()), st.topics)
+            reader = MegatraceLogReader(cfg, job, eager=True)
+            stopping = _stop_on_signal()
+            click.echo(f"following {directory} (Ctrl-C to stop)", err=True)
+
+            def emit(records: list) -> None:
+                pub.publish_all(records)
+
+            n = follow_dir(Path(directory), reader, emit, stopping.is_set)
+            pub.flush()
+            inferred = reader.inferred
+        else:
+            records, inferred = import_dir(Path(directory), cfg, job)
+            n = (
+                _publish(obj, records, "publishing")
+                if to == "kafka"
+                else write_jsonl(Path(to), records)
+            )
+    except LogFormatError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{n} {'lines' if follow else 'records'} from {directory}")
+    for what, count in sorted(inferred.items()):
+        click.echo(f"  inferred: {what} ({count} calls)")
+
+
+def _stop_on_signal():
+    import signal
+    import threading
+
+    event = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: event.set())
+    return event
 
 
 @cli.command("analyze")
