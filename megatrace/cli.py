@@ -550,6 +550,42 @@ def _stop_on_signal():
     return event
 
 
+@import_.command("flight-recorder")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--job", required=True, help="Job id to give the records.")
+@click.option(
+    "--config",
+    "megatron_config",
+    type=click.Path(exists=True),
+    help="Megatron arguments (JSON, YAML or --flags): places the hang in the schedule.",
+)
+@click.option(
+    "--to",
+    default="kafka",
+    show_default=True,
+    help="'kafka', or a JSON-lines file for `megatrace analyze`.",
+)
+@click.pass_obj
+def import_flight_recorder(
+    obj: _Ctx, paths: tuple[str, ...], job: str, megatron_config: str | None, to: str
+) -> None:
+    """PyTorch Flight Recorder dumps (one file per rank, or a directory of them)."""
+    from producers.flight_recorder import DumpFormatError, import_dumps
+    from producers.megatrace_logs import LogFormatError, read_megatron_config
+    from schemas.codec import write_jsonl
+
+    files = [f for p in map(Path, paths) for f in (sorted(p.iterdir()) if p.is_dir() else [p])]
+    try:
+        cfg = read_megatron_config(Path(megatron_config)) if megatron_config else None
+        records, skipped = import_dumps(files, job, cfg)
+    except (DumpFormatError, LogFormatError) as e:
+        raise click.ClickException(str(e)) from None
+    n = _publish(obj, records, "publishing") if to == "kafka" else write_jsonl(Path(to), records)
+    click.echo(f"{n} records from {len(files)} dump(s)")
+    for what, count in sorted(skipped.items()):
+        click.echo(f"  skipped: {what} ({count} entries)")
+
+
 @cli.command("analyze")
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="One verdict per line as JSON.")
