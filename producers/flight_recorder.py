@@ -36,32 +36,13 @@ import msgspec
 from producers.megatrace_logs import MegatronConfig
 from producers.torch_collector import comm_hash, megatron_groups
 from schemas.records import Collective, CommInfo, CommProgress, Heartbeat, JobInfo, RankInfo
-from schemas.units import CollOp, CommRole, DType
+from schemas.units import CollOp, CommRole, DType, torch_op
 
 
 class DumpFormatError(ValueError):
     """A file that is not a Flight Recorder dump (with the reason)."""
 
 
-_OPS = {
-    "all_reduce": CollOp.ALL_REDUCE,
-    "allreduce": CollOp.ALL_REDUCE,
-    "all_gather": CollOp.ALL_GATHER,
-    "allgather": CollOp.ALL_GATHER,
-    "_allgather_base": CollOp.ALL_GATHER,
-    "all_gather_into_tensor_coalesced": CollOp.ALL_GATHER,
-    "reduce_scatter": CollOp.REDUCE_SCATTER,
-    "_reduce_scatter_base": CollOp.REDUCE_SCATTER,
-    "reduce_scatter_tensor_coalesced": CollOp.REDUCE_SCATTER,
-    "broadcast": CollOp.BROADCAST,
-    "reduce": CollOp.REDUCE,
-    "all_to_all": CollOp.ALL_TO_ALL,
-    "alltoall": CollOp.ALL_TO_ALL,
-    "alltoall_base": CollOp.ALL_TO_ALL,
-    "barrier": CollOp.BARRIER,
-    "send": CollOp.SEND,
-    "recv": CollOp.RECV,
-}
 _DTYPES = {
     "Float": DType.FLOAT32,
     "BFloat16": DType.BFLOAT16,
@@ -112,11 +93,6 @@ def _ranks(spec: Any) -> tuple[int, ...]:
     if isinstance(spec, str):
         spec = ast.literal_eval(spec) if spec.strip() else []
     return tuple(int(r) for r in spec)
-
-
-def _op(name: str) -> CollOp | None:
-    base = name.split(":", 1)[-1].strip().lower()
-    return _OPS.get(base)
 
 
 class FlightRecorderImport:
@@ -228,7 +204,7 @@ class FlightRecorderImport:
         groups: dict[str, tuple[int, ...]],
         p2p_counts: dict[tuple[int, int], int],
     ) -> Collective | None:
-        op = _op(str(e.get("profiling_name", "")))
+        op = torch_op(str(e.get("profiling_name", "")))
         pg = e.get("process_group") or (e.get("pg_id"), "")
         members = groups.get(str(pg[0]))
         if op is None or members is None or rank not in members:

@@ -21,32 +21,13 @@ from typing import Any
 import msgspec
 
 from schemas.records import CommInfo, Kernel
-from schemas.units import CollOp, CommRole, KernelKind
+from schemas.units import CommRole, KernelKind, torch_op
 
 
 class TraceError(ValueError):
     """The file is not a Kineto trace we can read."""
 
 
-_COLL = {
-    "allreduce": CollOp.ALL_REDUCE,
-    "all_reduce": CollOp.ALL_REDUCE,
-    "allgather": CollOp.ALL_GATHER,
-    "all_gather": CollOp.ALL_GATHER,
-    "_allgather_base": CollOp.ALL_GATHER,
-    "all_gather_into_tensor": CollOp.ALL_GATHER,
-    "reduce_scatter": CollOp.REDUCE_SCATTER,
-    "_reduce_scatter_base": CollOp.REDUCE_SCATTER,
-    "reduce_scatter_tensor": CollOp.REDUCE_SCATTER,
-    "broadcast": CollOp.BROADCAST,
-    "reduce": CollOp.REDUCE,
-    "all_to_all": CollOp.ALL_TO_ALL,
-    "alltoall": CollOp.ALL_TO_ALL,
-    "alltoall_base": CollOp.ALL_TO_ALL,
-    "send": CollOp.SEND,
-    "recv": CollOp.RECV,
-    "barrier": CollOp.BARRIER,
-}
 _KIND = {
     "kernel": KernelKind.COMPUTE,
     "gpu_memcpy": KernelKind.MEMCPY,
@@ -117,7 +98,7 @@ def read_kineto(
             ranks = _ranks(args.get("Process Group Ranks", "[]"))
             pg = str(args.get("Process Group Name", ""))
             extra = {
-                "coll_op": _COLL.get(str(coll).lower()),
+                "coll_op": torch_op(str(coll)),
                 "count": int(args["In msg nelems"]) if "In msg nelems" in args else None,
                 "group_size": int(args["Group size"]) if args.get("Group size") else None,
                 "pg_name": pg or None,

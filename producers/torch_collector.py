@@ -43,21 +43,21 @@ from typing import Any
 import msgspec
 
 from schemas.records import Collective, CommInfo, CommProgress, Heartbeat, JobInfo, RankInfo
-from schemas.units import CollOp, CommRole, DType
+from schemas.units import TORCH_OP_NAMES, CollOp, CommRole, DType
 
 Sink = Callable[[list[msgspec.Struct]], None]
 
-_OPS: dict[str, CollOp] = {
-    "all_reduce": CollOp.ALL_REDUCE,
-    "broadcast": CollOp.BROADCAST,
-    "reduce": CollOp.REDUCE,
-    "all_gather": CollOp.ALL_GATHER,
-    "all_gather_into_tensor": CollOp.ALL_GATHER,
-    "reduce_scatter": CollOp.REDUCE_SCATTER,
-    "reduce_scatter_tensor": CollOp.REDUCE_SCATTER,
-    "all_to_all_single": CollOp.ALL_TO_ALL,
-    "barrier": CollOp.BARRIER,
-}
+_OPS = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "barrier",
+)
 _P2P = ("send", "recv", "isend", "irecv")
 
 
@@ -256,7 +256,7 @@ class Collector:
 
     # ------------------------------------------------------------------ hot path
     def _collective(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        op = _OPS[name]
+        op = TORCH_OP_NAMES[name]
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             group = kwargs.get("group")

@@ -73,6 +73,40 @@ class CollOp(StrEnum):
         return self in (CollOp.SEND, CollOp.RECV)
 
 
+#: PyTorch's and NCCL's spellings of operations (Kineto, Flight Recorder, torch.distributed).
+TORCH_OP_NAMES: dict[str, CollOp] = {
+    "allreduce": CollOp.ALL_REDUCE,
+    "all_reduce": CollOp.ALL_REDUCE,
+    "allgather": CollOp.ALL_GATHER,
+    "all_gather": CollOp.ALL_GATHER,
+    "_allgather_base": CollOp.ALL_GATHER,
+    "all_gather_into_tensor": CollOp.ALL_GATHER,
+    "all_gather_into_tensor_coalesced": CollOp.ALL_GATHER,
+    "reduce_scatter": CollOp.REDUCE_SCATTER,
+    "_reduce_scatter_base": CollOp.REDUCE_SCATTER,
+    "reduce_scatter_tensor": CollOp.REDUCE_SCATTER,
+    "reduce_scatter_tensor_coalesced": CollOp.REDUCE_SCATTER,
+    "broadcast": CollOp.BROADCAST,
+    "reduce": CollOp.REDUCE,
+    "all_to_all": CollOp.ALL_TO_ALL,
+    "all_to_all_single": CollOp.ALL_TO_ALL,
+    "alltoall": CollOp.ALL_TO_ALL,
+    "alltoall_base": CollOp.ALL_TO_ALL,
+    "barrier": CollOp.BARRIER,
+    "send": CollOp.SEND,
+    "recv": CollOp.RECV,
+}
+
+
+def torch_op(name: str) -> CollOp | None:
+    """The operation a PyTorch/NCCL name stands for (``nccl:all_reduce`` -> AllReduce).
+
+    >>> torch_op("nccl:_allgather_base"), torch_op("gemm")
+    (<CollOp.ALL_GATHER: 'AllGather'>, None)
+    """
+    return TORCH_OP_NAMES.get(name.split(":", 1)[-1].strip().lower())
+
+
 class DType(StrEnum):
     """Element types, with their size in bytes in :data:`DTYPE_BYTES`."""
 
