@@ -586,6 +586,26 @@ def import_flight_recorder(
         click.echo(f"  skipped: {what} ({count} entries)")
 
 
+@cli.command("build-plugin")
+@click.option(
+    "--out",
+    default="build",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Directory for libmegatrace_nccl_profiler.so.",
+)
+def build_plugin(out: str) -> None:
+    """Compile the NCCL profiler plugin (system C compiler; no NCCL headers or GPU needed)."""
+    from producers.nccl_plugin import PluginBuildError, build
+
+    try:
+        lib = build(Path(out))
+    except PluginBuildError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(str(lib.resolve()))
+    click.echo(f"use it with: NCCL_PROFILER_PLUGIN={lib.resolve()} (and a node agent running)")
+
+
 @cli.command("analyze")
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="One verdict per line as JSON.")
@@ -817,6 +837,15 @@ def bench_collector(calls: int) -> None:
     from megatrace.bench import collector
 
     collector(calls, click.echo)
+
+
+@bench.command("plugin")
+@click.option("--events", default=200_000, show_default=True, help="Proxy-step state changes.")
+def bench_plugin(events: int) -> None:
+    """Cost per event of the NCCL profiler plugin's hot path (C, called as NCCL calls it)."""
+    from megatrace.bench import plugin
+
+    plugin(events, click.echo)
 
 
 @bench.command("simulate")

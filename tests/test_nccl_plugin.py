@@ -1,0 +1,255 @@
+"""The NCCL profiler plugin, built here and driven through NCCL's own entry points
+with ctypes (no GPU): records reach the node agent, decode with the schemas, and
+`megatrace analyze` turns a slow link and a stuck proxy operation into verdicts."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+from infra.kafka import producer_config
+from megatrace.cli import cli
+from producers.agent import AgentClient, NodeAgent
+from producers.nccl_plugin import Plugin
+from schemas.codec import decode, write_jsonl
+from schemas.config import Settings
+from schemas.records import (
+    Collective,
+    CommInfo,
+    Heartbeat,
+    JobInfo,
+    LinkSample,
+    ProxySummary,
+    RankInfo,
+)
+from schemas.topics import Topics
+from schemas.units import CommRole
+from tests.helpers import consume_all
+
+COMM = 0x5EED_C0FFEE
+
+
+@pytest.fixture
+def library(tmp_path: Path) -> Path:
+    res = CliRunner().invoke(cli, ["build-plugin", "--out", str(tmp_path / "build")])
+    assert res.exit_code == 0, res.output
+    return Path(res.output.splitlines()[0])
+
+
+@pytest.fixture
+def receiver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.socket]:
+    """A bare datagram socket where the agent would listen."""
+    path = tmp_path / "agent.sock"
+    monkeypatch.setenv("MEGATRACE_AGENT__SOCKET", str(path))
+    monkeypatch.setenv("MEGATRACE_JOB", "plugin-job")
+    monkeypatch.setenv("MEGATRACE_STUCK_MS", "200")
+    monkeypatch.setenv("MEGATRACE_HEARTBEAT_MS", "100")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(path))
+    s.settimeout(0.3)
+    yield s
+    s.close()
+
+
+def received(s: socket.socket, seconds: float = 1.0) -> list[Any]:
+    """Everything that arrives within ``seconds`` (heartbeats keep coming)."""
+    data = b""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            data += s.recv(1 << 16)
+        except TimeoutError:
+            pass
+    return [decode(line) for line in data.split(b"\n") if line.strip()]
+
+
+@pytest.mark.parametrize("version", [5, 4])
+def test_a_multi_rank_collective_arrives_whole(
+    library: Path, receiver: socket.socket, version: int
+) -> None:
+    plugin = Plugin(library, version)
+    comms = [plugin.init(COMM, 4, r) for r in range(4)]
+    for seq in range(3):
+        plugin.collective(comms, seq, channels=2, steps=4, step_bytes=1 << 16)
+    plugin.flush()
+    records = received(receiver)
+    colls = [r for r in records if isinstance(r, Collective)]
+    assert sorted((c.seq, c.rank) for c in colls) == [(s, r) for s in range(3) for r in range(4)]
+    c = colls[0]
+    assert (c.comm_hash, c.comm_size, c.op.value, c.dtype.value, c.algo, c.nchannels) == (
+        COMM, 4, "AllReduce", "bfloat16", "RING", 2,
+    )  # fmt: skip
+    assert all(c.end_ns is not None and c.end_ns >= c.enqueue_ns for c in colls)
+    proxies = [r for r in records if isinstance(r, ProxySummary)]
+    assert len(proxies) == 3 * 4 * 2 * 2  # seq x rank x channel x direction
+    assert all(p.steps_done == p.steps_posted == 4 for p in proxies)
+    assert all(p.size_bytes == 4 << 16 for p in proxies)
+    sends = [p for p in proxies if p.direction.value == "send"]
+    assert {(p.rank, p.peer) for p in sends} == {(0, 1), (1, 2), (2, 3), (3, 0)}
+    assert all(p.send_wait_ns > 0 and p.send_gpu_wait_ns > 0 for p in sends)
+    assert any(isinstance(r, Heartbeat) for r in records)
+    for comm in comms:
+        plugin.finalize(comm)
+    events, sent, dropped = plugin.stats()
+    assert events > 0
+    assert dropped == 0 and sent >= len(colls) + len(proxies)
+
+
+def test_a_slow_edge_and_a_stuck_proxy_op_show_in_the_records(
+    library: Path, receiver: socket.socket
+) -> None:
+    plugin = Plugin(library)
+    comms = [plugin.init(COMM, 2, r) for r in range(2)]
+    plugin.collective(comms, 0, send_wait_s={(0, 1): 0.004, (1, 0): 0.0004})
+    plugin.collective(comms, 1, stuck=(0, 1))
+    time.sleep(0.4)  # past MEGATRACE_STUCK_MS
+    plugin.flush()
+    records = received(receiver)
+    links = {
+        (r.src_rank, r.dst_rank): r.throughput_gbps for r in records if isinstance(r, LinkSample)
+    }
+    assert links[(0, 1)] < 0.5 * links[(1, 0)]
+    stuck = [
+        r
+        for r in records
+        if isinstance(r, ProxySummary) and r.seq == 1 and r.steps_done < r.steps_posted
+    ]
+    assert {(p.rank, p.peer, p.direction.value) for p in stuck} == {(0, 1, "send"), (1, 0, "recv")}
+    unfinished = [r for r in records if isinstance(r, Collective) and r.seq == 1]
+    assert len(unfinished) == 2 and all(c.end_ns is None for c in unfinished)
+    for comm in comms:
+        plugin.finalize(comm)
+
+
+def test_the_plugin_never_blocks_without_an_agent(
+    library: Path, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("MEGATRACE_AGENT__SOCKET", str(tmp_path / "nobody.sock"))
+    plugin = Plugin(library)
+    comms = [plugin.init(COMM, 2, r) for r in range(2)]
+    t0 = time.monotonic()
+    for seq in range(50):
+        plugin.collective(comms, seq)
+    plugin.flush()
+    assert time.monotonic() - t0 < 10
+    _, sent, dropped = plugin.stats()
+    assert sent == 0 and dropped >= 100  # every record counted as dropped
+    for comm in comms:
+        plugin.finalize(comm)
+
+
+# --------------------------------------------------------------------------- analyze
+
+
+def _job_records(hosts: list[str]) -> list[Any]:
+    """What the PyTorch collector declares for this 2-rank tensor-parallel job."""
+    return [
+        JobInfo(job="plugin-job", ts_ns=time.time_ns(), world_size=2, tp=2, num_layers=1),
+        *(
+            RankInfo(
+                job="plugin-job",
+                ts_ns=time.time_ns(),
+                rank=r,
+                node=hosts[r],
+                gpu=r,
+                nic=f"mlx5_{r}",
+            )
+            for r in range(2)
+        ),
+        CommInfo(
+            job="plugin-job", ts_ns=time.time_ns(), comm_hash=COMM, role=CommRole.TP, ranks=[0, 1]
+        ),
+    ]
+
+
+def _through_agent(settings: Settings, tmp_path: Path, drive) -> list[Any]:
+    """Run the node agent, let ``drive`` send to it, then read back what it published."""
+    sock = tmp_path / "agent.sock"
+    agent_settings = msgspec.structs.replace(
+        settings.agent, socket=str(sock), spool_dir=str(tmp_path / "spool"), node="gpu-node-0"
+    )
+    topics = Topics(prefix=settings.kafka.topic_prefix)
+    agent = NodeAgent(
+        agent_settings,
+        producer_config(settings.kafka, settings.kafka.bootstrap_servers),
+        topics,
+        tmp_path,
+    )
+    agent.start()
+    try:
+        while not sock.exists():
+            time.sleep(0.01)
+        drive(sock)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            h = agent.snapshot()
+            if h.accepted and h.delivered == h.accepted:
+                break
+            time.sleep(0.1)
+    finally:
+        agent.stop()
+    h = agent.snapshot()
+    assert h.refused == 0 and h.dropped == 0 and h.delivered == h.accepted
+    out: list[Any] = []
+    for topic in topics.inputs:
+        out += [decode(m.value()) for m in consume_all(settings, topic, 10**9, timeout_s=1.5)]
+    return sorted(out, key=lambda r: getattr(r, "ts_ns", None) or getattr(r, "enqueue_ns", 0))
+
+
+def _analyze(records: list[Any], tmp_path: Path) -> list[dict]:
+    path = tmp_path / "plugin.jsonl"
+    write_jsonl(path, records)
+    res = CliRunner().invoke(cli, ["analyze", str(path), "--json"])
+    assert res.exit_code == 0, res.output
+    return [json.loads(line) for line in res.output.splitlines()]
+
+
+@pytest.mark.integration
+def test_analyze_names_the_slow_link_and_the_stuck_edge(
+    library: Path, settings: Settings, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("MEGATRACE_STUCK_MS", "200")
+    monkeypatch.setenv("MEGATRACE_HEARTBEAT_MS", "100")
+    monkeypatch.delenv("MEGATRACE_JOB", raising=False)  # the agent stamps job and node
+    monkeypatch.setenv("MEGATRACE_AGENT__JOB", "plugin-job")
+
+    def drive(sock: Path) -> None:
+        monkeypatch.setenv("MEGATRACE_AGENT__SOCKET", str(sock))
+        AgentClient(sock).send(_job_records(["gpu-node-0", "gpu-node-1"]))
+        plugin = Plugin(library)
+        comms = [plugin.init(COMM, 2, r) for r in range(2)]
+        normal = {(0, 1): 0.002, (1, 0): 0.002}
+        slow = {(0, 1): 0.02, (1, 0): 0.002}  # the 0 -> 1 link runs 10x slower from step 12
+        seq = 0
+        for step in range(24):
+            for _ in range(4):  # 4 tensor-parallel all-reduces per step
+                plugin.collective(comms, seq, steps=2, send_wait_s=slow if step >= 12 else normal)
+                seq += 1
+        plugin.collective(comms, seq, steps=2, stuck=(0, 1))  # then the 0 -> 1 transfer hangs
+        time.sleep(1.5)
+        plugin.flush()
+        for comm in comms:
+            plugin.finalize(comm)
+
+    records = _through_agent(
+        msgspec.structs.replace(
+            settings, agent=msgspec.structs.replace(settings.agent, job="plugin-job")
+        ),
+        tmp_path,
+        drive,
+    )
+    assert all(getattr(r, "job", "plugin-job") == "plugin-job" for r in records)
+    verdicts = {v["kind"]: v for v in _analyze(records, tmp_path)}
+    link = verdicts["link_degradation"]
+    assert link["link"].startswith("gpu-node-0") and "gpu-node-1" in link["link"]
+    hang = verdicts["hang"]
+    assert hang["cause"] in ("network_link", "nic")
+    assert "gpu-node-0" in (hang["link"] or "") and "gpu-node-1" in (hang["link"] or "")
