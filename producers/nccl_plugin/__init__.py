@@ -239,21 +239,10 @@ class Plugin:
         posted and never completed (and the call never finishes)."""
         send_wait_s = send_wait_s or {}
         n = len(comms)
-        calls = [
-            self.start(
-                c,
-                COLL,
-                seqNumber=seq,
-                func="AllReduce",
-                count=count,
-                datatype="ncclBfloat16",
-                nChannels=channels,
-                algo="RING",
-                proto="SIMPLE",
-            )  # fmt: skip
-            for c in comms
-        ]
-        for c, h in zip(comms, calls, strict=True):
+        coll = {"seqNumber": seq, "func": "AllReduce", "count": count, "nChannels": channels}
+        coll |= {"datatype": "ncclBfloat16", "algo": "RING", "proto": "SIMPLE"}
+        calls = [self.start(c, COLL, **coll) for c in comms]
+        for h in calls:
             self.stop(h)  # enqueued
         for ch in range(channels):
             for i, c in enumerate(comms):
