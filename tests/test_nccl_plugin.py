@@ -4,6 +4,7 @@ with ctypes (no GPU): records reach the node agent, decode with the schemas, and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -64,10 +65,8 @@ def received(s: socket.socket, seconds: float = 1.0) -> list[Any]:
     data = b""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        try:
+        with contextlib.suppress(TimeoutError):
             data += s.recv(1 << 16)
-        except TimeoutError:
-            pass
     return [decode(line) for line in data.split(b"\n") if line.strip()]
 
 
