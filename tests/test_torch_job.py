@@ -1,9 +1,10 @@
 """Proof on real software: a multi-process torch.distributed (Gloo) training job with
 the collector on, through the node agent, the broker, the flow and ClickHouse.
 
-The job (``tests/torch_job.py``) is 4 ranks, TP 2 x PP 2, Megatron's 1F1B with 4
-micro-batches. Faults are real: rank 1 sleeps 3x longer in its compute from step
-10; rank 2 stops before its forward all-reduce of micro-batch 2 at step 20.
+The job (``tests/torch_job.py``) is 4 ranks, TP 2 x PP 2, 2 layers, Megatron's
+1F1B with 4 micro-batches. Faults are real: rank 1 sleeps 3x longer in its
+compute from step 8; rank 2 stops before its forward all-reduce of micro-batch 2
+at step 24.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def test_a_real_gloo_job_names_the_slow_rank_and_the_hung_rank(
         codes = launch(
             4,
             sock,
-            *("--job", job, "--steps", "24", "--slow-rank", "1", "--slow-from", "10"),
-            *("--hang-rank", "2", "--hang-step", "20", "--hang-mb", "2", "--hang-s", "5"),
+            *("--job", job, "--steps", "28", "--layers", "2", "--block-ms", "5"),
+            *("--slow-rank", "1", "--slow-from", "8", "--slow-factor", "3"),
+            *("--hang-rank", "2", "--hang-step", "24", "--hang-mb", "2", "--hang-s", "5"),
         )
         assert codes[2] == 3  # the hung rank stopped; its peers then failed in Gloo
         deadline = time.monotonic() + 30
@@ -96,8 +98,8 @@ def test_a_real_gloo_job_names_the_slow_rank_and_the_hung_rank(
     finally:
         agent.stop()
     h = agent.snapshot()
-    # 4 ranks x 20 whole steps x 40 calls (32 all-reduces, 8 sends or receives), and more
-    assert h.refused == 0 and h.dropped == 0 and h.delivered == h.accepted > 3200
+    # 4 ranks x 24 whole steps x 24 calls (16 all-reduces, 8 sends or receives), and more
+    assert h.refused == 0 and h.dropped == 0 and h.delivered == h.accepted > 2304
     run_main(build_flow(flow_config(settings)))
     verdicts = {
         v.kind: v
@@ -109,9 +111,10 @@ def test_a_real_gloo_job_names_the_slow_rank_and_the_hung_rank(
         Phase.FORWARD,
         2,
         1,
-        20,
+        24,
     )
     slow = verdicts[VerdictKind.SLOWDOWN]
-    assert slow.rank == 1 and slow.onset_step is not None and 10 <= slow.onset_step <= 14
+    # onset within a step of the injection (a step boundary blurs across pipeline stages)
+    assert slow.rank == 1 and slow.onset_step is not None and 7 <= slow.onset_step <= 12
     assert slow.phase in (Phase.FORWARD, Phase.BACKWARD)
     assert set(verdicts) == {VerdictKind.HANG, VerdictKind.SLOWDOWN}  # nothing invented
