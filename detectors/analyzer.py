@@ -91,7 +91,8 @@ class JobAnalyzer:
         self.hang_open: str | None = None
         self.slow_open: str | None = None
         self.bursts: dict[str, list[tuple[int, float, int]]] = {}
-        self.link_culprits: dict[tuple[int, int], str] = {}
+        self.link_culprits: dict[tuple[int, int], str] = {}  # degraded edge -> its incident
+        self.link_fields: dict[str, dict[str, Any]] = {}  # incident -> cause and culprit fields
         self.hb_latest: dict[int, Heartbeat] = {}
         self.hb_done: dict[tuple[int, int], int] = {}
         self.hb_progress_ns = 0
@@ -355,18 +356,19 @@ class JobAnalyzer:
 
     def _link_severity(self, severity: float, rep: StepReport) -> list[msgspec.Struct]:
         out = []
-        for (src, dst), culprit in self.link_culprits.items():
+        for culprit in dict.fromkeys(self.link_culprits.values()):
+            fields = dict(self.link_fields[culprit])
+            cause = fields.pop("cause")
             if v := self.book.report(
                 VerdictKind.LINK_DEGRADATION,
-                Cause.NETWORK_LINK,
+                cause,
                 culprit,
                 onset_step=None,
                 onset_ns=0,
                 detected_ns=rep.end_ns,
                 severity=severity,
                 confidence=0.9,
-                src_rank=src,
-                dst_rank=dst,
+                **fields,
             ):
                 out.append(v)
         return out
@@ -420,49 +422,89 @@ class JobAnalyzer:
         if ev is None or self.topo is None:
             return []
         topo = self.topo
-        culprit = f"link:{ev.src_rank}->{ev.dst_rank}"
+        edge = (ev.src_rank, ev.dst_rank)
         if ev.kind == "recovered":
-            self.link_culprits.pop((ev.src_rank, ev.dst_rank), None)
+            culprit = self.link_culprits.pop(edge, f"link:{ev.src_rank}->{ev.dst_rank}")
+            if culprit in self.link_culprits.values():
+                return []  # other links of that NIC are still slow
+            self.link_fields.pop(culprit, None)
             v = self.book.resolve(VerdictKind.LINK_DEGRADATION.value, culprit, s.ts_ns)
             return [v] if v else []
-        self.link_culprits[(ev.src_rank, ev.dst_rank)] = culprit
         step = next((r.step for r in self.recent if r.end_ns >= ev.onset_ns), None)
         if step is None and self.recent:  # samples ran ahead of the steps: extrapolate
             last = self.recent[-1]
             per_step = max(self.expected_step_ns() or last.duration_ns, 1)
             step = last.step + 1 + int(max(0, ev.onset_ns - last.end_ns) // per_step)
-        link = topo.link_name(ev.src_rank, ev.dst_rank)
         shifted = self.shift.shifted and self.shift.baseline
         severity = (
             1 - self.shift.baseline / self.recent[-1].duration_ns
             if shifted and self.recent
             else 0.0
         )
+        # method.md's decision table, last row: several slow links leaving one NIC are that NIC
+        siblings = sorted(
+            {d for (u, d) in self.link_culprits if u == ev.src_rank and d != ev.dst_rank}
+        )
+        if siblings:
+            culprit = self.link_culprits[(ev.src_rank, siblings[0])]
+            nic = f"{topo.node(ev.src_rank)}/{topo.nic(ev.src_rank)}"
+            dsts = [*siblings, ev.dst_rank]
+            fields: dict[str, Any] = {
+                "cause": Cause.NIC,
+                "rank": ev.src_rank,
+                "node": topo.node(ev.src_rank),
+                "gpu": topo.gpu(ev.src_rank),
+                "link": nic,
+                "src_rank": ev.src_rank,
+                "dst_rank": None,
+                "phase": Phase.TRANSFER,
+                "pp_stage": topo.coords(ev.src_rank)[0],
+            }
+            summary = (
+                f"NIC degradation: {nic} - {len(dsts)} links from it below their baselines "
+                f"(towards ranks {', '.join(map(str, dsts))}; latest {ev.current_gbps:.0f} Gb/s, "
+                f"{ev.drop:.0%} down)"
+            )
+        else:
+            culprit = f"link:{ev.src_rank}->{ev.dst_rank}"
+            link = topo.link_name(ev.src_rank, ev.dst_rank)
+            fields = {
+                "cause": Cause.NETWORK_LINK,
+                "rank": ev.src_rank,
+                "node": topo.node(ev.src_rank),
+                "gpu": topo.gpu(ev.src_rank),
+                "link": link,
+                "src_rank": ev.src_rank,
+                "dst_rank": ev.dst_rank,
+                "phase": Phase.TRANSFER,
+                "pp_stage": topo.coords(ev.src_rank)[0],
+            }
+            summary = (
+                f"link degradation: {link} at {ev.current_gbps:.0f} Gb/s, "
+                f"{ev.drop:.0%} below its {ev.baseline_gbps:.0f} Gb/s baseline"
+            )
+        self.link_culprits[edge] = culprit
+        self.link_fields[culprit] = fields
+        report = dict(fields)
+        cause = report.pop("cause")
         v = self.book.report(
             VerdictKind.LINK_DEGRADATION,
-            Cause.NETWORK_LINK,
+            cause,
             culprit,
             onset_step=None,
             onset_ns=ev.onset_ns,
             detected_ns=s.ts_ns,
             severity=severity,
             confidence=0.9,
-            rank=ev.src_rank,
-            node=topo.node(ev.src_rank),
-            gpu=topo.gpu(ev.src_rank),
-            link=link,
-            src_rank=ev.src_rank,
-            dst_rank=ev.dst_rank,
             step=step,
-            phase=Phase.TRANSFER,
-            pp_stage=topo.coords(ev.src_rank)[0],
-            summary=f"link degradation: {link} at {ev.current_gbps:.0f} Gb/s, "
-            f"{ev.drop:.0%} below its {ev.baseline_gbps:.0f} Gb/s baseline",
+            summary=summary,
             evidence={
                 "baseline_gbps": ev.baseline_gbps,
                 "current_gbps": ev.current_gbps,
                 "drop": ev.drop,
+                "slow_links_from_nic": float(len(siblings) + 1),
             },
+            **report,
         )
         return [v] if v else []
 

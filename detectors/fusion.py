@@ -78,10 +78,14 @@ class VerdictBook:
                 **fields,
             )  # type: ignore[arg-type]
         else:
-            changed = abs(severity - current.severity) > self.min_change or any(
-                getattr(current, k) != v
-                for k, v in fields.items()
-                if k != "evidence" and k != "summary"
+            changed = (
+                abs(severity - current.severity) > self.min_change
+                or cause != current.cause
+                or any(
+                    getattr(current, k) != v
+                    for k, v in fields.items()
+                    if k != "evidence" and k != "summary"
+                )
             )
             if not changed:
                 return None
@@ -89,6 +93,7 @@ class VerdictBook:
                 current,
                 revision=current.revision + 1,
                 status=VerdictStatus.UPDATE,
+                cause=cause,
                 severity=severity,
                 confidence=confidence,
                 **fields,

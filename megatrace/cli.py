@@ -766,16 +766,20 @@ def evaluate(scales: tuple[str, ...], seeds: int, names: tuple[str, ...], baseli
     from detectors.baselines import BASELINES
     from detectors.replay import Replay
     from detectors.scoring import Score
-    from producers.sim.scenarios import SCENARIOS, build
+    from producers.sim.scenarios import SCENARIOS, NotApplicable, build
     from schemas.records import Verdict
 
-    todo = [
-        (n, sc, seed)
-        for sc in scales
-        for n in (names or SCENARIOS)
-        if n != "story"
-        for seed in range(seeds)
-    ]
+    todo = []
+    for sc in scales:
+        for n in names or SCENARIOS:
+            if n == "story":
+                continue
+            try:
+                build(n, scale=sc, seed=100)
+            except NotApplicable as e:
+                click.echo(f"skipping {n} at {sc}: {e}")
+                continue
+            todo += [(n, sc, seed) for seed in range(seeds)]
     methods = ["megatrace", *(BASELINES if baselines else [])]
     scores = {m: Score() for m in methods}
     cost: dict[str, float] = dict.fromkeys(methods, 0.0)

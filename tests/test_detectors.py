@@ -198,3 +198,22 @@ def test_out_of_order_records_give_the_same_verdicts() -> None:
     assert straight and sorted(set(found)) == sorted(set(straight))
     analyzer = next(iter(replay.jobs.values()))
     assert analyzer.assembler.late_instances == 0  # nothing had to be dropped
+
+
+def test_a_slow_nic_is_one_nic_incident_not_several_link_ones() -> None:
+    run = build("slow-nic", scale="demo", seed=1)
+    verdicts = [v for v in Replay().run(run.records(emit_kernels=False)) if isinstance(v, Verdict)]
+    (label,) = run.labels
+    assert label.cause == Cause.NIC
+    assert len({v.verdict_id for v in verdicts}) == 1  # its first slow link, then the NIC
+    first, last = verdicts[0], verdicts[-1]
+    assert first.cause == Cause.NETWORK_LINK and "->" in (first.link or "")
+    assert (last.cause, last.link, last.rank) == (Cause.NIC, label.link, label.rank)
+    assert last.evidence["slow_links_from_nic"] >= 2
+
+
+def test_a_slow_nic_needs_a_layout_where_it_differs_from_a_link() -> None:
+    from producers.sim.scenarios import NotApplicable
+
+    with pytest.raises(NotApplicable, match="two other nodes"):
+        build("slow-nic", scale="tiny", seed=0)

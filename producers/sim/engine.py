@@ -36,6 +36,7 @@ from producers.sim.faults import (
     NetworkHang,
     SlowGPU,
     SlowLink,
+    SlowNIC,
 )
 from producers.sim.job import JobSpec, Layout
 from schemas.units import CollOp, Phase
@@ -182,6 +183,7 @@ class Engine:
         self.hangs: dict[tuple[int, int, int], tuple] = {}
         self.bubbles: list[tuple[tuple[int, int, int], BubbleDelay]] = []
         self.link_factor: dict[tuple[int, int], float] = {}
+        self.nic_factor: dict[int, float] = {}
         self.net_hangs: list[NetworkHang] = []
         for f in self.faults:
             if isinstance(f, SlowGPU | IntermittentGPU) and f.active(step):
@@ -192,6 +194,8 @@ class Engine:
                 self.lead[on_node] = 5e3
             elif isinstance(f, SlowLink) and f.active(step):
                 self.link_factor[(f.src_rank, f.dst_rank)] = f.factor
+            elif isinstance(f, SlowNIC) and f.active(step):
+                self.nic_factor[f.rank] = f.factor
             elif isinstance(f, ComputeHang) and f.onset_step == step:
                 self.hangs[s.coords(f.rank)] = ("tp", PHASE_CODE[f.phase], f.microbatch, f.layer)
             elif isinstance(f, MissingRecv) and f.onset_step == step:
@@ -212,6 +216,8 @@ class Engine:
         f = np.ones(src.shape)
         for (u, v), k in self.link_factor.items():
             f[(src == u) & (dst == v)] = k
+        for u, k in self.nic_factor.items():
+            f[src == u] = np.maximum(f[src == u], k)
         return f
 
     def _net_hung(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:

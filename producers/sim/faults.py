@@ -142,6 +142,28 @@ class SlowLink(Fault):
 
 
 @dataclass(frozen=True)
+class SlowNIC(Fault):
+    """Every transfer leaving ``rank``'s NIC takes ``factor`` times longer (a degraded NIC:
+    all its links slow at once, which tells it apart from one slow link)."""
+
+    rank: int = 0
+    factor: float = 4.0
+
+    def label(self, spec: JobSpec, onset_ns: int) -> FaultLabel:
+        return self._label(
+            spec,
+            onset_ns,
+            kind=VerdictKind.LINK_DEGRADATION,
+            cause=Cause.NIC,
+            **_rank_fields(spec, self.rank),
+            src_rank=self.rank,
+            link=f"{spec.node_of(self.rank)}/{spec.nic_of(self.rank)}",
+            phase=Phase.TRANSFER,
+            magnitude=self.factor,
+        )
+
+
+@dataclass(frozen=True)
 class ComputeHang(Fault):
     """A rank stops before a TP collective of (microbatch, phase) in ``onset_step``."""
 

@@ -29,6 +29,7 @@ from producers.sim.faults import (
     NetworkHang,
     SlowGPU,
     SlowLink,
+    SlowNIC,
 )
 from producers.sim.job import JobSpec
 from schemas.records import FaultLabel, event_time
@@ -216,6 +217,27 @@ def _slow_link(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Faul
     return [SlowLink(onset_step=_onset(spec, rng, steps), src_rank=u, dst_rank=v, factor=5.0)]
 
 
+class NotApplicable(ValueError):
+    """The scenario cannot happen in this layout (e.g. it needs more nodes)."""
+
+
+def _slow_nic(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    """A NIC whose rank sends to at least two other nodes (else it looks like one link)."""
+    ranks = []
+    for p in range(spec.pp):
+        for d in range(spec.dp):
+            for t in range(spec.tp):
+                u = spec.rank(p, d, t)
+                dsts = [spec.rank(p, (d + 1) % spec.dp, t)] if spec.dp > 1 else []
+                dsts += [spec.rank(q, d, t) for q in (p - 1, p + 1) if 0 <= q < spec.pp]
+                if len({v for v in dsts if spec.node_of(v) != spec.node_of(u)}) >= 2:
+                    ranks.append(u)
+    if not ranks:
+        raise NotApplicable("no rank here sends to two other nodes: a slow NIC looks like a link")
+    rank = ranks[int(rng.integers(len(ranks)))]
+    return [SlowNIC(onset_step=_onset(spec, rng, steps), rank=rank, factor=4.0)]
+
+
 def _compute_hang(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
     return [
         ComputeHang(
@@ -313,6 +335,7 @@ SCENARIOS: dict[str, ScenarioDef] = {
         "every rank of one node launches 300 us late (starved host CPU)", _host_cpu
     ),
     "slow-link": ScenarioDef("one inter-node link runs 5x slower", _slow_link),
+    "slow-nic": ScenarioDef("one NIC runs 4x slower on all its links (needs 3+ nodes)", _slow_nic),
     "compute-hang": ScenarioDef(
         "one rank stops before a tensor-parallel collective", _compute_hang
     ),
