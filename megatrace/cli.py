@@ -682,7 +682,9 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
     s = obj.stack()
     s.up()
     click.echo(f"[1/4] stack up: broker {s.bootstrap()}, clickhouse {_redact(s.clickhouse_url())}")
-    run = build(scenario, scale=scale, seed=seed, now=True)
+    # a job id of its own per run, so a second demo on the same stack stands alone
+    job = f"{scenario}-{scale}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run = build(scenario, scale=scale, seed=seed, now=True, job=job)
     sp = run.spec
     click.echo(
         f"[2/4] simulating {sp.job}: {sp.world_size} ranks (tp{sp.tp} pp{sp.pp} "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from megatrace.cli import cli
@@ -42,3 +43,29 @@ def test_schema_export_writes_json_schema(tmp_path) -> None:
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     assert {"Collective", "ProxySummary", "Heartbeat", "Verdict"} <= set(doc["$defs"])
+
+
+@pytest.mark.integration
+def test_the_readme_demo_names_every_injected_culprit_and_runs_again_cleanly(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    state = ["--state-dir", str(tmp_path / "stack")]
+    try:
+        for _ in range(2):  # a second demo on the same stack stands alone
+            res = subprocess.run(
+                [sys.executable, "-m", "megatrace", *state, "demo"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert res.returncode == 0, res.stderr[-2000:]
+            lines = [ln for ln in res.stdout.splitlines() if ln.startswith("  verdict ")]
+            assert len(lines) == 3, res.stdout[-3000:]
+            text = "\n".join(lines)
+            assert "node-1/mlx5_2->node-2/mlx5_2" in text
+            assert "rank 15" in text and "rank 5 on node-1" in text and "micro-batch 3" in text
+            report = res.stdout.split("report with pictures: ")[1].split()[0]
+            assert (tmp_path / "stack" / "reports").is_dir() and report.endswith(".html")
+    finally:
+        subprocess.run([sys.executable, "-m", "megatrace", *state, "stack", "down"], timeout=60)

@@ -365,7 +365,7 @@ def build(
         raise ValueError(f"unknown scenario {name!r} (see `megatrace scenarios`)") from None
     spec = scale_spec(
         scale,
-        job=f"{name}-{scale}-s{seed}",
+        job=str(spec_over.pop("job", f"{name}-{scale}-s{seed}")),
         seed=seed,
         t0_ns=time.time_ns() if spec_over.pop("now", False) else JobSpec.t0_ns,
         **spec_over,
