@@ -788,6 +788,7 @@ def evaluate(scales: tuple[str, ...], seeds: int, names: tuple[str, ...], baseli
     with click.progressbar(
         todo, label="scenarios", item_show_func=lambda x: x and f"{x[0]} {x[1]} seed {x[2]}"
     ) as bar:
+        done = 0
         for name, scale, seed in bar:
             run = build(name, scale=scale, seed=seed + 100)
             records = list(run.records(emit_kernels=baselines))
@@ -802,6 +803,9 @@ def evaluate(scales: tuple[str, ...], seeds: int, names: tuple[str, ...], baseli
                 found = BASELINES[m]().run(records)
                 cost[m] += time.perf_counter() - t0
                 scores[m].add_run(run.labels, found, run.steps, step_ns)
+            if not sys.stderr.isatty():  # the bar only draws on a terminal: say each run
+                done += 1
+                click.echo(f"  [{done}/{len(todo)}] {name} {scale} seed {seed}", err=True)
     for m in methods:
         click.echo(f"\n== {m} ({cost[m]:.1f}s of analysis over {len(todo)} runs)")
         for line in scores[m].table():
