@@ -4,7 +4,10 @@ Matching: a verdict matches a label of the same kind detected at or after the
 label's onset. A slowdown that costs less than ``required_cost`` of
 throughput need not be found (a match still counts); a fault labelled off the
 critical path (a pipeline bubble) must *not* be reported: a slowdown verdict
-naming its rank is a false positive. Unmatched verdicts are false positives.
+naming its rank is a false positive. A degraded link is measured directly and
+is reported even when it costs no throughput (its label may say off the
+critical path: a data-parallel edge whose transfer overlaps). Unmatched
+verdicts are false positives.
 
 >>> s = Score()
 >>> _ = s.add_kind("hang")
@@ -81,7 +84,7 @@ class Score:
         used: set[str] = set()
         for lab in labels:
             ks = self.add_kind(lab.kind.value)
-            if not lab.on_critical_path:
+            if not lab.on_critical_path and lab.kind != VerdictKind.LINK_DEGRADATION:
                 bad = [v for v in vs if v.kind == VerdictKind.SLOWDOWN and v.rank == lab.rank]
                 for v in bad:
                     ks.fp += 1

@@ -217,3 +217,25 @@ def test_a_slow_nic_needs_a_layout_where_it_differs_from_a_link() -> None:
 
     with pytest.raises(NotApplicable, match="two other nodes"):
         build("slow-nic", scale="tiny", seed=0)
+
+
+def test_a_degraded_link_that_costs_nothing_is_still_a_true_positive() -> None:
+    from detectors.scoring import Score
+    from schemas.records import FaultLabel
+
+    link = "node-1/mlx5_0->node-2/mlx5_0"
+    label = FaultLabel(
+        job="j", fault_id="f", kind=VerdictKind.LINK_DEGRADATION, cause=Cause.NETWORK_LINK,
+        link=link, onset_step=3, onset_ns=100, on_critical_path=False, throughput_cost=0.0,
+    )  # fmt: skip
+    found = Verdict(
+        job="j", verdict_id="v", kind=VerdictKind.LINK_DEGRADATION, cause=Cause.NETWORK_LINK,
+        link=link, onset_ns=100, detected_ns=200,
+    )  # fmt: skip
+    s = Score()
+    s.add_run([label], [found], steps=10, step_ns=10.0)
+    k = s.kinds["link_degradation"]
+    assert (k.tp, k.fp, k.fn, k.culprit_ok) == (1, 0, 0, 1)
+    s = Score()
+    s.add_run([label], [], steps=10, step_ns=10.0)  # and missing it is not held against us
+    assert s.kinds["link_degradation"].fn == 0
