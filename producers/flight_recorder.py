@@ -35,7 +35,7 @@ import msgspec
 
 from producers.megatrace_logs import MegatronConfig
 from producers.torch_collector import comm_hash, megatron_groups
-from schemas.records import Collective, CommInfo, CommProgress, Heartbeat, JobInfo, RankInfo
+from schemas.records import Collective, CommInfo, CommProgress, Heartbeat
 from schemas.units import CollOp, CommRole, DType, torch_op
 
 
@@ -120,21 +120,7 @@ class FlightRecorderImport:
             (e.get("time_created_ns", 0) for d in dumps.values() for e in d["entries"]),
             default=0,
         )
-        out: list[msgspec.Struct] = [
-            JobInfo(
-                job=self.job,
-                ts_ns=first_ns,
-                source="flight-recorder",
-                world_size=cfg.world_size,
-                tp=cfg.tp,
-                pp=cfg.pp,
-                dp=cfg.dp,
-                num_layers=cfg.num_layers,
-                num_microbatches=cfg.num_microbatches,
-                global_batch_size=cfg.global_batch_size,
-                micro_batch_size=cfg.micro_batch_size,
-            )
-        ]
+        out: list[msgspec.Struct] = [cfg.job_record(self.job, first_ns, "flight-recorder")]
         groups: dict[str, tuple[int, ...]] = {}
         for d in dumps.values():
             for name, pg in d.get("pg_config", {}).items():
@@ -152,20 +138,7 @@ class FlightRecorderImport:
                     pp_stage=min(r // (cfg.tp * cfg.dp) for r in ranks),
                 )
             )
-        for rank in sorted(dumps):
-            stage, rest = divmod(rank, cfg.tp * cfg.dp)
-            out.append(
-                RankInfo(
-                    job=self.job,
-                    ts_ns=first_ns,
-                    rank=rank,
-                    node=self.node_of(rank),
-                    gpu=rank % cfg.gpus_per_node,
-                    tp_rank=rank % cfg.tp,
-                    pp_stage=stage,
-                    dp_rank=rest // cfg.tp,
-                )
-            )
+        out += [cfg.rank_record(self.job, first_ns, r, self.node_of(r)) for r in sorted(dumps)]
         calls: list[Collective] = []
         for rank, d in sorted(dumps.items()):
             progress: dict[int, list[int]] = {}

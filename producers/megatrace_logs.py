@@ -152,6 +152,40 @@ class MegatronConfig:
             return 1
         return max(1, self.global_batch_size // (self.micro_batch_size * self.dp))
 
+    def job_record(self, job: str, ts_ns: int, source: str) -> JobInfo:
+        """The job's layout record."""
+        return JobInfo(
+            job=job,
+            ts_ns=ts_ns,
+            source=source,
+            world_size=self.world_size,
+            tp=self.tp,
+            pp=self.pp,
+            dp=self.dp,
+            num_layers=self.num_layers,
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            num_microbatches=self.num_microbatches,
+            sequence_parallel=self.sequence_parallel,
+            distributed_optimizer=self.distributed_optimizer,
+            gpus_per_node=self.gpus_per_node,
+        )
+
+    def rank_record(self, job: str, ts_ns: int, rank: int, node: str) -> RankInfo:
+        """Where one rank runs and its Megatron coordinates (tp = r % TP first)."""
+        stage, rest = divmod(rank, self.tp * self.dp)
+        return RankInfo(
+            job=job,
+            ts_ns=ts_ns,
+            rank=rank,
+            node=node,
+            gpu=rank % self.gpus_per_node,
+            nic=f"mlx5_{rank % self.gpus_per_node}",
+            tp_rank=rank % self.tp,
+            pp_stage=stage,
+            dp_rank=rest // self.tp,
+        )
+
 
 _KEYS = {
     "world_size": ("world_size", "world-size", "WORLD_SIZE"),
@@ -268,40 +302,10 @@ class MegatraceLogReader:
         if self._meta_done:
             return []
         self._meta_done = True
-        c = self.cfg
-        out: list[msgspec.Struct] = [
-            JobInfo(
-                job=self.job,
-                ts_ns=ts,
-                source="megatrace-logs",
-                world_size=c.world_size,
-                tp=c.tp,
-                pp=c.pp,
-                dp=c.dp,
-                num_layers=c.num_layers,
-                global_batch_size=c.global_batch_size,
-                micro_batch_size=c.micro_batch_size,
-                num_microbatches=c.num_microbatches,
-                sequence_parallel=c.sequence_parallel,
-                distributed_optimizer=c.distributed_optimizer,
-                gpus_per_node=c.gpus_per_node,
-            )
+        out: list[msgspec.Struct] = [self.cfg.job_record(self.job, ts, "megatrace-logs")]
+        out += [
+            self.cfg.rank_record(self.job, ts, r, self.node(r)) for r in range(self.cfg.world_size)
         ]
-        for r in range(c.world_size):
-            stage, rest = divmod(r, c.tp * c.dp)
-            out.append(
-                RankInfo(
-                    job=self.job,
-                    ts_ns=ts,
-                    rank=r,
-                    node=self.node(r),
-                    gpu=r % c.gpus_per_node,
-                    nic=f"mlx5_{r % c.gpus_per_node}",
-                    tp_rank=r % c.tp,
-                    pp_stage=stage,
-                    dp_rank=rest // c.tp,
-                )
-            )
         return out
 
     def _comm(self, h: int, ranks: tuple[int, ...], role: CommRole, ts: int, inferred: bool):

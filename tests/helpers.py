@@ -66,3 +66,26 @@ def megatrace_cmd(
         str(state),
         *args,
     ]
+
+
+def megatron_args(spec) -> dict:
+    """The Megatron arguments a simulated job's spec stands for (as a config file holds them)."""
+    return {
+        "tensor_model_parallel_size": spec.tp,
+        "pipeline_model_parallel_size": spec.pp,
+        "num_layers": spec.num_layers,
+        "global_batch_size": spec.global_batch_size,
+        "micro_batch_size": spec.micro_batch_size,
+        "world_size": spec.world_size,
+        "use_distributed_optimizer": spec.distributed_optimizer,
+    }
+
+
+def wait_until_delivered(agent, timeout_s: float = 30.0) -> None:
+    """Until the node agent has published everything it accepted (or the time is up)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        h = agent.snapshot()
+        if h.accepted and h.delivered == h.accepted:
+            return
+        time.sleep(0.1)

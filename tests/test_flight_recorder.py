@@ -14,6 +14,7 @@ from producers.flight_recorder import DumpFormatError, read_dump
 from producers.sim.scenarios import build
 from schemas.records import Collective, CommInfo
 from schemas.units import CollOp
+from tests.helpers import megatron_args
 
 _NAMES = {
     CollOp.ALL_REDUCE: "nccl:all_reduce",
@@ -76,19 +77,7 @@ def hang(tmp_path_factory: pytest.TempPathFactory):
     write_dumps(records, d)
     sp = run.spec
     config = d.parent / "megatron.json"
-    config.write_text(
-        json.dumps(
-            {
-                "tensor_model_parallel_size": sp.tp,
-                "pipeline_model_parallel_size": sp.pp,
-                "num_layers": sp.num_layers,
-                "global_batch_size": sp.global_batch_size,
-                "micro_batch_size": sp.micro_batch_size,
-                "world_size": sp.world_size,
-                "use_distributed_optimizer": sp.distributed_optimizer,
-            }
-        )
-    )
+    config.write_text(json.dumps(megatron_args(sp)))
     return run, d, config
 
 

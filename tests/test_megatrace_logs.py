@@ -22,6 +22,7 @@ from producers.megatrace_logs import (
 )
 from producers.sim.scenarios import build
 from schemas.records import Collective, CommInfo, LinkSample
+from tests.helpers import megatron_args
 
 CSV_HEADER = (
     "Time,Group,FromRank,ToRank,DevIndex,Func,FuncTimes,SrcIP,DstIP,Bandwidth,"
@@ -56,19 +57,7 @@ def write_logs(run, records, directory: Path, *, ids: bool, save_count: bool) ->
         )
     (directory / "nic_throughput.csv").write_text("\n".join(rows) + "\n")
     config = directory.parent / f"{directory.name}-megatron.json"
-    config.write_text(
-        json.dumps(
-            {
-                "tensor_model_parallel_size": sp.tp,
-                "pipeline_model_parallel_size": sp.pp,
-                "num_layers": sp.num_layers,
-                "global_batch_size": sp.global_batch_size,
-                "micro_batch_size": sp.micro_batch_size,
-                "world_size": sp.world_size,
-                "use_distributed_optimizer": sp.distributed_optimizer,
-            }
-        )
-    )
+    config.write_text(json.dumps(megatron_args(sp)))
     return config
 
 

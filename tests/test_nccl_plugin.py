@@ -33,7 +33,7 @@ from schemas.records import (
 )
 from schemas.topics import Topics
 from schemas.units import CommRole
-from tests.helpers import consume_all
+from tests.helpers import consume_all, wait_until_delivered
 
 COMM = 0x5EED_C0FFEE
 
@@ -187,12 +187,7 @@ def _through_agent(settings: Settings, tmp_path: Path, drive) -> list[Any]:
         while not sock.exists():
             time.sleep(0.01)
         drive(sock)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            h = agent.snapshot()
-            if h.accepted and h.delivered == h.accepted:
-                break
-            time.sleep(0.1)
+        wait_until_delivered(agent)
     finally:
         agent.stop()
     h = agent.snapshot()

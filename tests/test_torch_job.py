@@ -28,7 +28,7 @@ from producers.agent import NodeAgent
 from schemas.config import Settings
 from schemas.topics import Topics
 from schemas.units import Phase, VerdictKind
-from tests.helpers import flow_config
+from tests.helpers import flow_config, wait_until_delivered
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).parent.parent
@@ -89,12 +89,7 @@ def test_a_real_gloo_job_names_the_slow_rank_and_the_hung_rank(
             *("--hang-rank", "2", "--hang-step", "24", "--hang-mb", "2", "--hang-s", "5"),
         )
         assert codes[2] == 3  # the hung rank stopped; its peers then failed in Gloo
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            h = agent.snapshot()
-            if h.accepted and h.delivered == h.accepted:
-                break
-            time.sleep(0.1)
+        wait_until_delivered(agent)
     finally:
         agent.stop()
     h = agent.snapshot()
