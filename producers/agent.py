@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 
 from producers.spool import Position, Spool
+from producers.tail import new_lines
 from schemas.codec import SchemaError, dead_letter, decode, encode
 from schemas.config import AgentSettings
 from schemas.topics import Topics, message_key
@@ -239,20 +240,10 @@ class NodeAgent:
         taken = 0
         for pattern in self.settings.tail:
             for name in sorted(glob.glob(pattern)):
-                size = os.path.getsize(name)
-                start = self._offsets.get(name, 0)
-                if size < start:  # truncated or replaced: start over
-                    start = 0
-                if size == start:
+                data = new_lines(name, self._offsets)
+                if not data:
                     continue
-                with open(name, "rb") as f:
-                    f.seek(start)
-                    data = f.read(size - start)
-                end = data.rfind(b"\n") + 1  # whole lines only
-                if end == 0:
-                    continue
-                taken += self.accept(data[:end].split(b"\n"), f"file:{name}")
-                self._offsets[name] = start + end
+                taken += self.accept(data.split(b"\n"), f"file:{name}")
                 tmp = self._offsets_file.with_suffix(".tmp")
                 tmp.write_text(json.dumps(self._offsets))
                 os.replace(tmp, self._offsets_file)

@@ -47,6 +47,7 @@ from typing import Any
 import msgspec
 
 from detectors.topology import one_f_one_b
+from producers.tail import new_lines
 from producers.torch_collector import comm_hash, megatron_groups
 from schemas.records import Collective, CommInfo, JobInfo, LinkSample, RankInfo
 from schemas.units import DTYPE_BYTES, CollOp, CommRole, DType
@@ -555,24 +556,14 @@ def follow_dir(
 ) -> int:
     """Tail a directory of growing call logs (new files too) until ``stop()``;
     hand the records of each poll to ``emit``; return how many lines were read."""
-    offsets: dict[Path, int] = {}
+    offsets: dict[str, int] = {}
     lines = 0
     while True:
         stopping = stop()  # asked before reading, so what was written before is read
         batch: list[CallLine] = []
         for path in sorted(Path(directory).glob("*.log")):
-            start = offsets.get(path, 0)
-            size = path.stat().st_size
-            if size < start:  # rotated or truncated: read it again from the start
-                start = 0
-            if size == start:
-                continue
-            with open(path, "rb") as f:
-                f.seek(start)
-                data = f.read(size - start)
-            end = data.rfind(b"\n") + 1  # whole lines only
-            offsets[path] = start + end
-            for n, raw in enumerate(data[:end].decode(errors="replace").splitlines(), 1):
+            data = new_lines(path, offsets)
+            for n, raw in enumerate(data.decode(errors="replace").splitlines(), 1):
                 if raw.strip():
                     try:
                         batch.append(parse_line(raw))

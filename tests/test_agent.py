@@ -199,3 +199,28 @@ def test_killing_the_broker_loses_nothing_the_agent_accepted(tmp_path: Path) -> 
     err = (tmp_path / "agent.log").read_text()
     assert agent.returncode == 0, err
     assert "agent stopped: in 5000 out 5000 dropped 0" in err
+
+
+def test_the_agent_follows_files_in_whole_lines_and_remembers_where_it_was(tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "rank0.jsonl"
+    log.parent.mkdir()
+    settings = AgentSettings(tail=[str(log.parent / "*.jsonl")], spool_dir=str(tmp_path / "spool"))
+
+    def agent() -> NodeAgent:
+        return NodeAgent(
+            settings, {"bootstrap.servers": "127.0.0.1:1"}, Topics(prefix="t."), tmp_path
+        )
+
+    hb = [encode(Heartbeat(job="j", node="n", rank=0, ts_ns=i)) for i in range(3)]
+    log.write_bytes(hb[0] + b"\n" + hb[1][:10])  # the second line is still being written
+    first = agent()
+    assert first.tail_once() == 1
+    with open(log, "ab") as f:
+        f.write(hb[1][10:] + b"\n")
+    assert first.tail_once() == 1
+    first.spool.close()
+    with open(log, "ab") as f:
+        f.write(hb[2] + b"\n")
+    again = agent()  # a restarted agent goes on from its saved offsets
+    assert again.tail_once() == 1
+    assert [decode(unpack(p)[2]).ts_ns for p, _ in again.spool.read(10)] == [0, 1, 2]
