@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from schemas.records import Collective
 from schemas.units import CollOp
@@ -34,9 +35,11 @@ from schemas.units import CollOp
 Key = tuple[int, int, int]  # (comm_hash, sender or -1, seq)
 
 
-@dataclass(frozen=True, slots=True)
-class Instance:
-    """One collective instance with its members' arrivals (ns; end -1 = not finished)."""
+class Instance(NamedTuple):
+    """One collective instance with its members' arrivals (ns; end -1 = not finished).
+
+    A named tuple: one is built per collective instance, so construction must be cheap.
+    """
 
     job: str
     comm_hash: int
@@ -84,7 +87,7 @@ class Instance:
         return [r for r, e in zip(self.ranks, self.end, strict=True) if e < 0]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Open:
     first_seen_ns: int
     members: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # rank -> (enq, a, e)
@@ -93,6 +96,7 @@ class _Open:
     size_bytes: int = 0
     job: str = ""
     reported: bool = False
+    finished: int = 0  # members whose end is known
 
 
 class CollectiveAligner:
@@ -128,15 +132,6 @@ class CollectiveAligner:
         self.out_of_order = 0
         self._last_seq: dict[tuple[int, int], int] = {}
 
-    @staticmethod
-    def key(rec: Collective) -> Key:
-        if rec.op.is_p2p:
-            sender = (
-                rec.rank if rec.op == CollOp.SEND else (rec.peer if rec.peer is not None else -2)
-            )
-            return (rec.comm_hash, sender, rec.seq)
-        return (rec.comm_hash, -1, rec.seq)
-
     def timeout_ns(self) -> int:
         if not self._recent:
             return self.min_timeout_ns
@@ -145,21 +140,37 @@ class CollectiveAligner:
 
     def update(self, rec: Collective) -> list[Instance]:
         """Add one member's record; return the instance if it just became complete."""
-        key = self.key(rec)
+        inst = self._add(rec)
+        return [] if inst is None else [inst]
+
+    def update_many(self, records: list[Collective]) -> list[Instance]:
+        """:meth:`update` over a batch: the instances completed by it, in completion order."""
+        add = self._add
+        return [inst for rec in records if (inst := add(rec)) is not None]
+
+    def _add(self, rec: Collective) -> Instance | None:
+        op = rec.op
+        p2p = op.is_p2p
+        if p2p:
+            sender = rec.rank if op == CollOp.SEND else (rec.peer if rec.peer is not None else -2)
+            key = (rec.comm_hash, sender, rec.seq)
+        else:
+            key = (rec.comm_hash, -1, rec.seq)
         if key in self._done:
             self.late += 1
-            return []
+            return None
         stream = (rec.rank, key[1])
         prev = self._last_seq.get(stream)
-        if prev is not None and rec.seq < prev:
+        if prev is None or rec.seq > prev:
+            self._last_seq[stream] = rec.seq
+        elif rec.seq < prev:
             self.out_of_order += 1
-        self._last_seq[stream] = max(prev or 0, rec.seq)
         entry = self._open.get(key)
         if entry is None:
             entry = _Open(
                 first_seen_ns=rec.arrival_ns,
-                op=rec.op if not rec.op.is_p2p else CollOp.SEND,
-                comm_size=2 if rec.op.is_p2p else rec.comm_size,
+                op=CollOp.SEND if p2p else op,
+                comm_size=2 if p2p else rec.comm_size,
                 size_bytes=rec.size_bytes,
                 job=rec.job,
             )
@@ -168,11 +179,17 @@ class CollectiveAligner:
                 self._open.popitem(last=False)
                 self.dropped += 1
         end = rec.end_ns if rec.end_ns is not None else -1
-        entry.members[rec.rank] = (rec.enqueue_ns, rec.arrival_ns, end)
+        members = entry.members
+        before = members.get(rec.rank)
+        if before is not None and before[2] >= 0:
+            entry.finished -= 1
+        members[rec.rank] = (rec.enqueue_ns, rec.arrival_ns, end)
+        if end >= 0:
+            entry.finished += 1
         entry.reported = False  # changed: a partial report may be due again
+        if entry.finished < entry.comm_size or len(members) < entry.comm_size:
+            return None
         inst = self._instance(key, entry)
-        if not inst.complete:
-            return []
         del self._open[key]
         self._done[key] = None
         if len(self._done) > 4 * self.max_open:
@@ -180,7 +197,7 @@ class CollectiveAligner:
         self._recent.append(max(inst.end) - inst.first_arrival_ns)
         if len(self._recent) > 64:
             del self._recent[:32]
-        return [inst]
+        return inst
 
     def expire(self, now_ns: int) -> list[Instance]:
         """Partial instances open longer than the timeout (each reported once until it changes)."""
@@ -197,20 +214,21 @@ class CollectiveAligner:
 
     @staticmethod
     def _instance(key: Key, entry: _Open) -> Instance:
-        ranks = tuple(sorted(entry.members))
         m = entry.members
+        ranks = sorted(m)
+        enqueue, arrival, end = zip(*[m[r] for r in ranks], strict=True)
         return Instance(
-            job=entry.job,
-            comm_hash=key[0],
-            seq=key[2],
-            op=entry.op,
-            sender=key[1],
-            comm_size=entry.comm_size,
-            size_bytes=entry.size_bytes,
-            ranks=ranks,
-            enqueue=tuple(m[r][0] for r in ranks),
-            arrival=tuple(m[r][1] for r in ranks),
-            end=tuple(m[r][2] for r in ranks),
+            entry.job,
+            key[0],
+            key[2],
+            entry.op,
+            key[1],
+            entry.comm_size,
+            entry.size_bytes,
+            tuple(ranks),
+            enqueue,
+            arrival,
+            end,
         )
 
     @property

@@ -29,7 +29,7 @@ from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_han
 from detectors.links import LinkMonitor
 from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepAssembler, StepReport
-from detectors.topology import Topology
+from detectors.topology import Position, Topology
 from schemas.config import DetectSettings
 from schemas.records import (
     AlignedCollective,
@@ -47,6 +47,7 @@ from schemas.records import (
 )
 from schemas.units import Cause, CollOp, Phase, VerdictKind
 
+_PHASE = {p.value: p for p in Phase}
 _BUSBW_FACTOR = {
     CollOp.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
     CollOp.ALL_GATHER: lambda n: (n - 1) / n,
@@ -171,12 +172,13 @@ class JobAnalyzer:
         assert self.assembler is not None
         key = (inst.comm_hash, inst.sender, inst.seq)
         self.now_ns = max(self.now_ns, max(inst.arrival))
+        pos = self.assembler.topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender)
         if not inst.complete:
             self.partials[key] = inst
-            return [self._aligned(inst)]
+            return [self._aligned(inst, pos)]
         self.partials.pop(key, None)
         end = max(inst.end)
-        out: list[msgspec.Struct] = [self._aligned(inst)]
+        out: list[msgspec.Struct] = [self._aligned(inst, pos)]
         self.now_ns = max(self.now_ns, end)
         if end > self.last_progress_ns:
             self.last_progress_ns = end
@@ -184,7 +186,7 @@ class JobAnalyzer:
                 if v := self.book.resolve(VerdictKind.HANG.value, self.hang_open, end):
                     out.append(v)
                 self.hang_open = None
-        for rep in self.assembler.add(inst):
+        for rep in self.assembler.add(inst, pos):
             out += self._step(rep)
         return out
 
@@ -673,20 +675,23 @@ class JobAnalyzer:
         return out
 
     # ------------------------------------------------------------------ tables
-    def _aligned(self, inst: Instance) -> AlignedCollective:
+    def _aligned(self, inst: Instance, pos: Position | None) -> AlignedCollective:
         topo = self.topo
         assert topo is not None
-        sender_stage = topo.coords(inst.sender)[0] if inst.sender >= 0 else None
-        pos = topo.position(inst.comm_hash, inst.seq, inst.op, sender_stage)
         members = topo.comms.get(inst.comm_hash)
-        expected = tuple(members.ranks) if members else inst.ranks
-        x = inst.transfer_ns
+        expected = members.ranks if members else inst.ranks
         n = len(expected)
+        arrival, end = inst.arrival, inst.end
+        a_min, a_max = min(arrival), max(arrival)
+        complete = len(inst.ranks) == inst.comm_size and min(end) >= 0
+        end_ns = max(end) if complete else None
+        x = None if end_ns is None else max(0, end_ns - a_max)
         bw = None
         if x and inst.op in _BUSBW_FACTOR and n > 1:
             bw = inst.size_bytes * _BUSBW_FACTOR[inst.op](n) / x * 8  # Gb/s
         elif x and inst.sender >= 0:
             bw = inst.size_bytes / x * 8
+        whole = complete and n == len(inst.ranks)
         return AlignedCollective(
             job=self.job,
             comm_hash=inst.comm_hash,
@@ -696,17 +701,17 @@ class JobAnalyzer:
             n_ranks=max(1, n),
             n_arrived=len(inst.ranks),
             size_bytes=inst.size_bytes,
-            first_arrival_ns=inst.first_arrival_ns,
-            last_arrival_ns=inst.last_arrival_ns,
-            last_rank=inst.last_rank,
-            end_ns=inst.end_ns,
+            first_arrival_ns=a_min,
+            last_arrival_ns=a_max,
+            last_rank=inst.ranks[arrival.index(a_max)],
+            end_ns=end_ns,
             transfer_ns=x,
             busbw_gbps=bw,
-            missing_ranks=sorted(set(expected) - set(inst.ranks)),
-            unfinished_ranks=inst.unfinished(),
+            missing_ranks=[] if whole else sorted(set(expected) - set(inst.ranks)),
+            unfinished_ranks=[] if complete else inst.unfinished(),
             step=pos.step if pos else None,
             microbatch=pos.microbatch if pos else None,
-            phase=Phase(pos.phase) if pos else None,
+            phase=_PHASE[pos.phase] if pos else None,
             pp_stage=pos.pp_stage if pos else None,
         )
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from detectors.align import Instance
-from detectors.topology import Topology
+from detectors.topology import Position, Topology
 from schemas.units import CommRole
 
 SpanKey = tuple[int, int, str, int]
@@ -115,10 +115,9 @@ class StepAssembler:
         self._expected = (len(t.comms), n)
         return n
 
-    def add(self, inst: Instance) -> list[StepReport]:
+    def add(self, inst: Instance, pos: Position | None) -> list[StepReport]:
+        """Fold a complete instance placed at ``pos`` (:meth:`Topology.place`)."""
         topo = self.topo
-        sender_stage = topo.coords(inst.sender)[0] if inst.sender >= 0 else None
-        pos = topo.position(inst.comm_hash, inst.seq, inst.op, sender_stage)
         if pos is None:
             return []
         if pos.step <= self._closed_upto:
@@ -187,8 +186,8 @@ class StepAssembler:
                 wait[r] += a_max - a
         if role == CommRole.DP:
             acc.dp_end = max(acc.dp_end, e_max)
-        x = inst.transfer_ns
-        if x is not None and role in (CommRole.DP, CommRole.PP):
+        if role is CommRole.DP or role is CommRole.PP:
+            x = max(0, e_max - a_max)  # complete: the transfer after the last arrival
             acc.transfer[inst.comm_hash] = max(acc.transfer.get(inst.comm_hash, 0), x)
         if role != CommRole.TP or len(ranks) < 2:
             return

@@ -25,6 +25,7 @@ False
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from schemas.records import CommInfo, JobInfo, RankInfo
 from schemas.units import CollOp, CommRole, Phase
@@ -42,8 +43,7 @@ def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[tuple[str, i
     return order
 
 
-@dataclass(frozen=True)
-class Position:
+class Position(NamedTuple):
     """Where a collective instance sits in the training schedule."""
 
     step: int
@@ -118,6 +118,11 @@ class Topology:
     @property
     def dp_ops_per_step(self) -> int:
         return 2 if self.job.distributed_optimizer else 1
+
+    def place(self, comm_hash: int, seq: int, op: CollOp, sender: int) -> Position | None:
+        """:meth:`position` of a collective instance (``sender`` -1 for collectives)."""
+        stage = sender // (self.job.tp * self.job.dp) if sender >= 0 else None
+        return self.position(comm_hash, seq, op, stage)
 
     def position(
         self, comm_hash: int, seq: int, op: CollOp, sender_stage: int | None = None

@@ -70,10 +70,8 @@ class AlignLogic(
 
     def on_batch(self, values: list[list[Collective]]) -> tuple[list[list[Instance]], bool]:
         out: list[Instance] = []
-        update = self.aligner.update
         for batch in values:
-            for rec in batch:
-                out += update(rec)
+            out += self.aligner.update_many(batch)
             if batch:
                 self.clock.saw(batch[-1].arrival_ns)
         out += self.aligner.expire(self.clock.now())

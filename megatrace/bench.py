@@ -1,4 +1,4 @@
-"""``megatrace bench pipeline``: raw consume+decode vs the full dataflow, and latency.
+"""``megatrace bench pipeline``: raw consume+decode vs the dataflow in each role, and latency.
 
 Composition only: the simulator makes the records, the publisher sends them,
 the flow processes them; this module times the three and prints a table.
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from flows.main import build_flow, flow_config
+from flows.main import Role, build_flow, flow_config, tune_gc
 from infra.clickhouse import init_db
 from infra.kafka import consumer_config, ensure_topics, producer_config
 from infra.stack import Stack
@@ -33,12 +33,10 @@ class _Probe:
 
     def __init__(self) -> None:
         self.n = 0
-        self.last_ns = 0
         self.lat: list[tuple[int, int]] = []
 
     def __call__(self, count: int, produced_ms: int, stored_ms: int) -> None:
         self.n += count
-        self.last_ns = time.monotonic_ns()
         if produced_ms > 0:
             self.lat.append((stored_ms - produced_ms, count))
 
@@ -49,12 +47,12 @@ class _Probe:
         return float(np.percentile(v, q))
 
 
-def _raw_consume(settings: Settings, bootstrap: str, topics: Topics, n: int) -> float:
+def _raw_consume(settings: Settings, bootstrap: str, topics: list[str], n: int) -> float:
     from confluent_kafka import Consumer, TopicPartition
 
     c = Consumer(consumer_config(settings.kafka, bootstrap))
     meta = c.list_topics(timeout=10)
-    c.assign([TopicPartition(t, p, 0) for t in topics.inputs for p in meta.topics[t].partitions])
+    c.assign([TopicPartition(t, p, 0) for t in topics for p in meta.topics[t].partitions])
     got = 0
     t0 = time.perf_counter()
     deadline = t0 + 300
@@ -72,10 +70,12 @@ def _flow(
     settings: Settings,
     stack: Stack,
     topics: Topics,
-    probe: _Probe,
+    probe: _Probe | None,
     database: str,
     idle_s: float = 2.0,
-) -> None:
+    role: Role = Role.ALL,
+) -> float:
+    """Run one bounded flow; return its busy seconds (wall time less the final quiet wait)."""
     from bytewax.testing import run_main
 
     cfg = flow_config(
@@ -88,8 +88,12 @@ def _flow(
         idle_stop_s=idle_s,
         console=False,
         on_stored=probe,
+        role=role,
     )
+    tune_gc()
+    t0 = time.perf_counter()
     run_main(build_flow(cfg))
+    return max(1e-9, time.perf_counter() - t0 - idle_s)
 
 
 def pipeline(
@@ -101,6 +105,7 @@ def pipeline(
     seconds: float,
     say: Callable[[str], None],
 ) -> None:
+    """Raw consume+decode, then the flow in each role on the same records, then latency."""
     stack = Stack(settings)
     stack.up()
     boot = stack.bootstrap()
@@ -112,23 +117,41 @@ def pipeline(
     run = build("healthy", scale=scale, seed=0, steps=steps, now=True)
     recs = list(run.records())
     n = len(recs)
+    n_detect = sum(topics.for_record(r) != topics.kernel for r in recs)
     say(
-        f"{n} records of a {run.spec.world_size}-rank job, {settings.kafka.partitions} "
-        f"partitions per topic"
+        f"{n:,} records of a {run.spec.world_size}-rank job ({n - n_detect:,} kernel records), "
+        f"{settings.kafka.partitions} partitions per topic"
     )
     pub = KafkaPublisher(producer_config(settings.kafka, boot), topics)
     t0 = time.perf_counter()
     pub.publish_all(recs)
     pub.flush()
     produce_rate = n / (time.perf_counter() - t0)
-    raw_rate = _raw_consume(settings, boot, topics, n)
-    probe = _Probe()
+    detect_topics = [t for t in topics.inputs if t != topics.kernel]
+    raw_all = _raw_consume(settings, boot, list(topics.inputs), n)
+    raw_detect = _raw_consume(settings, boot, detect_topics, n_detect)
     rss0 = _rss_mb()
-    t0 = time.monotonic_ns()
-    _flow(settings, stack, topics, probe, database)
-    full_rate = probe.n / max(1e-9, (probe.last_ns - t0) / 1e9)
+    rows = [
+        ("produce (idempotent producer)", f"{produce_rate:,.0f} records/s", ""),
+        ("raw consume + decode, every input topic", f"{raw_all:,.0f} records/s", ""),
+        ("raw consume + decode, the detect role's topics", f"{raw_detect:,.0f} records/s", ""),
+    ]
+    for role, count, raw in (
+        (Role.ALL, n, raw_all),
+        (Role.STORE, n, raw_all),
+        (Role.DETECT, n_detect, raw_detect),
+    ):
+        say(f"flow, role {role.value} ...")
+        busy = _flow(settings, stack, topics, None, database, role=role)
+        rows.append(
+            (
+                f"flow, role {role.value} (one process)",
+                f"{count / busy:,.0f} records/s",
+                f"{count / busy / raw:.0%} of raw",
+            )
+        )
     rss1 = _rss_mb()
-    # latency: a paced producer while the flow runs
+    # latency: a paced producer while the flow (role all) runs
     topics2 = Topics(prefix=f"{prefix}lat.")
     ensure_topics(settings.kafka, boot, topics2.all)
     paced = list(build("healthy", scale=scale, seed=1, steps=max(2, steps), now=True).records())
@@ -152,22 +175,20 @@ def pipeline(
     _flow(settings, stack, topics2, probe2, database, idle_s=3.0)
     th.join()
     rss2 = _rss_mb()
-    rows = [
-        ("produce (idempotent producer)", f"{produce_rate:,.0f} records/s"),
-        ("raw consume + decode", f"{raw_rate:,.0f} records/s"),
-        ("full pipeline (decode, store, align, analyse)", f"{full_rate:,.0f} records/s"),
-        ("full / raw", f"{full_rate / raw_rate:.0%}"),
-        (f"latency p50 at {rate:,} records/s", f"{probe2.percentile(50):,.0f} ms"),
-        (f"latency p99 at {rate:,} records/s", f"{probe2.percentile(99):,.0f} ms"),
-        ("records through the paced run", f"{probe2.n:,} of {total:,}"),
+    rows += [
+        (f"latency p50 at {rate:,} records/s (role all)", f"{probe2.percentile(50):,.0f} ms", ""),
+        (f"latency p99 at {rate:,} records/s (role all)", f"{probe2.percentile(99):,.0f} ms", ""),
+        ("records through the paced run", f"{probe2.n:,} of {total:,}", ""),
         (
-            "peak RSS after bulk run / after paced run",
-            f"{rss1:,.0f} / {rss2:,.0f} MB (before: {rss0:,.0f} MB)",
+            "peak RSS after the bulk runs / after paced run",
+            f"{rss1:,.0f} / {rss2:,.0f} MB",
+            f"before: {rss0:,.0f} MB",
         ),
     ]
-    width = max(len(a) for a, _ in rows)
-    for a, b in rows:
-        say(f"{a:<{width}}  {b}")
+    w0 = max(len(a) for a, _, _ in rows)
+    w1 = max(len(b) for _, b, _ in rows)
+    for a, b, c in rows:
+        say(f"{a:<{w0}}  {b:>{w1}}  {c}".rstrip())
 
 
 def simulate(scales: list[str], steps: int, say: Callable[[str], None]) -> None:

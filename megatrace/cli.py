@@ -226,6 +226,13 @@ def _flow_config(obj: _Ctx, tail: bool):
 @click.option("--process-id", type=int, help="This process's index in a multi-process cluster.")
 @click.option("--addresses", help="host:port of every process of the cluster, ';'-separated.")
 @click.option("--quiet", is_flag=True, help="Do not print verdicts as they happen.")
+@click.option(
+    "--role",
+    type=click.Choice(["all", "store", "detect"]),
+    default="all",
+    show_default=True,
+    help="store: raw tables only; detect: analysis only (no kernel topic); all: both.",
+)
 @click.pass_obj
 def run(
     obj: _Ctx,
@@ -236,18 +243,21 @@ def run(
     process_id: int | None,
     addresses: str | None,
     quiet: bool,
+    role: str,
 ) -> None:
     """Run the dataflow against the configured broker and ClickHouse.
 
     Scale out with several processes (--process-id/--addresses) over partitioned
     topics; with the embedded ClickHouse each process needs its own directory.
+    A large deployment runs --role store and --role detect clusters side by side
+    (each with its own consumer position and recovery directory).
     """
     from datetime import timedelta
 
     from bytewax._bytewax import cli_main
     from bytewax.recovery import RecoveryConfig, init_db_dir
 
-    from flows.main import build_flow
+    from flows.main import Role, build_flow, tune_gc
 
     if (process_id is None) != (addresses is None):
         raise click.UsageError("--process-id and --addresses go together")
@@ -262,8 +272,8 @@ def run(
     from infra.clickhouse import init_db
 
     init_db(obj.stack().clickhouse(), cfg.database, obj.settings.clickhouse.retention_days)
-    if quiet:
-        cfg = dataclasses.replace(cfg, console=False)
+    cfg = dataclasses.replace(cfg, role=Role(role), console=not quiet)
+    tune_gc()
     cli_main(
         build_flow(cfg),
         workers_per_process=workers,
@@ -675,7 +685,7 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
     """The main job: a simulated cluster with injected faults, end to end on the local stack."""
     from bytewax.testing import run_main
 
-    from flows.main import build_flow
+    from flows.main import build_flow, tune_gc
     from infra.clickhouse import insert_records, read_records
     from producers.sim.scenarios import build
 
@@ -698,6 +708,7 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
     insert_records(client, db_name, run.labels)
     click.echo("[3/4] dataflow: decode -> align -> analyse -> ClickHouse (verdicts as they come)")
     t0 = time.monotonic()
+    tune_gc()
     run_main(build_flow(_flow_config(obj, tail=False)))
     click.echo(f"      done in {time.monotonic() - t0:.1f}s")
     click.echo("[4/4] verdicts in ClickHouse beside the injected ground truth:")

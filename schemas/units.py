@@ -70,7 +70,10 @@ class CollOp(StrEnum):
 
     @property
     def is_p2p(self) -> bool:
-        return self in (CollOp.SEND, CollOp.RECV)
+        return self in _P2P
+
+
+_P2P = frozenset((CollOp.SEND, CollOp.RECV))
 
 
 #: PyTorch's and NCCL's spellings of operations (Kineto, Flight Recorder, torch.distributed).

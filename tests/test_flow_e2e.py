@@ -48,6 +48,56 @@ def test_story_verdicts_reach_clickhouse_with_the_injected_culprits(
     assert missing >= 1
 
 
+def test_store_and_detect_roles_together_do_what_one_flow_does(settings: Settings, ch: Any) -> None:
+    """A split deployment (store + detect processes) stores and concludes what ``all`` does;
+    the detect role never reads kernels and a refused record is announced once."""
+    import dataclasses
+
+    from flows.main import Role
+    from infra.clickhouse import init_db
+    from schemas.records import DeadLetter, Verdict
+    from schemas.tables import TABLES
+    from schemas.topics import Topics
+    from tests.helpers import consume_all
+
+    run = build("story", scale="tiny", seed=1, steps=30)
+    topics = Topics(prefix=settings.kafka.topic_prefix)
+    pub = publisher(settings)
+    pub.publish_all(run.records())
+    pub.publish_raw(topics.comm, b"j", b"not json")
+    pub.publish_raw(topics.kernel, b"j", b'{"type":"kernel"}')
+    pub.flush()
+    split, whole = settings.clickhouse.database, f"{settings.clickhouse.database}_all"
+    init_db(ch, whole, retention_days=0)
+    base = flow_config(settings)
+
+    def tables(db: str) -> dict[str, int]:
+        return {
+            t: ch.query(f"SELECT count() FROM {db}.{t} FINAL").result_rows[0][0] for t in TABLES
+        }
+
+    run_main(build_flow(dataclasses.replace(base, role=Role.DETECT, console=False)))
+    detected = tables(split)
+    assert detected["kernel_events"] == 0 and detected["collective_events"] == 0
+    assert detected["collectives"] > 0 and detected["verdicts"] == len(run.labels)
+    assert detected["dead_letters"] == 1  # the comm topic's bad record; kernels are not read
+    run_main(build_flow(dataclasses.replace(base, role=Role.STORE, console=False)))
+    assert len(consume_all(settings, topics.deadletter, expect=3, timeout_s=3)) == 2
+    run_main(build_flow(dataclasses.replace(base, database=whole, console=False)))
+    assert tables(split) == tables(whole)
+    assert tables(whole)["kernel_events"] > 0 and tables(whole)["dead_letters"] == 2
+
+    def verdicts(db: str) -> list[tuple[str, int]]:
+        return sorted(
+            (v.verdict_id, v.revision)
+            for v in read_records(ch, db, "verdicts")
+            if isinstance(v, Verdict)
+        )
+
+    assert verdicts(split) == verdicts(whole)
+    assert {type(d) for d in read_records(ch, split, "dead_letters")} == {DeadLetter}
+
+
 def test_analyze_reads_what_simulate_wrote(tmp_path) -> None:
     runner = CliRunner()
     res = runner.invoke(
