@@ -29,8 +29,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from schemas.records import Collective
-from schemas.units import CollOp
+from detectors.topology import Position, Topology
+from schemas.records import AlignedCollective, Collective
+from schemas.units import CollOp, Phase
 
 Key = tuple[int, int, int]  # (comm_hash, sender or -1, seq)
 
@@ -234,3 +235,55 @@ class CollectiveAligner:
     @property
     def n_open(self) -> int:
         return len(self._open)
+
+
+_PHASE = {p.value: p for p in Phase}
+_BUSBW_FACTOR = {
+    CollOp.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
+    CollOp.ALL_GATHER: lambda n: (n - 1) / n,
+    CollOp.REDUCE_SCATTER: lambda n: (n - 1) / n,
+}
+
+
+def aligned_record(
+    job: str, topo: Topology | None, inst: Instance, pos: Position | None
+) -> AlignedCollective:
+    """The stored row of an instance: arrivals, transfer time, bus bandwidth (nccl-tests
+    convention), who is missing or unfinished, and where it sits in the schedule."""
+    assert topo is not None
+    members = topo.comms.get(inst.comm_hash)
+    expected = members.ranks if members else inst.ranks
+    n = len(expected)
+    arrival, end = inst.arrival, inst.end
+    a_min, a_max = min(arrival), max(arrival)
+    complete = len(inst.ranks) == inst.comm_size and min(end) >= 0
+    end_ns = max(end) if complete else None
+    x = None if end_ns is None else max(0, end_ns - a_max)
+    bw = None
+    if x and inst.op in _BUSBW_FACTOR and n > 1:
+        bw = inst.size_bytes * _BUSBW_FACTOR[inst.op](n) / x * 8  # Gb/s
+    elif x and inst.sender >= 0:
+        bw = inst.size_bytes / x * 8
+    whole = complete and n == len(inst.ranks)
+    return AlignedCollective(
+        job=job,
+        comm_hash=inst.comm_hash,
+        role=topo.role(inst.comm_hash),
+        seq=inst.seq,
+        op=inst.op,
+        n_ranks=max(1, n),
+        n_arrived=len(inst.ranks),
+        size_bytes=inst.size_bytes,
+        first_arrival_ns=a_min,
+        last_arrival_ns=a_max,
+        last_rank=inst.ranks[arrival.index(a_max)],
+        end_ns=end_ns,
+        transfer_ns=x,
+        busbw_gbps=bw,
+        missing_ranks=[] if whole else sorted(set(expected) - set(inst.ranks)),
+        unfinished_ranks=[] if complete else inst.unfinished(),
+        step=pos.step if pos else None,
+        microbatch=pos.microbatch if pos else None,
+        phase=_PHASE[pos.phase] if pos else None,
+        pp_stage=pos.pp_stage if pos else None,
+    )

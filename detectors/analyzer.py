@@ -22,17 +22,17 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from detectors.align import Instance
+from detectors.align import Instance, aligned_record
 from detectors.changepoint import ShiftDetector
 from detectors.fusion import VerdictBook
 from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang
 from detectors.links import LinkMonitor
+from detectors.parts import CommProgress
 from detectors.slowdown import SlowdownLocalizer
-from detectors.steps import StepAssembler, StepReport
-from detectors.topology import Position, Topology
+from detectors.steps import StepAssembler, StepPart, StepReport
+from detectors.topology import Topology
 from schemas.config import DetectSettings
 from schemas.records import (
-    AlignedCollective,
     CommInfo,
     Heartbeat,
     JobInfo,
@@ -46,13 +46,6 @@ from schemas.records import (
     event_time,
 )
 from schemas.units import Cause, CollOp, Phase, VerdictKind
-
-_PHASE = {p.value: p for p in Phase}
-_BUSBW_FACTOR = {
-    CollOp.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
-    CollOp.ALL_GATHER: lambda n: (n - 1) / n,
-    CollOp.REDUCE_SCATTER: lambda n: (n - 1) / n,
-}
 
 
 class JobAnalyzer:
@@ -117,6 +110,10 @@ class JobAnalyzer:
                 out += self.update(rec)
         if isinstance(item, Instance):
             return out + self._instance(item)
+        if isinstance(item, StepPart):
+            return out + self._part(item)
+        if isinstance(item, CommProgress):
+            return out + self._progress(item.last_arrival_ns, item.last_end_ns)
         self.now_ns = max(self.now_ns, event_time(item))
         match item:
             case JobInfo():
@@ -171,23 +168,37 @@ class JobAnalyzer:
     def _instance(self, inst: Instance) -> list[msgspec.Struct]:
         assert self.assembler is not None
         key = (inst.comm_hash, inst.sender, inst.seq)
-        self.now_ns = max(self.now_ns, max(inst.arrival))
         pos = self.assembler.topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender)
         if not inst.complete:
+            self.now_ns = max(self.now_ns, max(inst.arrival))
             self.partials[key] = inst
-            return [self._aligned(inst, pos)]
+            return [aligned_record(self.job, self.topo, inst, pos)]
         self.partials.pop(key, None)
-        end = max(inst.end)
-        out: list[msgspec.Struct] = [self._aligned(inst, pos)]
-        self.now_ns = max(self.now_ns, end)
-        if end > self.last_progress_ns:
-            self.last_progress_ns = end
-            if self.hang_open and not self.partials and not self.hb_latest:
-                if v := self.book.resolve(VerdictKind.HANG.value, self.hang_open, end):
-                    out.append(v)
-                self.hang_open = None
+        out: list[msgspec.Struct] = [aligned_record(self.job, self.topo, inst, pos)]
+        out += self._progress(max(inst.arrival), max(inst.end))
         for rep in self.assembler.add(inst, pos):
             out += self._step(rep)
+        return out
+
+    def _part(self, part: StepPart) -> list[msgspec.Struct]:
+        """A communicator's folded share of a step (see :class:`~detectors.parts.StepFolder`)."""
+        assert self.assembler is not None
+        out = self._progress(part.last_arrival, part.end)
+        for rep in self.assembler.add_part(part):
+            out += self._step(rep)
+        return out
+
+    def _progress(self, arrival_ns: int, end_ns: int) -> list[msgspec.Struct]:
+        """Collectives completed up to ``end_ns``: the job moves (and a hang may be over)."""
+        self.now_ns = max(self.now_ns, arrival_ns, end_ns)
+        if end_ns <= self.last_progress_ns:
+            return []
+        self.last_progress_ns = end_ns
+        out: list[msgspec.Struct] = []
+        if self.hang_open and not self.partials and not self.hb_latest:
+            if v := self.book.resolve(VerdictKind.HANG.value, self.hang_open, end_ns):
+                out.append(v)
+            self.hang_open = None
         return out
 
     # ------------------------------------------------------------------ steps
@@ -675,46 +686,6 @@ class JobAnalyzer:
         return out
 
     # ------------------------------------------------------------------ tables
-    def _aligned(self, inst: Instance, pos: Position | None) -> AlignedCollective:
-        topo = self.topo
-        assert topo is not None
-        members = topo.comms.get(inst.comm_hash)
-        expected = members.ranks if members else inst.ranks
-        n = len(expected)
-        arrival, end = inst.arrival, inst.end
-        a_min, a_max = min(arrival), max(arrival)
-        complete = len(inst.ranks) == inst.comm_size and min(end) >= 0
-        end_ns = max(end) if complete else None
-        x = None if end_ns is None else max(0, end_ns - a_max)
-        bw = None
-        if x and inst.op in _BUSBW_FACTOR and n > 1:
-            bw = inst.size_bytes * _BUSBW_FACTOR[inst.op](n) / x * 8  # Gb/s
-        elif x and inst.sender >= 0:
-            bw = inst.size_bytes / x * 8
-        whole = complete and n == len(inst.ranks)
-        return AlignedCollective(
-            job=self.job,
-            comm_hash=inst.comm_hash,
-            role=topo.role(inst.comm_hash),
-            seq=inst.seq,
-            op=inst.op,
-            n_ranks=max(1, n),
-            n_arrived=len(inst.ranks),
-            size_bytes=inst.size_bytes,
-            first_arrival_ns=a_min,
-            last_arrival_ns=a_max,
-            last_rank=inst.ranks[arrival.index(a_max)],
-            end_ns=end_ns,
-            transfer_ns=x,
-            busbw_gbps=bw,
-            missing_ranks=[] if whole else sorted(set(expected) - set(inst.ranks)),
-            unfinished_ranks=[] if complete else inst.unfinished(),
-            step=pos.step if pos else None,
-            microbatch=pos.microbatch if pos else None,
-            phase=_PHASE[pos.phase] if pos else None,
-            pp_stage=pos.pp_stage if pos else None,
-        )
-
     def _slowest_replica(self, rep: StepReport) -> int | None:
         ends: dict[int, int] = {}
         for (d, _s, _p, _m), (_b, e) in rep.spans.items():

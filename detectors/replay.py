@@ -1,9 +1,10 @@
 """Run the detectors over a stream of records, offline or in tests.
 
 :class:`Replay` does what the dataflow does, in one process: one
-:class:`~detectors.align.CollectiveAligner` per (job, communicator), one
-:class:`~detectors.analyzer.JobAnalyzer` per job, and the hang watchdog
-driven by event time (the newest timestamp seen) every ``tick_ns``.
+:class:`~detectors.comm.CommAnalyzer` per (job, communicator) fed the
+communicator's records and schedule, one :class:`~detectors.analyzer.JobAnalyzer`
+per job, and the hang watchdog driven by event time (the newest timestamp
+seen) every ``tick_ns``.
 
 >>> from producers.sim.scenarios import build
 >>> run = build("missing-recv", scale="tiny", seed=0, steps=20)
@@ -21,8 +22,9 @@ from typing import Any
 
 import msgspec
 
-from detectors.align import CollectiveAligner
 from detectors.analyzer import JobAnalyzer
+from detectors.comm import CommAnalyzer
+from detectors.parts import ScheduleBook
 from schemas.config import DetectSettings
 from schemas.records import Collective
 
@@ -31,7 +33,8 @@ class Replay:
     def __init__(self, settings: DetectSettings | None = None, tick_ns: int = 50_000_000) -> None:
         self.settings = settings or DetectSettings()
         self.tick_ns = tick_ns
-        self.aligners: dict[tuple[str, int], CollectiveAligner] = {}
+        self.comms: dict[tuple[str, int], CommAnalyzer] = {}
+        self.books: dict[str, ScheduleBook] = {}
         self.jobs: dict[str, JobAnalyzer] = {}
         self._next_tick = 0
         self.now_ns = 0
@@ -49,33 +52,44 @@ class Replay:
             return out
         analyzer = self._job(job)
         if isinstance(rec, Collective):
-            key = (job, rec.comm_hash)
-            al = self.aligners.get(key)
-            if al is None:
-                al = self.aligners[key] = CollectiveAligner(
-                    min_timeout_ns=int(self.settings.partial_timeout_ms * 1e6)
-                )
-            for inst in al.update(rec):
-                out += analyzer.update(inst)
+            out += self._comm(job, rec.comm_hash, rec)
         else:
             out += analyzer.update(rec)
+            for sched in self.books.setdefault(job, ScheduleBook()).update(rec):
+                out += self._comm(job, sched.comm.comm_hash, sched)
         self.now_ns = max(self.now_ns, analyzer.now_ns)
         if self.now_ns >= self._next_tick:
             out += self.tick(self.now_ns)
             self._next_tick = self.now_ns + self.tick_ns
         return out
 
+    def _comm(self, job: str, comm_hash: int, item: Any) -> list[msgspec.Struct]:
+        comm = self.comms.get((job, comm_hash))
+        if comm is None:
+            comm = self.comms[(job, comm_hash)] = CommAnalyzer(
+                min_timeout_ns=int(self.settings.partial_timeout_ms * 1e6)
+            )
+        rows, forward = comm.update([item])
+        out: list[msgspec.Struct] = list(rows)
+        analyzer = self.jobs[job]
+        for x in forward:
+            out += analyzer.update(x)
+        return out
+
     def tick(self, now_ns: int) -> list[msgspec.Struct]:
         out: list[msgspec.Struct] = []
-        for (job, _), al in self.aligners.items():
-            for inst in al.expire(now_ns):
-                out += self.jobs[job].update(inst)
+        for (job, _), comm in self.comms.items():
+            for x in comm.expire(now_ns):
+                out += self.jobs[job].update(x)
         for a in self.jobs.values():
             out += a.tick(now_ns)
         return out
 
     def finish(self) -> list[msgspec.Struct]:
         out = self.tick(self.now_ns)
+        for (job, _), comm in self.comms.items():
+            for x in comm.folder.flush():
+                out += self.jobs[job].update(x)
         for a in self.jobs.values():
             out += a.finish()
         return out

@@ -51,33 +51,138 @@ class StepReport:
         }
 
 
-@dataclass
-class _Acc:
-    world: int
+@dataclass(slots=True)
+class StepPart:
+    """What some of one step's collective instances say, per rank (sparse, ns).
+
+    The job's assembler folds instances into one part per step; a communicator's
+    :class:`~detectors.parts.StepFolder` folds its own instances into a part
+    that the job's assembler merges, so the per-instance work runs where the
+    communicator's records are (one flow worker per communicator) and the job
+    sees one item per (communicator, step). Folding and merging commute.
+    """
+
+    step: int
+    comm_hash: int = -1  # the communicator whose instances these are, or -1 for several
+    job: str = ""
     n: int = 0
-    start: int = 1 << 62
+    start: int = _NEVER
     end: int = 0
     dp_end: int = 0
-    lateness: list[float] = field(init=False)
-    blame: list[float] = field(init=False)
-    wait: list[float] = field(init=False)
-    lead_sum: list[float] = field(init=False)
-    lead_n: list[int] = field(init=False)
-    first: list[int] = field(init=False)
-    last_end: list[int] = field(init=False)
+    last_arrival: int = 0
+    first: dict[int, int] = field(default_factory=dict)
+    last_end: dict[int, int] = field(default_factory=dict)
+    lead_sum: dict[int, float] = field(default_factory=dict)
+    lead_n: dict[int, int] = field(default_factory=dict)
+    wait: dict[int, float] = field(default_factory=dict)
+    lateness: dict[int, float] = field(default_factory=dict)
+    blame: dict[int, float] = field(default_factory=dict)
     spans: dict[SpanKey, list[int]] = field(default_factory=dict)
     node_late: dict[SpanKey, dict[int, float]] = field(default_factory=dict)
     transfer: dict[int, int] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        w = self.world
-        self.lateness = [0.0] * w
-        self.blame = [0.0] * w
-        self.wait = [0.0] * w
-        self.lead_sum = [0.0] * w
-        self.lead_n = [0] * w
-        self.first = [_NEVER] * w
-        self.last_end = [0] * w
+    def fold(
+        self, inst: Instance, phase: str, mb: int | None, role: CommRole, topo: Topology
+    ) -> None:
+        """Add one complete instance placed at (phase, micro-batch) of this step."""
+        # plain Python: members are few (a TP group, a DP ring, a pair), numpy calls cost more
+        self.n += 1
+        ranks, arr, end, enq = inst.ranks, inst.arrival, inst.end, inst.enqueue
+        a_min, a_max, e_max = min(arr), max(arr), max(end)
+        if a_min < self.start:
+            self.start = a_min
+        if e_max > self.end:
+            self.end = e_max
+        if a_max > self.last_arrival:
+            self.last_arrival = a_max
+        first, last_end, lead_sum, lead_n = self.first, self.last_end, self.lead_sum, self.lead_n
+        wait = self.wait if role is not CommRole.PP else None
+        for r, a, e, q in zip(ranks, arr, end, enq, strict=True):
+            if a < first.get(r, _NEVER):
+                first[r] = a
+            if e > last_end.get(r, 0):
+                last_end[r] = e
+            lead_sum[r] = lead_sum.get(r, 0.0) + (a - q)
+            lead_n[r] = lead_n.get(r, 0) + 1
+            if wait is not None:
+                wait[r] = wait.get(r, 0.0) + (a_max - a)
+        if role is CommRole.DP:
+            self.dp_end = max(self.dp_end, e_max)
+        if role is CommRole.DP or role is CommRole.PP:
+            x = max(0, e_max - a_max)  # complete: the transfer after the last arrival
+            self.transfer[inst.comm_hash] = max(self.transfer.get(inst.comm_hash, 0), x)
+        if role is not CommRole.TP or len(ranks) < 2:
+            return
+        mean = sum(arr) / len(arr)
+        order = sorted(range(len(arr)), key=arr.__getitem__)
+        late_rank = ranks[order[-1]]
+        self.blame[late_rank] = self.blame.get(late_rank, 0.0) + float(
+            arr[order[-1]] - arr[order[-2]]
+        )
+        stage, replica, _ = topo.coords(ranks[0])
+        key = (replica, stage, phase, mb if mb is not None else -1)
+        span = self.spans.get(key)
+        if span is None:
+            self.spans[key] = [a_min, e_max]
+            nl = self.node_late[key] = dict.fromkeys(ranks, 0.0)
+        else:
+            span[0] = min(span[0], a_min)
+            span[1] = max(span[1], e_max)
+            nl = self.node_late[key]
+        lateness = self.lateness
+        for r, a in zip(ranks, arr, strict=True):
+            rel = a - mean
+            lateness[r] = lateness.get(r, 0.0) + rel
+            nl[r] = nl.get(r, 0.0) + rel
+
+    def merge(self, other: StepPart) -> None:
+        """Add another part of the same step."""
+        self.n += other.n
+        self.start = min(self.start, other.start)
+        self.end = max(self.end, other.end)
+        self.dp_end = max(self.dp_end, other.dp_end)
+        self.last_arrival = max(self.last_arrival, other.last_arrival)
+        for mine, theirs in (
+            (self.lead_sum, other.lead_sum),
+            (self.lead_n, other.lead_n),
+            (self.wait, other.wait),
+            (self.lateness, other.lateness),
+            (self.blame, other.blame),
+        ):
+            for r, v in theirs.items():
+                mine[r] = mine.get(r, 0) + v
+        for r, v in other.first.items():
+            if v < self.first.get(r, _NEVER):
+                self.first[r] = v
+        for r, v in other.last_end.items():
+            if v > self.last_end.get(r, 0):
+                self.last_end[r] = v
+        for c, x in other.transfer.items():
+            self.transfer[c] = max(self.transfer.get(c, 0), x)
+        for key, (b, e) in other.spans.items():
+            span = self.spans.get(key)
+            if span is None:
+                self.spans[key] = [b, e]
+                self.node_late[key] = dict(other.node_late[key])
+                continue
+            span[0], span[1] = min(span[0], b), max(span[1], e)
+            nl = self.node_late[key]
+            for r, v in other.node_late[key].items():
+                nl[r] = nl.get(r, 0.0) + v
+
+
+def _dense(values: dict[int, float] | dict[int, int], world: int, fill: float = 0.0) -> np.ndarray:
+    out = np.full(world, fill, dtype=np.float64)
+    if values:
+        out[list(values)] = list(values.values())
+    return out
+
+
+def _dense_int(values: dict[int, int], world: int, fill: int) -> np.ndarray:
+    out = np.full(world, fill, dtype=np.int64)
+    if values:
+        out[list(values)] = list(values.values())
+    return out
 
 
 class StepAssembler:
@@ -89,7 +194,7 @@ class StepAssembler:
         self._reset()
 
     def _reset(self) -> None:
-        self._acc: dict[int, _Acc] = {}
+        self._acc: dict[int, StepPart] = {}
         self._closed_upto = -1
         self._prev_end: int | None = None
         self.late_instances = 0
@@ -125,12 +230,26 @@ class StepAssembler:
             return []
         acc = self._acc.get(pos.step)
         if acc is None:
-            acc = self._acc[pos.step] = _Acc(topo.job.world_size)
-        self._fold(acc, inst, pos.phase, pos.microbatch, topo.role(inst.comm_hash))
+            acc = self._acc[pos.step] = StepPart(pos.step)
+        acc.fold(inst, pos.phase, pos.microbatch, topo.role(inst.comm_hash), topo)
+        return self._after(acc, inst.comm_hash)
+
+    def add_part(self, part: StepPart) -> list[StepReport]:
+        """Merge a communicator's part of a step (see :class:`StepPart`)."""
+        if part.step <= self._closed_upto:
+            self.late_instances += part.n
+            return []
+        acc = self._acc.get(part.step)
+        if acc is None:
+            acc = self._acc[part.step] = StepPart(part.step)
+        acc.merge(part)
+        return self._after(acc, part.comm_hash)
+
+    def _after(self, acc: StepPart, comm: int) -> list[StepReport]:
         out = []
         if acc.n >= self.expected_instances():
-            out += self._close_through(pos.step)
-        out += self._advance(inst.comm_hash, pos.step)
+            out += self._close_through(acc.step)
+        out += self._advance(comm, acc.step)
         if len(self._acc) > self.max_open_steps:  # bounded state, whatever is missing
             out += self._close_through(min(self._acc))
         return out
@@ -166,62 +285,17 @@ class StepAssembler:
             return self._close_through(watermark)
         return []
 
-    def _fold(self, acc: _Acc, inst: Instance, phase: str, mb: int | None, role: CommRole) -> None:
-        # plain Python: members are few (a TP group, a DP ring, a pair), numpy calls cost more
-        acc.n += 1
-        ranks, arr, end, enq = inst.ranks, inst.arrival, inst.end, inst.enqueue
-        a_min, a_max, e_max = min(arr), max(arr), max(end)
-        acc.start = min(acc.start, a_min)
-        acc.end = max(acc.end, e_max)
-        first, last_end, lead_sum, lead_n = acc.first, acc.last_end, acc.lead_sum, acc.lead_n
-        wait = acc.wait if role != CommRole.PP else None
-        for r, a, e, q in zip(ranks, arr, end, enq, strict=True):
-            if a < first[r]:
-                first[r] = a
-            if e > last_end[r]:
-                last_end[r] = e
-            lead_sum[r] += a - q
-            lead_n[r] += 1
-            if wait is not None:
-                wait[r] += a_max - a
-        if role == CommRole.DP:
-            acc.dp_end = max(acc.dp_end, e_max)
-        if role is CommRole.DP or role is CommRole.PP:
-            x = max(0, e_max - a_max)  # complete: the transfer after the last arrival
-            acc.transfer[inst.comm_hash] = max(acc.transfer.get(inst.comm_hash, 0), x)
-        if role != CommRole.TP or len(ranks) < 2:
-            return
-        mean = sum(arr) / len(arr)
-        order = sorted(range(len(arr)), key=arr.__getitem__)
-        acc.blame[ranks[order[-1]]] += float(arr[order[-1]] - arr[order[-2]])
-        stage, replica, _ = self.topo.coords(ranks[0])
-        key = (replica, stage, phase, mb if mb is not None else -1)
-        span = acc.spans.get(key)
-        if span is None:
-            acc.spans[key] = [a_min, e_max]
-            nl = acc.node_late[key] = dict.fromkeys(ranks, 0.0)
-        else:
-            span[0] = min(span[0], a_min)
-            span[1] = max(span[1], e_max)
-            nl = acc.node_late[key]
-        lateness = acc.lateness
-        for r, a in zip(ranks, arr, strict=True):
-            rel = a - mean
-            lateness[r] += rel
-            nl[r] = nl.get(r, 0.0) + rel
-
     def _close_through(self, step: int) -> list[StepReport]:
         out = []
         for s in sorted(k for k in self._acc if k <= step):
             acc = self._acc.pop(s)
+            world = self.topo.job.world_size
             end = acc.dp_end or acc.end
             start = self._prev_end if self._prev_end is not None else acc.start
             self._prev_end = end
-            lead_sum = np.array(acc.lead_sum)
-            lead_n = np.array(acc.lead_n)
+            lead_sum = _dense(acc.lead_sum, world)
+            lead_n = _dense(acc.lead_n, world)
             lead = np.divide(lead_sum, lead_n, out=np.zeros_like(lead_sum), where=lead_n > 0)
-            first = np.array(acc.first, dtype=np.int64)
-            first[first == _NEVER] = -1
             out.append(
                 StepReport(
                     step=s,
@@ -230,12 +304,12 @@ class StepAssembler:
                     duration_ns=max(0, end - start),
                     complete=acc.n >= self.expected_instances(),
                     n_instances=acc.n,
-                    lateness_ns=np.array(acc.lateness),
-                    blame_ns=np.array(acc.blame),
-                    wait_ns=np.array(acc.wait),
+                    lateness_ns=_dense(acc.lateness, world),
+                    blame_ns=_dense(acc.blame, world),
+                    wait_ns=_dense(acc.wait, world),
                     host_lead_ns=lead,
-                    first_ns=first,
-                    last_end_ns=np.array(acc.last_end, dtype=np.int64),
+                    first_ns=_dense_int(acc.first, world, -1),
+                    last_end_ns=_dense_int(acc.last_end, world, 0),
                     spans=acc.spans,
                     node_lateness=acc.node_late,
                     transfer_ns=acc.transfer,

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from bytewax.operators import StatefulBatchLogic
 
-from detectors.align import CollectiveAligner, Instance
 from detectors.analyzer import JobAnalyzer
+from detectors.comm import CommAnalyzer
+from detectors.parts import CommSchedule, ScheduleBook
 from schemas.config import DetectSettings
-from schemas.records import Collective
+from schemas.records import AlignedCollective, Collective
 
 #: How often timers fire, and how long the input must be quiet before the
 #: event-time clock starts following the wall clock.
@@ -51,48 +52,71 @@ def _next_tick() -> datetime:
     return datetime.now(UTC) + TICK
 
 
-class AlignLogic(
-    StatefulBatchLogic[list[Collective], list[Instance], tuple[CollectiveAligner, int]]
-):
-    """Per (job, communicator): batches of records in, batches of instances out."""
+class AlignOut(NamedTuple):
+    """One batch's output of a communicator: stored rows, and items for the job's analysis."""
 
-    def __init__(
-        self, settings: DetectSettings, resume: tuple[CollectiveAligner, int] | None
-    ) -> None:
+    rows: list[AlignedCollective]
+    forward: list[Any]
+
+
+class AlignLogic(
+    StatefulBatchLogic[list[Collective | CommSchedule], AlignOut, tuple[CommAnalyzer, int]]
+):
+    """Per (job, communicator): records and schedules in, :class:`AlignOut` batches out."""
+
+    def __init__(self, settings: DetectSettings, resume: tuple[CommAnalyzer, int] | None) -> None:
         if resume is None:
-            self.aligner = CollectiveAligner(min_timeout_ns=int(settings.partial_timeout_ms * 1e6))
+            self.comm = CommAnalyzer(min_timeout_ns=int(settings.partial_timeout_ms * 1e6))
             self.clock = _Clock()
         else:
-            self.aligner, event_ns = resume
+            self.comm, event_ns = resume
             self.clock = _Clock()
             self.clock.saw(event_ns)
         self.ended = False
 
-    def on_batch(self, values: list[list[Collective]]) -> tuple[list[list[Instance]], bool]:
-        out: list[Instance] = []
-        for batch in values:
-            out += self.aligner.update_many(batch)
-            if batch:
-                self.clock.saw(batch[-1].arrival_ns)
-        out += self.aligner.expire(self.clock.now())
-        return _one(out), StatefulBatchLogic.RETAIN
+    def on_batch(
+        self, values: list[list[Collective | CommSchedule]]
+    ) -> tuple[list[AlignOut], bool]:
+        items = values[0] if len(values) == 1 else [x for batch in values for x in batch]
+        rows, forward = self.comm.update(items)
+        for rec in reversed(items):
+            if isinstance(rec, Collective):
+                self.clock.saw(rec.arrival_ns)
+                break
+        forward += self.comm.expire(self.clock.now())
+        return _out(rows, forward), StatefulBatchLogic.RETAIN
 
-    def on_notify(self) -> tuple[list[list[Instance]], bool]:
-        return _one(self.aligner.expire(self.clock.now())), StatefulBatchLogic.RETAIN
+    def on_notify(self) -> tuple[list[AlignOut], bool]:
+        return _out([], self.comm.expire(self.clock.now())), StatefulBatchLogic.RETAIN
 
-    def on_eof(self) -> tuple[list[list[Instance]], bool]:
+    def on_eof(self) -> tuple[list[AlignOut], bool]:
         """End of a bounded input: whatever is still open is reported as it stands."""
         self.ended = True
-        return _one(self.aligner.open_instances()), StatefulBatchLogic.RETAIN
+        return _out([], self.comm.flush()), StatefulBatchLogic.RETAIN
 
     def notify_at(self) -> datetime | None:
         # no timer after the end of a bounded input: a pending timer keeps the flow alive
-        return _next_tick() if self.aligner.n_open and not self.ended else None
+        return _next_tick() if self.comm.n_open and not self.ended else None
 
-    def snapshot(self) -> tuple[CollectiveAligner, int]:
+    def snapshot(self) -> tuple[CommAnalyzer, int]:
         # Bytewax pickles a snapshot at the epoch boundary, before this logic runs again,
         # so the live object is safe to hand over (a deep copy cost 7% of the flow).
-        return self.aligner, self.clock.event_ns
+        return self.comm, self.clock.event_ns
+
+
+def _out(rows: list[AlignedCollective], forward: list[Any]) -> list[AlignOut]:
+    return [AlignOut(rows, forward)] if rows or forward else []
+
+
+def schedules(
+    book: ScheduleBook | None, meta: list[Any]
+) -> tuple[ScheduleBook, list[CommSchedule]]:
+    """Per job: the communicator schedules its metadata records complete or change."""
+    book = book or ScheduleBook()
+    out: list[CommSchedule] = []
+    for rec in meta:
+        out += book.update(rec)
+    return book, out
 
 
 class AnalyzeLogic(StatefulBatchLogic[list[Any], list[msgspec.Struct], tuple[JobAnalyzer, int]]):

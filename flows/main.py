@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import bytewax.operators as op
 import msgspec
@@ -32,13 +33,14 @@ from bytewax.connectors.stdio import StdOutSink
 from bytewax.dataflow import Dataflow
 
 from detectors.alerting import AlertGate
+from detectors.parts import CommSchedule
 from flows.kafka_source import RawBatch, RawKafkaSource
-from flows.logic import AlignLogic, AnalyzeLogic
+from flows.logic import AlignLogic, AlignOut, AnalyzeLogic, schedules
 from flows.sinks import ClickHouseSink
 from flows.webhooks import WebhookSink
 from schemas.codec import SchemaError, dead_letter, decode, encode
 from schemas.config import AlertSettings, DetectSettings, Settings
-from schemas.records import Alert, Collective, DeadLetter, Kernel, Verdict
+from schemas.records import Alert, Collective, CommInfo, DeadLetter, JobInfo, Kernel, Verdict
 from schemas.tables import TABLE_FOR
 from schemas.topics import Topics
 
@@ -139,11 +141,19 @@ def decode_batch(batch: RawBatch) -> Decoded:
     return Decoded(records, kept, dead, min(batch.produced_ms, default=0))
 
 
+def comm_key(job: str, comm_hash: int) -> str:
+    return f"{job}:{comm_hash:016x}"
+
+
+def job_of(comm_key: str) -> str:
+    return comm_key.rsplit(":", 1)[0]
+
+
 def collectives_by_comm(d: Decoded) -> list[tuple[str, list[Collective]]]:
     groups: dict[str, list[Collective]] = {}
     for r in d.records:
         if isinstance(r, Collective):
-            groups.setdefault(f"{r.job}:{r.comm_hash:016x}", []).append(r)
+            groups.setdefault(comm_key(r.job, r.comm_hash), []).append(r)
     return list(groups.items())
 
 
@@ -154,6 +164,29 @@ def others_by_job(d: Decoded) -> list[tuple[str, list[msgspec.Struct]]]:
         if not isinstance(r, Collective | Kernel):
             groups.setdefault(r.job, []).append(r)  # type: ignore[attr-defined]
     return list(groups.items())
+
+
+def meta_by_job(d: Decoded) -> list[tuple[str, list[JobInfo | CommInfo]]]:
+    """The records communicators' schedules are made of."""
+    groups: dict[str, list[JobInfo | CommInfo]] = {}
+    for r in d.records:
+        if isinstance(r, JobInfo | CommInfo):
+            groups.setdefault(r.job, []).append(r)
+    return list(groups.items())
+
+
+def schedules_by_comm(
+    kv: tuple[str, list[CommSchedule]],
+) -> list[tuple[str, list[CommSchedule]]]:
+    return [(comm_key(s.comm.job, s.comm.comm_hash), [s]) for s in kv[1]]
+
+
+def aligned_rows(kv: tuple[str, AlignOut]) -> tuple[dict[str, list[bytes]], int]:
+    return as_rows(kv[1].rows)
+
+
+def forward_to_job(kv: tuple[str, AlignOut]) -> tuple[str, list[Any]]:
+    return job_of(kv[0]), kv[1].forward
 
 
 def rows_of(d: Decoded) -> tuple[dict[str, list[bytes]], int]:
@@ -208,6 +241,10 @@ def input_topics(cfg: FlowConfig) -> list[str]:
     return topics
 
 
+def _any(kv: tuple[str, list[Any]]) -> bool:
+    return bool(kv[1])
+
+
 def tune_gc() -> None:
     """Collect garbage less often in a flow process.
 
@@ -255,14 +292,21 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
 
 
 def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], ch: ClickHouseSink) -> None:
-    # (job:comm, list[Collective]) -> (job:comm, list[Instance])
-    by_comm = op.flat_map("collectives_by_comm", decoded, collectives_by_comm)
-    instances = op.stateful_batch("align", by_comm, lambda resume: AlignLogic(cfg.detect, resume))
-    inst_by_job = op.key_on(
-        "instances_by_job", op.key_rm("instances", instances), lambda batch: batch[0].job
+    # (job, list[JobInfo | CommInfo]) -> (job:comm, [CommSchedule]): where each comm's calls sit
+    book = op.stateful_map(
+        "schedule_book", op.flat_map("meta_by_job", decoded, meta_by_job), schedules
     )
-    # (job, list[Instance | other record]) -> (job, list[result record])
-    to_job = op.merge("to_job", inst_by_job, op.flat_map("others_by_job", decoded, others_by_job))
+    scheds = op.flat_map("schedules_by_comm", book, schedules_by_comm)
+    # (job:comm, list[Collective | CommSchedule]) -> (job:comm, AlignOut(rows, forward))
+    by_comm = op.merge(
+        "to_comm", op.flat_map("collectives_by_comm", decoded, collectives_by_comm), scheds
+    )
+    aligned = op.stateful_batch("align", by_comm, lambda resume: AlignLogic(cfg.detect, resume))
+    # AlignedCollective rows are stored by the communicator's worker
+    op.output("aligned_to_clickhouse", op.map("aligned_rows", aligned, aligned_rows), ch)
+    # (job, list[StepPart | Instance | CommProgress | other record]) -> (job, list[result])
+    forward = op.filter("with_forward", op.map("forward_to_job", aligned, forward_to_job), _any)
+    to_job = op.merge("to_job", forward, op.flat_map("others_by_job", decoded, others_by_job))
     results = op.key_rm(
         "results",
         op.stateful_batch("analyze", to_job, lambda resume: AnalyzeLogic(cfg.detect, resume)),

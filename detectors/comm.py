@@ -1,0 +1,93 @@
+"""Everything megatrace does per communicator, before the job's analysis.
+
+:class:`CommAnalyzer` composes the :class:`~detectors.align.CollectiveAligner`
+(every member's record of each instance) and the
+:class:`~detectors.parts.StepFolder` (complete instances folded into one part
+per step). The flow keeps one per (job, communicator) key; the offline
+:class:`~detectors.replay.Replay` keeps one per communicator too, so both hand
+the job's analyzer the same items.
+
+>>> from schemas.records import Collective
+>>> from schemas.units import CollOp, DType
+>>> comm = CommAnalyzer()
+>>> def rec(rank, a, e):
+...     return Collective(job="j", node="n", rank=rank, comm_hash=9, comm_size=2,
+...         rank_in_comm=rank, op=CollOp.ALL_REDUCE, seq=0, count=1, size_bytes=2,
+...         dtype=DType.BFLOAT16, enqueue_ns=a, start_ns=a, end_ns=e)
+>>> rows, forward = comm.update([rec(0, 100, 500), rec(1, 300, 500)])
+>>> rows, [type(x).__name__ for x in forward]   # no schedule yet: the instance goes as it is
+([], ['Instance', 'CommProgress'])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from detectors.align import CollectiveAligner
+from detectors.parts import CommSchedule, StepFolder
+from schemas.records import AlignedCollective, Collective
+
+
+class CommAnalyzer:
+    """One communicator's aligner and step folder (see the module docstring).
+
+    Parameters
+    ----------
+    min_timeout_ns
+        Passed to :class:`~detectors.align.CollectiveAligner`: the least time an
+        instance stays open before it is reported partial.
+    """
+
+    def __init__(self, min_timeout_ns: int = 500_000_000) -> None:
+        self.min_timeout_ns = min_timeout_ns
+        self._reset()
+
+    def _reset(self) -> None:
+        self.aligner = CollectiveAligner(min_timeout_ns=self.min_timeout_ns)
+        self.folder = StepFolder()
+
+    def update(
+        self, items: list[Collective | CommSchedule]
+    ) -> tuple[list[AlignedCollective], list[Any]]:
+        """Records (and schedules) in; (stored rows, items for the job) out."""
+        rows: list[AlignedCollective] = []
+        forward: list[Any] = []
+        folder = self.folder
+        add = self.aligner.update_many
+        batch: list[Collective] = []
+        for item in items:
+            if isinstance(item, CommSchedule):
+                for inst in add(batch):
+                    r, f = folder.update(inst)
+                    rows += r
+                    forward += f
+                batch = []
+                folder.learn(item)
+            else:
+                batch.append(item)
+        for inst in add(batch):
+            r, f = folder.update(inst)
+            rows += r
+            forward += f
+        return rows, forward + folder.progress()
+
+    def expire(self, now_ns: int) -> list[Any]:
+        """Partial instances open too long, for the job (see ``CollectiveAligner.expire``)."""
+        out: list[Any] = []
+        for inst in self.aligner.expire(now_ns):
+            out += self.folder.partial(inst)
+        return out + self.folder.progress()
+
+    def flush(self) -> list[Any]:
+        """End of a bounded input: open parts, and open instances as they stand."""
+        out: list[Any] = list(self.folder.flush())
+        for inst in self.aligner.open_instances():
+            out += self.folder.partial(inst)
+        return out + self.folder.progress()
+
+    @property
+    def n_open(self) -> int:
+        return self.aligner.n_open
+
+
+__all__ = ["CommAnalyzer"]

@@ -1,0 +1,189 @@
+"""Fold one communicator's complete collective instances into per-step parts.
+
+At 4,096 ranks a step has about 120,000 collective instances; folding each
+one into the job's step account in the job's single worker costs seconds per
+step. :class:`StepFolder` does that folding per communicator instead, where the
+communicator's records already are (one flow worker per communicator), and
+hands the job one :class:`~detectors.steps.StepPart` per (communicator, step):
+the job merges about one part per communicator per step. It also builds the
+stored row of each instance it folds.
+
+The folder needs the communicator's place in the schedule (the job record and
+the communicator record, :class:`CommSchedule`). Until it has them, and for
+instances the job already saw as partial (a late member, a hang being
+localised), it forwards instances unchanged; folding and merging commute, so
+the job's step account is the same either way.
+
+>>> from detectors.align import Instance
+>>> from schemas.records import CommInfo, JobInfo
+>>> from schemas.units import CollOp, CommRole
+>>> job = JobInfo(job="j", ts_ns=0, world_size=4, tp=2, pp=1, dp=2, num_layers=1,
+...               num_microbatches=1)
+>>> folder = StepFolder()
+>>> folder.learn(CommSchedule(job, CommInfo(job="j", ts_ns=0, comm_hash=7,
+...     role=CommRole.DP, ranks=[0, 2], pp_stage=0)))
+>>> def inst(seq):
+...     return Instance("j", 7, seq, CollOp.ALL_REDUCE, -1, 2, 8, (0, 2), (10, 12), (10, 12),
+...                     (20, 20))
+>>> rows, forward = folder.update(inst(0))
+>>> [type(x).__name__ for x in forward], forward[0].step, forward[0].n, rows[0].step
+(['StepPart'], 0, 1, 0)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from detectors.align import Instance, aligned_record
+from detectors.steps import StepPart
+from detectors.topology import Topology
+from schemas.records import AlignedCollective, CommInfo, JobInfo
+from schemas.units import CommRole
+
+Key = tuple[int, int, int]  # (comm_hash, sender or -1, seq)
+
+
+class CommSchedule(NamedTuple):
+    """What a communicator's folder needs: the job record and the communicator's record."""
+
+    job: JobInfo
+    comm: CommInfo
+
+
+class CommProgress(NamedTuple):
+    """The newest arrival and completion a communicator has seen (the job's liveness)."""
+
+    job: str
+    comm_hash: int
+    last_arrival_ns: int
+    last_end_ns: int
+
+
+class ScheduleBook:
+    """Per job: the schedules a metadata record completes or changes.
+
+    >>> book = ScheduleBook()
+    >>> book.update(CommInfo(job="j", ts_ns=0, comm_hash=7, role=CommRole.TP, ranks=[0, 1]))
+    []
+    >>> [s.comm.comm_hash for s in book.update(JobInfo(job="j", ts_ns=0, world_size=2, tp=2))]
+    [7]
+    """
+
+    def __init__(self) -> None:
+        self.job: JobInfo | None = None
+        self.comms: dict[int, CommInfo] = {}
+
+    def update(self, rec: object) -> list[CommSchedule]:
+        if isinstance(rec, JobInfo):
+            self.job = rec
+            return [CommSchedule(rec, c) for c in self.comms.values()]
+        if isinstance(rec, CommInfo):
+            self.comms[rec.comm_hash] = rec
+            return [CommSchedule(self.job, rec)] if self.job is not None else []
+        return []
+
+
+class StepFolder:
+    """Per-communicator pre-aggregation (see the module docstring).
+
+    Parameters
+    ----------
+    give_up_steps
+        A step's part is sent incomplete once an instance this many steps later
+        arrives (the job's assembler gives up on a step two steps later too).
+    max_open_steps
+        Hard bound on the steps held open; the oldest is sent beyond it.
+    """
+
+    def __init__(self, give_up_steps: int = 2, max_open_steps: int = 8) -> None:
+        if give_up_steps < 1 or max_open_steps < 1:
+            raise ValueError("give_up_steps and max_open_steps must be at least 1")
+        self.give_up_steps = give_up_steps
+        self.max_open_steps = max_open_steps
+        self._reset()
+
+    def _reset(self) -> None:
+        self.topo: Topology | None = None
+        self.comm_hash = -1
+        self.job = ""
+        self.role = CommRole.OTHER
+        self.per_step = 0
+        self._parts: dict[int, StepPart] = {}
+        self._partial: set[Key] = set()
+        self._last_arrival = 0
+        self._last_end = 0
+        self._reported = (0, 0)
+
+    def learn(self, schedule: CommSchedule) -> None:
+        """The communicator's schedule (again, when the job record changes)."""
+        topo = Topology.from_job(schedule.job)
+        topo.add(schedule.comm)
+        self.topo, self.role = topo, schedule.comm.role
+        self.comm_hash, self.job = schedule.comm.comm_hash, schedule.comm.job
+        self.per_step = {
+            CommRole.TP: topo.tp_ops_per_step,
+            CommRole.DP: topo.dp_ops_per_step,
+            CommRole.PP: 2 * topo.job.num_microbatches,
+        }.get(self.role, 0)
+
+    def update(self, inst: Instance) -> tuple[list[AlignedCollective], list[Any]]:
+        """A complete instance: (stored rows, items for the job)."""
+        self._saw(inst)
+        key = (inst.comm_hash, inst.sender, inst.seq)
+        topo = self.topo
+        if topo is None or not self.per_step or key in self._partial:
+            self._partial.discard(key)
+            return [], [inst]
+        pos = topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender)
+        if pos is None:
+            return [], [inst]
+        part = self._parts.get(pos.step)
+        if part is None:
+            part = self._parts[pos.step] = StepPart(pos.step, inst.comm_hash, inst.job)
+        part.fold(inst, pos.phase, pos.microbatch, self.role, topo)
+        rows = [aligned_record(inst.job, topo, inst, pos)]
+        out: list[Any] = []
+        if part.n >= self.per_step:
+            out.append(self._parts.pop(pos.step))
+        stale = [s for s in self._parts if s <= pos.step - self.give_up_steps]
+        if len(self._parts) - len(stale) > self.max_open_steps:
+            stale.append(min(s for s in self._parts if s not in stale))
+        out += [self._parts.pop(s) for s in sorted(stale)]
+        return rows, out
+
+    def partial(self, inst: Instance) -> list[Any]:
+        """A partial instance goes to the job as it is; so will its completion."""
+        if self.comm_hash < 0:
+            self.comm_hash, self.job = inst.comm_hash, inst.job
+        self._last_arrival = max(self._last_arrival, max(inst.arrival))
+        self._partial.add((inst.comm_hash, inst.sender, inst.seq))
+        if len(self._partial) > 4096:
+            self._partial.pop()
+        return [inst]
+
+    def progress(self) -> list[CommProgress]:
+        """The communicator's liveness, when it moved since the last call."""
+        now = (self._last_arrival, self._last_end)
+        if now == self._reported:
+            return []
+        self._reported = now
+        return [CommProgress(self.job, self.comm_hash, *now)]
+
+    def flush(self) -> list[StepPart]:
+        """Every open part, oldest first (end of a bounded input)."""
+        out = [self._parts[s] for s in sorted(self._parts)]
+        self._parts = {}
+        return out
+
+    def _saw(self, inst: Instance) -> None:
+        if self.comm_hash < 0:
+            self.comm_hash, self.job = inst.comm_hash, inst.job
+        self._last_arrival = max(self._last_arrival, max(inst.arrival))
+        self._last_end = max(self._last_end, max(inst.end))
+
+    @property
+    def n_open(self) -> int:
+        return len(self._parts)
+
+
+__all__ = ["CommProgress", "CommSchedule", "ScheduleBook", "StepFolder"]
