@@ -3,7 +3,9 @@
 :class:`CommAnalyzer` composes the :class:`~detectors.align.CollectiveAligner`
 (every member's record of each instance) and the
 :class:`~detectors.parts.StepFolder` (complete instances folded into one part
-per step). The flow keeps one per (job, communicator) key; the offline
+per step), and passes on only the proxy summaries the job needs (stuck ones,
+and the completion of one that was stuck: a network hang's evidence). The
+flow keeps one per (job, communicator) key; the offline
 :class:`~detectors.replay.Replay` keeps one per communicator too, so both hand
 the job's analyzer the same items.
 
@@ -25,7 +27,7 @@ from typing import Any
 
 from detectors.align import CollectiveAligner
 from detectors.parts import CommSchedule, StepFolder
-from schemas.records import AlignedCollective, Collective
+from schemas.records import AlignedCollective, Collective, ProxySummary
 
 
 class CommAnalyzer:
@@ -33,21 +35,24 @@ class CommAnalyzer:
 
     Parameters
     ----------
-    min_timeout_ns
+    min_timeout_ns, max_open
         Passed to :class:`~detectors.align.CollectiveAligner`: the least time an
-        instance stays open before it is reported partial.
+        instance stays open before it is reported partial, and the most instances
+        held open.
     """
 
-    def __init__(self, min_timeout_ns: int = 500_000_000) -> None:
+    def __init__(self, min_timeout_ns: int = 500_000_000, max_open: int = 4096) -> None:
         self.min_timeout_ns = min_timeout_ns
+        self.max_open = max_open
         self._reset()
 
     def _reset(self) -> None:
-        self.aligner = CollectiveAligner(min_timeout_ns=self.min_timeout_ns)
+        self.aligner = CollectiveAligner(min_timeout_ns=self.min_timeout_ns, max_open=self.max_open)
         self.folder = StepFolder()
+        self._stuck: dict[tuple[int, ...], None] = {}
 
     def update(
-        self, items: list[Collective | CommSchedule]
+        self, items: list[Collective | ProxySummary | CommSchedule]
     ) -> tuple[list[AlignedCollective], list[Any]]:
         """Records (and schedules) in; (stored rows, items for the job) out."""
         rows: list[AlignedCollective] = []
@@ -56,20 +61,35 @@ class CommAnalyzer:
         add = self.aligner.update_many
         batch: list[Collective] = []
         for item in items:
-            if isinstance(item, CommSchedule):
+            if isinstance(item, Collective):
+                batch.append(item)
+            elif isinstance(item, ProxySummary):
+                forward += self._proxy(item)
+            else:
                 for inst in add(batch):
                     r, f = folder.update(inst)
                     rows += r
                     forward += f
                 batch = []
                 folder.learn(item)
-            else:
-                batch.append(item)
         for inst in add(batch):
             r, f = folder.update(inst)
             rows += r
             forward += f
         return rows, forward + folder.progress()
+
+    def _proxy(self, p: ProxySummary) -> list[ProxySummary]:
+        self.folder.saw_time(p.last_ns)
+        key = (p.comm_hash, p.seq, p.rank, p.channel, p.peer, p.direction)
+        if p.steps_done < p.steps_posted:
+            self._stuck[key] = None
+            if len(self._stuck) > 10_000:
+                self._stuck.pop(next(iter(self._stuck)))
+            return [p]
+        if key in self._stuck:
+            del self._stuck[key]
+            return [p]
+        return []
 
     def expire(self, now_ns: int) -> list[Any]:
         """Partial instances open too long, for the job (see ``CollectiveAligner.expire``)."""

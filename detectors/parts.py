@@ -109,6 +109,7 @@ class StepFolder:
         self.role = CommRole.OTHER
         self.per_step = 0
         self._parts: dict[int, StepPart] = {}
+        self._newest = -1
         self._partial: set[Key] = set()
         self._last_arrival = 0
         self._last_end = 0
@@ -142,14 +143,15 @@ class StepFolder:
             part = self._parts[pos.step] = StepPart(pos.step, inst.comm_hash, inst.job)
         part.fold(inst, pos.phase, pos.microbatch, self.role, topo)
         rows = [aligned_record(inst.job, topo, inst, pos)]
-        out: list[Any] = []
         if part.n >= self.per_step:
-            out.append(self._parts.pop(pos.step))
+            return rows, [self._parts.pop(pos.step)]
+        if pos.step <= self._newest:
+            return rows, []
+        self._newest = pos.step  # a new step: older ones that stay open are given up on
         stale = [s for s in self._parts if s <= pos.step - self.give_up_steps]
         if len(self._parts) - len(stale) > self.max_open_steps:
             stale.append(min(s for s in self._parts if s not in stale))
-        out += [self._parts.pop(s) for s in sorted(stale)]
-        return rows, out
+        return rows, [self._parts.pop(s) for s in sorted(stale)]
 
     def partial(self, inst: Instance) -> list[Any]:
         """A partial instance goes to the job as it is; so will its completion."""
@@ -174,6 +176,10 @@ class StepFolder:
         out = [self._parts[s] for s in sorted(self._parts)]
         self._parts = {}
         return out
+
+    def saw_time(self, ts_ns: int) -> None:
+        """Another record of the communicator's (event time moves on)."""
+        self._last_arrival = max(self._last_arrival, ts_ns)
 
     def _saw(self, inst: Instance) -> None:
         if self.comm_hash < 0:

@@ -26,7 +26,7 @@ from detectors.analyzer import JobAnalyzer
 from detectors.comm import CommAnalyzer
 from detectors.parts import ScheduleBook
 from schemas.config import DetectSettings
-from schemas.records import Collective
+from schemas.records import Collective, ProxySummary
 
 
 class Replay:
@@ -51,7 +51,7 @@ class Replay:
         if job is None:
             return out
         analyzer = self._job(job)
-        if isinstance(rec, Collective):
+        if isinstance(rec, Collective | ProxySummary):
             out += self._comm(job, rec.comm_hash, rec)
         else:
             out += analyzer.update(rec)

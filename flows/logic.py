@@ -59,9 +59,7 @@ class AlignOut(NamedTuple):
     forward: list[Any]
 
 
-class AlignLogic(
-    StatefulBatchLogic[list[Collective | CommSchedule], AlignOut, tuple[CommAnalyzer, int]]
-):
+class AlignLogic(StatefulBatchLogic[list[Any], AlignOut, tuple[CommAnalyzer, int]]):
     """Per (job, communicator): records and schedules in, :class:`AlignOut` batches out."""
 
     def __init__(self, settings: DetectSettings, resume: tuple[CommAnalyzer, int] | None) -> None:
@@ -74,9 +72,7 @@ class AlignLogic(
             self.clock.saw(event_ns)
         self.ended = False
 
-    def on_batch(
-        self, values: list[list[Collective | CommSchedule]]
-    ) -> tuple[list[AlignOut], bool]:
+    def on_batch(self, values: list[list[Any]]) -> tuple[list[AlignOut], bool]:
         items = values[0] if len(values) == 1 else [x for batch in values for x in batch]
         rows, forward = self.comm.update(items)
         for rec in reversed(items):

@@ -40,7 +40,16 @@ from flows.sinks import ClickHouseSink
 from flows.webhooks import WebhookSink
 from schemas.codec import SchemaError, dead_letter, decode, encode
 from schemas.config import AlertSettings, DetectSettings, Settings
-from schemas.records import Alert, Collective, CommInfo, DeadLetter, JobInfo, Kernel, Verdict
+from schemas.records import (
+    Alert,
+    Collective,
+    CommInfo,
+    DeadLetter,
+    JobInfo,
+    Kernel,
+    ProxySummary,
+    Verdict,
+)
 from schemas.tables import TABLE_FOR
 from schemas.topics import Topics
 
@@ -149,19 +158,20 @@ def job_of(comm_key: str) -> str:
     return comm_key.rsplit(":", 1)[0]
 
 
-def collectives_by_comm(d: Decoded) -> list[tuple[str, list[Collective]]]:
-    groups: dict[str, list[Collective]] = {}
+def comm_records_by_comm(d: Decoded) -> list[tuple[str, list[Collective | ProxySummary]]]:
+    groups: dict[str, list[Collective | ProxySummary]] = {}
     for r in d.records:
-        if isinstance(r, Collective):
+        if isinstance(r, Collective | ProxySummary):
             groups.setdefault(comm_key(r.job, r.comm_hash), []).append(r)
     return list(groups.items())
 
 
 def others_by_job(d: Decoded) -> list[tuple[str, list[msgspec.Struct]]]:
-    """Everything the job analysis needs besides collectives (kernels are only stored)."""
+    """What the job analysis reads directly (kernels are only stored; collectives and
+    proxy summaries go through their communicator)."""
     groups: dict[str, list[msgspec.Struct]] = {}
     for r in d.records:
-        if not isinstance(r, Collective | Kernel):
+        if not isinstance(r, Collective | ProxySummary | Kernel):
             groups.setdefault(r.job, []).append(r)  # type: ignore[attr-defined]
     return list(groups.items())
 
@@ -297,9 +307,9 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], ch: ClickHouseSink) ->
         "schedule_book", op.flat_map("meta_by_job", decoded, meta_by_job), schedules
     )
     scheds = op.flat_map("schedules_by_comm", book, schedules_by_comm)
-    # (job:comm, list[Collective | CommSchedule]) -> (job:comm, AlignOut(rows, forward))
+    # (job:comm, list[Collective | ProxySummary | CommSchedule]) -> (job:comm, AlignOut)
     by_comm = op.merge(
-        "to_comm", op.flat_map("collectives_by_comm", decoded, collectives_by_comm), scheds
+        "to_comm", op.flat_map("comm_records_by_comm", decoded, comm_records_by_comm), scheds
     )
     aligned = op.stateful_batch("align", by_comm, lambda resume: AlignLogic(cfg.detect, resume))
     # AlignedCollective rows are stored by the communicator's worker

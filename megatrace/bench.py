@@ -10,6 +10,7 @@ import resource
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -230,15 +231,23 @@ def simulate(scales: list[str], steps: int, say: Callable[[str], None]) -> None:
         )
 
 
-def analyze(scale: str, steps: int, say: Callable[[str], None]) -> None:
-    """Cost of the detectors per training step at a scale, in one process, by stage."""
-    from detectors.align import CollectiveAligner
+def analyze(scale: str, steps: int, say: Callable[[str], None], batch: int = 500) -> None:
+    """Cost of the detectors per training step at a scale, in one process, by stage.
+
+    Records go through the flow's two stages as the flow batches them: per
+    communicator (alignment and folding into step parts, parallel across
+    workers), then per job (merging parts, step analysis: one worker per job).
+    """
     from detectors.analyzer import JobAnalyzer
-    from schemas.records import Collective
+    from detectors.comm import CommAnalyzer
+    from detectors.parts import ScheduleBook
+    from schemas.records import Collective, ProxySummary
 
     run = build("slow-gpu", scale=scale, seed=0, steps=steps, kernels=False)
     records = list(run.records())
-    aligners: dict[int, CollectiveAligner] = {}
+    comms: dict[int, CommAnalyzer] = {}
+    pending: dict[int, list[Any]] = {}
+    book = ScheduleBook()
     job = JobAnalyzer(run.spec.job)
     step_s: list[float] = []
     plain_step = job._step
@@ -250,36 +259,59 @@ def analyze(scale: str, steps: int, say: Callable[[str], None]) -> None:
         return out
 
     job._step = timed_step  # type: ignore[method-assign]
-    t_align = t_job = 0.0
-    instances = 0
-    for rec in records:
+    t_comm = t_job = 0.0
+    to_job = 0
+
+    def flush(comm_hash: int) -> None:
+        nonlocal t_comm, t_job, to_job
+        items = pending.pop(comm_hash, [])
         t0 = time.perf_counter()
-        if isinstance(rec, Collective):
-            al = aligners.get(rec.comm_hash)
-            if al is None:
-                al = aligners[rec.comm_hash] = CollectiveAligner()
-            found = al.update(rec)
-            t1 = time.perf_counter()
-            t_align += t1 - t0
-            instances += len(found)
-            for inst in found:
-                job.update(inst)
-            t_job += time.perf_counter() - t1
-        else:
-            job.update(rec)
-            t_job += time.perf_counter() - t0
+        comm = comms.get(comm_hash) or comms.setdefault(comm_hash, CommAnalyzer())
+        _, forward = comm.update(items)
+        t1 = time.perf_counter()
+        to_job += len(forward)
+        for x in forward:
+            job.update(x)
+        t_comm += t1 - t0
+        t_job += time.perf_counter() - t1
+
+    for rec in records:
+        if isinstance(rec, Collective | ProxySummary):
+            buf = pending.setdefault(rec.comm_hash, [])
+            buf.append(rec)
+            if len(buf) >= batch:
+                flush(rec.comm_hash)
+            continue
+        t0 = time.perf_counter()
+        job.update(rec)
+        scheds = book.update(rec)
+        t_job += time.perf_counter() - t0
+        for sc in scheds:
+            pending.setdefault(sc.comm.comm_hash, []).append(sc)
+    for comm_hash in list(pending):
+        flush(comm_hash)
+    t0 = time.perf_counter()
+    for comm in comms.values():
+        for x in comm.flush():
+            job.update(x)
+    job.finish()
+    t_job += time.perf_counter() - t0
     n = run.steps
     med = sorted(step_s)[len(step_s) // 2] if step_s else 0.0
     say(
-        f"{scale}: {run.spec.world_size} ranks, {len(records) / n:,.0f} records and "
-        f"{instances / n:,.0f} collective instances per step"
+        f"{scale}: {run.spec.world_size} ranks, {len(records) / n:,.0f} records per step, "
+        f"{len(comms):,} communicators; the job receives {to_job / n:,.0f} items per step"
     )
     say(
-        f"  alignment (per communicator, parallel across workers)  {t_align / n * 1e3:9.1f} ms/step"
+        f"  per communicator: alignment + folding (all communicators,  "
+        f"{t_comm / n * 1e3:9.1f} ms/step\n"
+        f"    parallel across flow workers)"
     )
-    say(f"  per-job ingest of instances + step analysis           {t_job / n * 1e3:9.1f} ms/step")
     say(
-        f"  step analysis alone (change points, critical path,     {med * 1e3:9.1f} ms median, "
+        f"  per job: merging parts + step analysis + other records   {t_job / n * 1e3:9.1f} ms/step"
+    )
+    say(
+        f"  step analysis alone (change points, critical path,       {med * 1e3:9.1f} ms median, "
         f"{max(step_s, default=0) * 1e3:.1f} ms max"
     )
     say("   localisation, step and rank tables)")

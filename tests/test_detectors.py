@@ -239,3 +239,43 @@ def test_a_degraded_link_that_costs_nothing_is_still_a_true_positive() -> None:
     s = Score()
     s.add_run([label], [], steps=10, step_ns=10.0)  # and missing it is not held against us
     assert s.kinds["link_degradation"].fn == 0
+
+
+def test_folding_per_communicator_changes_nothing_the_job_concludes() -> None:
+    """The flow folds instances per communicator (StepFolder); feeding the job every
+    instance instead must give the same tables and verdicts, record for record."""
+    from detectors.align import CollectiveAligner
+    from detectors.analyzer import JobAnalyzer
+    from schemas.codec import encode
+    from schemas.records import Collective
+
+    run = build("story", scale="demo", seed=1, steps=40, kernels=False)
+    records = list(run.records())
+    folded = sorted(encode(r) for r in Replay().run(records))
+    job = JobAnalyzer(run.spec.job)
+    aligners: dict[int, CollectiveAligner] = {}
+    plain: list = []
+    now = next_tick = 0
+
+    def tick() -> None:  # Replay's watchdog cadence
+        nonlocal plain
+        for al in aligners.values():
+            for inst in al.expire(now):
+                plain += job.update(inst)
+        plain += job.tick(now)
+
+    for rec in records:
+        if isinstance(rec, Collective):
+            al = aligners.setdefault(rec.comm_hash, CollectiveAligner())
+            for inst in al.update(rec):
+                plain += job.update(inst)
+        else:
+            plain += job.update(rec)
+        now = max(now, job.now_ns)
+        if now >= next_tick:
+            tick()
+            next_tick = now + Replay().tick_ns
+    tick()
+    plain += job.finish()
+    assert sorted(encode(r) for r in plain) == folded
+    assert any(isinstance(r, Verdict) for r in plain)

@@ -105,7 +105,9 @@ class Run:
         number is the fault's own effect on the iteration, critical path and all.
         """
         out = []
-        for i, f in enumerate(self.faults):
+        # a hang stops the steps after it, so a slowdown's cost is measured without hangs
+        running = [g for g in self.faults if not isinstance(g, HANGS)]
+        for f in self.faults:
             if isinstance(f, HANGS):
                 out.append(1.0)
                 continue
@@ -114,8 +116,8 @@ class Run:
             if last <= f.onset_step:
                 out.append(0.0)
                 continue
-            others = [g for j, g in enumerate(self.faults) if j != i]
-            t_with = _step_times(self.spec, self.faults, last)[f.onset_step :]
+            others = [g for g in running if g is not f]
+            t_with = _step_times(self.spec, running, last)[f.onset_step :]
             t_without = _step_times(self.spec, others, last)[f.onset_step :]
             out.append(float(max(0.0, 1.0 - sum(t_without) / sum(t_with))))
         return out
