@@ -638,7 +638,8 @@ class JobAnalyzer:
             fields.update(
                 link=topo.link_name(*diag.link), src_rank=diag.link[0], dst_rank=diag.link[1]
             )
-        culprit = f"link:{diag.link[0]}->{diag.link[1]}" if diag.link else f"rank:{rank}"
+        on_link = diag.link is not None and diag.cause != Cause.COMPUTE
+        culprit = f"link:{diag.link[0]}->{diag.link[1]}" if on_link else f"rank:{rank}"
         call = op.value if op else "its next collective"
         where = (
             f"{fields['phase'].value} micro-batch {fields['microbatch']}, "
@@ -646,7 +647,16 @@ class JobAnalyzer:
             if pos
             else "an unknown position"
         )
-        if diag.cause == Cause.COMPUTE:
+        if diag.cause == Cause.COMPUTE and diag.link is not None:
+            producing = rank == diag.link[0]
+            summary = (
+                f"hang: the GPU of rank {rank} on {fields['node']} (GPU {fields['gpu']}) "
+                f"stopped {'producing' if producing else 'consuming'} data in the middle of "
+                f"{call} on {fields['link']} ({role.value} communicator, seq {diag.seq}): "
+                f"the transfer is posted and its proxy waits on the GPU "
+                f"({'SendGPUWait' if producing else 'RecvGPUWait'}), not the network - {where}"
+            )
+        elif diag.cause == Cause.COMPUTE:
             summary = (
                 f"hang: rank {rank} on {fields['node']} (GPU {fields['gpu']}) never "
                 f"joined {call} on the {role.value} communicator (seq {diag.seq}) - "

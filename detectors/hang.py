@@ -5,9 +5,11 @@ did not finish* (they are waiting) and who *never joined*. Waiting ranks are
 victims. The culprit of a compute-side hang is a rank that is missing from an
 open instance while it is not itself waiting anywhere (it stopped before
 issuing the call). If every member of the oldest open instance joined and
-none finished, the collective is stuck in the network: proxy summaries with
-posted-but-not-completed steps name the edge, the one with the longest
-SendWait first.
+none finished, a transfer is stuck: proxy summaries with posted-but-not-completed
+steps name the edge, and the state its steps wait in names the culprit
+(:func:`~detectors.edges.edge_cause`): the network (SendWait), or the sending
+GPU that stopped producing data (SendGPUWait), or the receiving GPU that
+stopped consuming it (RecvGPUWait).
 
 This is a pure function over tables: it returns one diagnosis, not a list of
 every waiting rank.
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from detectors.align import Instance
+from detectors.edges import edge_cause
 from schemas.records import Heartbeat, ProxySummary
 from schemas.units import Cause, CollOp, Direction
 
@@ -100,43 +103,76 @@ def diagnose_hang(
     # everybody joined somewhere and waits: a transfer that never completed
     full = [i for i in open_instances if set(_members(i, member_of)) <= set(i.ranks)]
     root = min(full or open_instances, key=lambda i: i.first_arrival_ns)
-    link = _stuck_edge(root.comm_hash, root.seq, stuck_proxies)
-    if link is None and root.op == CollOp.SEND and root.sender >= 0:
-        others = [r for r in root.ranks if r != root.sender]
-        link = (root.sender, others[0], 0, 0) if others else None
-    src = link[0] if link else (root.sender if root.sender >= 0 else None)
     ev = {"open_instances": float(len(open_instances)), "waiting_ranks": float(len(waiting))}
-    if link:
-        ev["stuck_send_wait_ns"] = float(link[2])
-        ev["steps_not_done"] = float(link[3])
+    stuck = _stuck_edge(root.comm_hash, root.seq, stuck_proxies)
+    if stuck is not None:
+        cause, culprit, link, proxy_ev = stuck
+        ev.update(proxy_ev)
+    else:
+        cause, culprit, link = Cause.NETWORK_LINK, None, None
+        if root.op == CollOp.SEND and root.sender >= 0:
+            others = [r for r in root.ranks if r != root.sender]
+            link = (root.sender, others[0]) if others else None
+        culprit = link[0] if link else (root.sender if root.sender >= 0 else None)
     return HangDiagnosis(
-        Cause.NETWORK_LINK,
-        src,
+        cause,
+        culprit,
         root.comm_hash,
         root.seq,
         root.sender,
         root.op,
         root.first_arrival_ns,
         waiting=tuple(sorted(waiting)),
-        link=(link[0], link[1]) if link else None,
+        link=link,
         evidence=ev,
     )
 
 
 def _stuck_edge(
     comm_hash: int, seq: int | None, proxies: Sequence[ProxySummary]
-) -> tuple[int, int, int, int] | None:
-    """(src, dst, send_wait_ns, steps not done) of the stuck edge, if proxies show one."""
-    best = None
+) -> tuple[Cause, int, tuple[int, int], dict[str, float]] | None:
+    """(cause, culprit rank, (src, dst), evidence) of the stuck edge, if proxies show one.
+
+    Of several stuck sends, the one that waited longest; its cause from its wait states
+    and the receiving end's (:func:`~detectors.edges.edge_cause`).
+    """
+
+    def waited(p: ProxySummary) -> tuple[int, int]:
+        return p.send_gpu_wait_ns + p.send_peer_wait_ns + p.send_wait_ns, p.last_ns - p.first_ns
+
+    send = None
     for p in proxies:
         if p.comm_hash != comm_hash or p.direction != Direction.SEND:
             continue
         if (seq is not None and p.seq != seq) or p.steps_done >= p.steps_posted:
             continue
-        cand = (p.rank, p.peer, p.send_wait_ns, p.steps_posted - p.steps_done)
-        if best is None or cand[2] > best[2]:
-            best = cand
-    return best
+        if send is None or waited(p) > waited(send):
+            send = p
+    if send is None:
+        return None
+    recv = next(
+        (
+            p
+            for p in proxies
+            if p.direction == Direction.RECV
+            and (p.comm_hash, p.seq, p.channel, p.rank, p.peer)
+            == (send.comm_hash, send.seq, send.channel, send.peer, send.rank)
+        ),
+        None,
+    )
+    found = edge_cause(send, recv)
+    cause = Cause.NETWORK_LINK if found.cause == Cause.UNKNOWN else found.cause
+    ev = {
+        "stuck_send_wait_ns": float(send.send_wait_ns),
+        "stuck_send_gpu_wait_ns": float(send.send_gpu_wait_ns),
+        "stuck_send_peer_wait_ns": float(send.send_peer_wait_ns),
+        "steps_not_done": float(send.steps_posted - send.steps_done),
+    }
+    if recv is not None:
+        ev["stuck_recv_wait_ns"] = float(recv.recv_wait_ns)
+        ev["stuck_recv_gpu_wait_ns"] = float(recv.recv_gpu_wait_ns)
+    culprit = found.rank if cause == Cause.COMPUTE else send.rank
+    return cause, culprit, (send.rank, send.peer), ev
 
 
 def diagnose_from_heartbeats(
@@ -192,23 +228,20 @@ def diagnose_from_heartbeats(
         )
     if stuck_comms:
         for comm, seq, members in stuck_comms:
-            edge = _stuck_edge(comm, None, stuck_proxies)
-            if edge:
+            stuck = _stuck_edge(comm, None, stuck_proxies)
+            if stuck:
+                cause, culprit, link, ev = stuck
                 return HangDiagnosis(
-                    Cause.NETWORK_LINK,
-                    edge[0],
+                    cause,
+                    culprit,
                     comm,
                     seq,
                     -1,
                     None,
                     0,
                     waiting=members,
-                    link=(edge[0], edge[1]),
-                    evidence={
-                        "stuck_send_wait_ns": float(edge[2]),
-                        "steps_not_done": float(edge[3]),
-                        "source_heartbeats": 1.0,
-                    },
+                    link=link,
+                    evidence={**ev, "source_heartbeats": 1.0},
                 )
         comm, seq, members = stuck_comms[0]
         return HangDiagnosis(

@@ -143,6 +143,8 @@ def _num(x: float) -> str:
 
 
 def _culprit_ok(lab: FaultLabel, v: Verdict) -> bool:
+    if lab.kind == VerdictKind.HANG and v.cause != lab.cause:
+        return False  # a hang's culprit includes what stopped: the GPU or the network
     if lab.link is not None:
         return v.link == lab.link
     if lab.rank is not None:

@@ -70,6 +70,30 @@ def test_hang_with_everyone_joined_is_the_network_and_proxies_name_the_edge() ->
     assert d is not None and d.cause == Cause.NETWORK_LINK and d.link == (2, 3)
 
 
+def test_proxy_wait_states_say_which_end_of_a_stuck_transfer_stopped() -> None:
+    """method.md's decision table, on hand-built summaries of one edge 0 -> 1."""
+    from detectors.edges import edge_cause
+
+    def end(rank: int, direction: Direction, **waits: int) -> ProxySummary:
+        return ProxySummary(
+            job="j", node="n", rank=rank, comm_hash=7, seq=3, channel=0, peer=1 - rank,
+            direction=direction, steps_posted=8, steps_done=2, size_bytes=1, first_ns=0,
+            last_ns=10**9, **waits,
+        )  # fmt: skip
+
+    def cause(send: dict[str, int], recv: dict[str, int]) -> tuple[str, int]:
+        found = edge_cause(end(0, Direction.SEND, **send), end(1, Direction.RECV, **recv))
+        return found.cause.value, found.rank
+
+    late = 900_000_000
+    assert cause({"send_wait_ns": late}, {"recv_wait_ns": late}) == ("network_link", 0)
+    assert cause({"send_gpu_wait_ns": late}, {"recv_wait_ns": late}) == ("compute", 0)
+    assert cause({"send_peer_wait_ns": late}, {"recv_gpu_wait_ns": late}) == ("compute", 1)
+    assert cause({}, {}) == ("network_link", 0)  # nothing recorded: posted, never completed
+    with pytest.raises(ValueError, match="sending end"):
+        edge_cause(end(1, Direction.RECV), None)
+
+
 def test_jitter_and_persistent_offsets_never_alarm() -> None:
     rng = np.random.default_rng(0)
     det = ShiftDetector()
@@ -111,6 +135,7 @@ def test_bubble_delay_is_not_reported_as_a_slowdown() -> None:
         ("compute-hang", VerdictKind.HANG, "rank"),
         ("missing-recv", VerdictKind.HANG, "rank"),
         ("network-hang", VerdictKind.HANG, "link"),
+        ("gpu-stall", VerdictKind.HANG, "rank"),
         ("intermittent-gpu", VerdictKind.INTERMITTENT_SLOWDOWN, "rank"),
     ],
 )

@@ -27,6 +27,9 @@ from schemas.records import (
 from schemas.units import ClockSource, CollOp, Direction, DType, KernelKind
 
 _CLOCK = ClockSource.SIMULATED
+#: An unfinished proxy operation is reported this long after it started, with the
+#: time it spent so far in the state it is stuck in (the NCCL plugin's MEGATRACE_STUCK_MS).
+STUCK_REPORT_NS = 500_000_000
 _NCCL_KERNEL = {
     op: f"ncclDevKernel_{op.value}_Sum_bf16_RING_LL" if not op.is_p2p else "ncclDevKernel_SendRecv"
     for op in CollOp
@@ -146,13 +149,16 @@ class Emitter:
         rank = p["rank"].astype(np.int64)
         first = self._abs(p["first"], rank)
         last = self._abs(p["last"], rank)
-        last = np.where(last < 0, np.maximum(observe_ns, first), last)
-        net = p["net_wait"]
-        net_ns = (
-            np.where(np.isinf(net), last - first, np.nan_to_num(net, posinf=0))
-            .astype(np.int64)
-            .clip(0, None)
-        )
+        last = np.where(last < 0, np.maximum(observe_ns, first + STUCK_REPORT_NS), last)
+
+        def waited(w: np.ndarray) -> np.ndarray:  # still waiting (inf): as long as observed
+            return (
+                np.where(np.isinf(w), last - first, np.nan_to_num(w, posinf=0))
+                .astype(np.int64)
+                .clip(0, None)
+            )
+
+        net_ns, gpu_ns = waited(p["net_wait"]), waited(p["gpu_wait"])
         job, nodes, nics, hashes = self.spec.job, self.nodes, self.nics, self.comm_hash
         out = []
         for r, cm, sq, ch, peer, snd, st, ds, nb, f, la, gw, pw, nw, fw in zip(
@@ -167,7 +173,7 @@ class Emitter:
             p["nbytes"].astype(np.int64).tolist(),
             first.tolist(),
             last.tolist(),
-            p["gpu_wait"].astype(np.int64).tolist(),
+            gpu_ns.tolist(),
             np.nan_to_num(p["peer_wait"]).clip(0, None).astype(np.int64).tolist(),
             net_ns.tolist(),
             p["flush_wait"].astype(np.int64).tolist(),

@@ -30,6 +30,7 @@ from producers.sim.faults import (
     BubbleDelay,
     ComputeHang,
     Fault,
+    GPUStallInTransfer,
     HostStarvation,
     IntermittentGPU,
     MissingRecv,
@@ -220,16 +221,20 @@ class Engine:
             f[src == u] = np.maximum(f[src == u], k)
         return f
 
-    def _net_hung(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    def _net_hung(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Edges whose transfer never completes, and those of them stalled by the sending GPU."""
         hung = np.zeros(src.shape, dtype=bool)
+        by_gpu = np.zeros(src.shape, dtype=bool)
         for i, f in enumerate(self.net_hangs):
             if i in self._net_hang_done:
                 continue
             m = (src == f.src_rank) & (dst == f.dst_rank)
             if m.any():
                 hung |= m
+                if isinstance(f, GPUStallInTransfer):
+                    by_gpu |= m
                 self._net_hang_done.add(i)
-        return hung
+        return hung, by_gpu
 
     # ------------------------------------------------------------------ work
     def _compute(self, s: int, base_ms: float, name: int, phase: int, mb: int) -> None:
@@ -414,7 +419,7 @@ class Engine:
         xfer = nbytes / (bw * 1e9) * 1e9 + sp.latency_us * 1e3
         ready = np.maximum(send_post, recv_post)
         done = ready + xfer
-        hung = self._net_hung(src, dst)
+        hung, by_gpu = self._net_hung(src, dst)
         done = np.where(hung, INF, done)
         self._done[op.key] = done
         seq = self.step_no * sp.num_microbatches + op.mb
@@ -466,10 +471,24 @@ class Engine:
                 s_send,
                 s_recv,
                 inter,
+                by_gpu[inter],
             )
 
     def _proxy_pair(
-        self, src, dst, comm, seq, nbytes, send_post, recv_post, xfer, done, s_send, s_recv, mask
+        self,
+        src,
+        dst,
+        comm,
+        seq,
+        nbytes,
+        send_post,
+        recv_post,
+        xfer,
+        done,
+        s_send,
+        s_recv,
+        mask,
+        by_gpu,
     ) -> None:
         sp = self.spec
         ch_bytes = nbytes // sp.nchannels
@@ -493,9 +512,9 @@ class Engine:
                 nbytes=ch_bytes,
                 first=send_post[m],
                 last=done[m],
-                gpu_wait=np.minimum(gpu_lead_s[m], 50e3),
+                gpu_wait=np.where(by_gpu[m], INF, np.minimum(gpu_lead_s[m], 50e3)),
                 peer_wait=np.clip(np.nan_to_num(recv_post[m] - send_post[m], posinf=0), 0, None),
-                net_wait=np.where(hung[m], INF, xfer[m]),
+                net_wait=np.where(by_gpu[m], xfer[m] / 2, np.where(hung[m], INF, xfer[m])),
                 flush_wait=0.0,
             )
             m = fin_r
@@ -567,7 +586,7 @@ class Engine:
         edge_xfer = nbytes * factor / (edge_bw * 1e9) * 1e9  # each edge carries this much
         lat = sp.latency_us * 1e3 * 2 * (n - 1)
         xfer = edge_xfer.max(axis=0, keepdims=True) + lat  # the slowest edge paces the ring
-        hung_edge = self._net_hung(ranks, nxt)
+        hung_edge, gpu_edge = self._net_hung(ranks, nxt)
         hung = hung_edge.any(axis=0, keepdims=True)
         last = arrive.max(axis=0, keepdims=True)
         end = np.broadcast_to(np.where(hung, INF, last + xfer), arrive.shape)
@@ -614,7 +633,7 @@ class Engine:
                     nbytes=ch_bytes,
                     first=arrive[fin],
                     last=endb[fin],
-                    gpu_wait=np.minimum(self.lead[s][fin], 50e3),
+                    gpu_wait=np.where(gpu_edge[fin], INF, np.minimum(self.lead[s][fin], 50e3)),
                     peer_wait=np.subtract(
                         lastw,
                         arrive,
@@ -622,7 +641,11 @@ class Engine:
                         where=np.isfinite(lastw) & np.isfinite(arrive),
                     )[fin]
                     + np.broadcast_to(xfer - lat - edge_xfer, arrive.shape)[fin],
-                    net_wait=np.where(hung_edge[fin], INF, edge_xfer[fin]),
+                    net_wait=np.where(
+                        gpu_edge[fin],
+                        edge_xfer[fin] / 2,
+                        np.where(hung_edge[fin], INF, edge_xfer[fin]),
+                    ),
                     flush_wait=0.0,
                 )
                 # the successor receives from this member

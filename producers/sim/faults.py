@@ -225,6 +225,27 @@ class NetworkHang(Fault):
 
 
 @dataclass(frozen=True)
+class GPUStallInTransfer(NetworkHang):
+    """The sending GPU stops producing data halfway through its first transfer from
+    ``src_rank`` to ``dst_rank`` in ``onset_step`` (a GPU fault, e.g. an Xid error).
+
+    Like a network hang the transfer is posted and never completes, but the
+    sender's proxy waits for its GPU (SendGPUWait), not for the network: the
+    culprit is the sending GPU, not the link (method.md's decision table).
+    """
+
+    def label(self, spec: JobSpec, onset_ns: int) -> FaultLabel:
+        return self._label(
+            spec,
+            onset_ns,
+            kind=VerdictKind.HANG,
+            cause=Cause.COMPUTE,
+            **_rank_fields(spec, self.src_rank),
+            note=f"GPU stopped producing data for rank {self.dst_rank} (SendGPUWait)",
+        )
+
+
+@dataclass(frozen=True)
 class BubbleDelay(Fault):
     """A delay on one rank's (microbatch, phase) that the pipeline bubble absorbs."""
 
@@ -248,4 +269,4 @@ class BubbleDelay(Fault):
         )
 
 
-HANGS = (ComputeHang, MissingRecv, NetworkHang)
+HANGS = (ComputeHang, MissingRecv, NetworkHang)  # GPUStallInTransfer is a NetworkHang

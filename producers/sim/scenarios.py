@@ -1,7 +1,7 @@
 """Named, seeded, reproducible scenarios: a job, its faults, their ground truth.
 
 >>> sorted(SCENARIOS)[:3]
-['bubble-delay', 'compute-hang', 'healthy']
+['bubble-delay', 'compute-hang', 'gpu-stall']
 >>> run = build("slow-gpu", scale="tiny", seed=3)
 >>> run.spec.world_size, type(run.faults[0]).__name__
 (8, 'SlowGPU')
@@ -23,6 +23,7 @@ from producers.sim.faults import (
     BubbleDelay,
     ComputeHang,
     Fault,
+    GPUStallInTransfer,
     HostStarvation,
     IntermittentGPU,
     MissingRecv,
@@ -269,6 +270,11 @@ def _network_hang(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[F
     return [NetworkHang(onset_step=_onset(spec, rng, steps), src_rank=u, dst_rank=v)]
 
 
+def _gpu_stall(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    u, v = _inter_node_edge(spec, rng)
+    return [GPUStallInTransfer(onset_step=_onset(spec, rng, steps), src_rank=u, dst_rank=v)]
+
+
 def _bubble(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
     onset = _onset(spec, rng, steps)
     return [find_bubble_slot(spec, onset, rng)]
@@ -346,6 +352,10 @@ SCENARIOS: dict[str, ScenarioDef] = {
     ),
     "network-hang": ScenarioDef(
         "one inter-node transfer is posted and never completes", _network_hang
+    ),
+    "gpu-stall": ScenarioDef(
+        "a sending GPU stops mid-transfer: posted, never completed, waiting on the GPU",
+        _gpu_stall,
     ),
     "bubble-delay": ScenarioDef(
         "a delay inside a pipeline bubble: must cost no throughput", _bubble

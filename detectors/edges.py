@@ -1,0 +1,71 @@
+"""Which end of a transfer is to blame, from its proxy wait states (method.md's table).
+
+NCCL's proxy thread records where each transfer step waited. On an edge
+u -> v:
+
+=====================================================  ==========================
+pattern                                                cause
+=====================================================  ==========================
+SendWait at u and RecvWait at v dominate               the link / NIC u -> v
+SendGPUWait at u dominates (v waits in RecvWait)       u's GPU, late producing
+SendPeerWait at u and RecvGPUWait at v dominate        v's GPU, late consuming
+=====================================================  ==========================
+
+(The table's last row, several slow edges sharing a NIC, is a judgement over
+many edges; :class:`~detectors.analyzer.JobAnalyzer` makes it.)
+
+>>> from schemas.records import ProxySummary
+>>> from schemas.units import Direction
+>>> def p(rank, peer, d, **w):
+...     return ProxySummary(job="j", node="n", rank=rank, comm_hash=1, seq=0, channel=0,
+...         peer=peer, direction=d, steps_posted=8, steps_done=4, size_bytes=1,
+...         first_ns=0, last_ns=10, **w)
+>>> edge_cause(p(0, 1, Direction.SEND, send_gpu_wait_ns=500, send_wait_ns=20),
+...            p(1, 0, Direction.RECV, recv_wait_ns=520))
+EdgeCause(cause=<Cause.COMPUTE: 'compute'>, rank=0, state='send_gpu_wait')
+>>> edge_cause(p(0, 1, Direction.SEND, send_wait_ns=500), None).cause.value
+'network_link'
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from schemas.records import ProxySummary
+from schemas.units import Cause, Direction
+
+
+class EdgeCause(NamedTuple):
+    """The table's answer: a cause, the rank it names (the sender for the link), and the
+    wait state that decided it."""
+
+    cause: Cause
+    rank: int
+    state: str
+
+
+_SEND_STATES = ("send_gpu_wait", "send_peer_wait", "send_wait")
+
+
+def edge_cause(send: ProxySummary, recv: ProxySummary | None) -> EdgeCause:
+    """Classify the edge ``send.rank -> send.peer`` from its two ends' wait states.
+
+    ``recv`` is the receiving end's summary of the same (comm, seq, channel), if known.
+    """
+    if send.direction != Direction.SEND or (recv is not None and recv.direction != Direction.RECV):
+        raise ValueError("edge_cause takes the sending end's summary, then the receiving end's")
+    waits = {name: getattr(send, f"{name}_ns") for name in _SEND_STATES}
+    state = max(waits, key=waits.__getitem__)
+    if waits[state] <= 0:  # nothing recorded: posted and never completed, the network's
+        return EdgeCause(Cause.NETWORK_LINK, send.rank, "send_wait")
+    if state == "send_gpu_wait":
+        return EdgeCause(Cause.COMPUTE, send.rank, state)
+    if state == "send_peer_wait":
+        # the receiver has no buffer free: its GPU does not consume (if its proxy says so)
+        if recv is not None and recv.recv_gpu_wait_ns >= recv.recv_wait_ns:
+            return EdgeCause(Cause.COMPUTE, send.peer, "recv_gpu_wait")
+        return EdgeCause(Cause.UNKNOWN, send.peer, state)
+    return EdgeCause(Cause.NETWORK_LINK, send.rank, state)
+
+
+__all__ = ["EdgeCause", "edge_cause"]
