@@ -250,7 +250,12 @@ static void mt_emit_coll(mt_event *c, int64_t end) {
   mt_push(&r);
 }
 
-static void mt_emit_proxy(mt_event *p) {
+static int mt_wait_index(int state);
+
+/* A proxy op's summary. With now > 0 (a stuck op, reported as it stands) the steps
+ * still open count the time spent so far in their current state, so the report
+ * says where the transfer is stuck (SendGPUWait: the GPU; SendWait: the network). */
+static void mt_emit_proxy(mt_event *p, int64_t now) {
   mt_event *c = p->parent;
   mt_rec r = {0};
   r.kind = REC_PROXY;
@@ -261,6 +266,16 @@ static void mt_emit_proxy(mt_event *p) {
   r.steps_done = atomic_load(&p->steps_done); r.bytes = atomic_load(&p->bytes);
   r.first = p->first; r.last = p->last;
   for (int w = 0; w < MT_WAITS; w++) r.wait[w] = atomic_load(&p->wait[w]);
+  if (now > 0) {
+    for (int i = 0; i < MT_POOL; i++) {
+      mt_event *s = &g_pool[i];
+      if (!atomic_load_explicit(&s->used, memory_order_acquire)) continue;
+      if (s->kind != MT_PROXY_STEP || s->parent != p) continue;
+      int w = mt_wait_index(s->state);
+      if (w >= 0 && now > s->state_t) r.wait[w] += now - s->state_t;
+    }
+    r.last = now;
+  }
   mt_push(&r);
 }
 
@@ -420,7 +435,7 @@ static void mt_report_stuck(void) {
     if (!e->first || now - e->first < g_stuck_ns || atomic_load(&e->reported)) continue;
     if (atomic_load(&e->steps_done) >= e->nsteps) continue;
     atomic_store(&e->reported, 1);
-    mt_emit_proxy(e); /* posted, not done: as it stands */
+    mt_emit_proxy(e, now); /* posted, not done: as it stands */
   }
 }
 
@@ -598,7 +613,7 @@ static mt_result_t mt_stop(void *handle) {
     case MT_PROXY_OP: {
       if (!e->first) e->first = now;
       if (!e->last) e->last = now;
-      mt_emit_proxy(e);
+      mt_emit_proxy(e, 0);
       mt_event *parent = e->parent;
       mt_free(e);
       mt_child_done(parent, now, 0);
