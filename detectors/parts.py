@@ -125,6 +125,7 @@ class StepFolder:
             CommRole.TP: topo.tp_ops_per_step,
             CommRole.DP: topo.dp_ops_per_step,
             CommRole.PP: 2 * topo.job.num_microbatches,
+            CommRole.EP: topo.ep_ops_per_step,
         }.get(self.role, 0)
 
     def update(self, inst: Instance) -> tuple[list[AlignedCollective], list[Any]]:

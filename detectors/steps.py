@@ -216,6 +216,7 @@ class StepAssembler:
             by_role[CommRole.TP] * t.tp_ops_per_step
             + by_role[CommRole.DP] * t.dp_ops_per_step
             + by_role[CommRole.PP] * 2 * t.job.num_microbatches
+            + by_role[CommRole.EP] * t.ep_ops_per_step
         )
         self._expected = (len(t.comms), n)
         return n

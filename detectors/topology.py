@@ -11,7 +11,10 @@ non-interleaved 1F1B schedule:
   ``n % M`` of step ``n // M`` (activations go down the pipeline in the
   forward pass, gradients up in the backward pass);
 * a DP communicator issues one (AllReduce) or two (ReduceScatter and
-  AllGather, distributed optimizer) collectives per step.
+  AllGather, distributed optimizer) collectives per step;
+* with expert parallelism (``ep > 1``), an EP communicator of stage s issues
+  two AllToAll (dispatch, combine) per layer of every (phase, micro-batch)
+  node, in the stage's 1F1B order.
 
 >>> from schemas.records import JobInfo
 >>> topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=8, tp=2, pp=2, dp=2,
@@ -116,6 +119,17 @@ class Topology:
         return 2 * self.job.num_microbatches * self.tp_ops_per_node
 
     @property
+    def ep_ops_per_node(self) -> int:
+        """Expert-parallel AllToAll per (phase, micro-batch) node: dispatch and combine per
+        layer (0 without expert parallelism)."""
+        j = self.job
+        return 2 * (j.num_layers // j.pp) if j.ep > 1 else 0
+
+    @property
+    def ep_ops_per_step(self) -> int:
+        return 2 * self.job.num_microbatches * self.ep_ops_per_node
+
+    @property
     def dp_ops_per_step(self) -> int:
         return 2 if self.job.distributed_optimizer else 1
 
@@ -139,6 +153,11 @@ class Topology:
             phase, mb = self.stage_order(stage or 0)[node]
             per_layer = 2 * (2 if self.job.sequence_parallel else 1)
             return Position(step, phase, mb, stage, k // per_layer)
+        if info.role == CommRole.EP and self.ep_ops_per_step:
+            step, i = divmod(seq, self.ep_ops_per_step)
+            node, k = divmod(i, self.ep_ops_per_node)
+            phase, mb = self.stage_order(stage or 0)[node]
+            return Position(step, phase, mb, stage, k // 2)
         if info.role == CommRole.PP:
             step, mb = divmod(seq, M)
             downward = sender_stage is None or sender_stage == stage

@@ -389,6 +389,7 @@ def scenarios() -> None:
 @click.option("--tp", type=int)
 @click.option("--pp", type=int)
 @click.option("--dp", type=int)
+@click.option("--ep", type=int, help="Expert parallelism (MoE AllToAll); must divide dp.")
 @click.option("--steps", type=int, help="Iterations (default: the scenario's).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--no-kernels", is_flag=True, help="Leave out CUPTI kernel records.")
@@ -403,6 +404,7 @@ def simulate(
     tp: int | None,
     pp: int | None,
     dp: int | None,
+    ep: int | None,
     steps: int | None,
     seed: int,
     no_kernels: bool,
@@ -414,7 +416,7 @@ def simulate(
     from producers.sim.scenarios import build
     from schemas.codec import write_jsonl
 
-    over = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp}.items() if v}
+    over = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp, "ep": ep}.items() if v}
     if no_kernels:
         over["kernels"] = False
     try:
@@ -423,7 +425,8 @@ def simulate(
         raise click.UsageError(str(e)) from None
     sp = run.spec
     click.echo(
-        f"job {sp.job}: {sp.world_size} ranks (tp{sp.tp} pp{sp.pp} dp{sp.dp}) on "
+        f"job {sp.job}: {sp.world_size} ranks (tp{sp.tp} pp{sp.pp} dp{sp.dp}"
+        f"{f' ep{sp.ep}' if sp.ep > 1 else ''}) on "
         f"{sp.num_nodes} nodes, {run.steps} steps, faults: {run.faults or 'none'}"
     )
     records = _paced(run.records(), speed) if paced else run.records()

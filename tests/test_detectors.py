@@ -304,3 +304,28 @@ def test_folding_per_communicator_changes_nothing_the_job_concludes() -> None:
     plain += job.finish()
     assert sorted(encode(r) for r in plain) == folded
     assert any(isinstance(r, Verdict) for r in plain)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "kind"),
+    [("missing-recv", VerdictKind.HANG), ("mixed", VerdictKind.SLOWDOWN), ("healthy", None)],
+)
+def test_an_expert_parallel_job_is_analysed_like_any_other(
+    scenario: str, kind: VerdictKind | None
+) -> None:
+    """With MoE AllToAll on expert-parallel communicators, steps still close complete and
+    the culprit is still the injected rank (not an expert-parallel peer waiting on it)."""
+    run = build(scenario, scale="demo", seed=1, steps=30, ep=2)
+    replay = Replay()
+    verdicts = [v for v in replay.run(run.records()) if isinstance(v, Verdict)]
+    (job,) = replay.jobs.values()
+    hung_at = min(
+        (lab.onset_step for lab in run.labels if lab.kind == VerdictKind.HANG), default=99
+    )
+    assert all(r.complete for r in job.recent if r.step < hung_at)
+    assert job.assembler is not None and job.assembler.late_instances == 0
+    if kind is None:
+        assert verdicts == []
+        return
+    (label,) = [lab for lab in run.labels if lab.kind == kind]
+    assert [v.rank for v in verdicts if v.kind == kind][:1] == [label.rank]

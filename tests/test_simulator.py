@@ -20,8 +20,9 @@ def _records(run):
     return list(run.records())
 
 
-def test_sequence_numbers_agree_across_members() -> None:
-    run = build("healthy", scale="tiny", seed=2, steps=4)
+@pytest.mark.parametrize("ep", [1, 2])
+def test_sequence_numbers_agree_across_members(ep: int) -> None:
+    run = build("healthy", scale="tiny", seed=2, steps=4, ep=ep)
     colls = [r for r in _records(run) if isinstance(r, Collective)]
     members = Counter()
     sizes = {}
@@ -119,7 +120,33 @@ def test_records_are_valid_schema_records_and_labels_match_the_faults() -> None:
     assert run.labels[0].rank == run.faults[0].rank
 
 
+def test_expert_parallel_groups_are_carved_from_data_parallel_ranks() -> None:
+    """ep=2: every MoE layer's dispatch and combine AllToAll run in groups of 2 dp ranks."""
+    from schemas.records import CommInfo
+    from schemas.units import CommRole
+
+    run = build("healthy", scale="demo", seed=0, steps=2, ep=2)  # tp2 pp4 dp2
+    recs = _records(run)
+    ep = {r.comm_hash: r for r in recs if isinstance(r, CommInfo) and r.role == CommRole.EP}
+    spec = run.spec
+    assert len(ep) == spec.pp * spec.tp * spec.dp // spec.ep
+    for info in ep.values():
+        coords = [spec.coords(r) for r in info.ranks]
+        assert len({(p, t) for p, _, t in coords}) == 1  # one stage, one tp index
+        assert sorted(d for _, d, _ in coords) == list(range(spec.ep))
+    a2a = [r for r in recs if isinstance(r, Collective) and r.comm_hash in ep]
+    assert {r.op for r in a2a} == {CollOp.ALL_TO_ALL}
+    per_rank = Counter(r.rank for r in a2a)
+    # dispatch + combine per layer, forward and backward, every micro-batch, 2 steps
+    expected = 2 * spec.layers_per_stage * 2 * spec.num_microbatches * 2
+    assert set(per_rank.values()) == {expected}
+
+
 def test_impossible_jobs_are_refused_with_the_reason() -> None:
+    with pytest.raises(SpecError, match="context parallelism"):
+        JobSpec(cp=2)
+    with pytest.raises(SpecError, match="ep 3 must divide dp 2"):
+        JobSpec(dp=2, ep=3)
     with pytest.raises(SpecError, match="not divisible by pp"):
         JobSpec(num_layers=7, pp=2)
     with pytest.raises(SpecError, match="multiple of micro_batch_size"):

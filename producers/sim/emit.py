@@ -51,8 +51,9 @@ class Emitter:
         self.comm_hash = [c.hash for c in lay.comms]
         self.comm_size = [len(c.ranks) for c in lay.comms]
         self.comm_stage = np.array([c.pp_stage for c in lay.comms])
-        # latest issued/completed seq per (rank, slot); slot: 0 tp, 1 dp, 2 pp-below, 3 pp-above
-        self.slot_comm = np.full((sp.world_size, 4), -1, dtype=np.int64)
+        # latest issued/completed seq per (rank, slot); slot: 0 tp, 1 dp, 2 pp-below,
+        # 3 pp-above, 4 ep
+        self.slot_comm = np.full((sp.world_size, 5), -1, dtype=np.int64)
         for p in range(sp.pp):
             for d in range(sp.dp):
                 for t in range(sp.tp):
@@ -65,8 +66,10 @@ class Emitter:
                         self.slot_comm[r, 2] = lay.pp_comm[p - 1, d, t]
                     if p < sp.pp - 1:
                         self.slot_comm[r, 3] = lay.pp_comm[p, d, t]
-        self.issued = np.full((sp.world_size, 4), -1, dtype=np.int64)
-        self.completed = np.full((sp.world_size, 4), -1, dtype=np.int64)
+                    if sp.ep > 1:
+                        self.slot_comm[r, 4] = lay.ep_comm[p, d, t]
+        self.issued = np.full(self.slot_comm.shape, -1, dtype=np.int64)
+        self.completed = np.full(self.slot_comm.shape, -1, dtype=np.int64)
         self.last_ns = int(sp.t0_ns)
 
     def _abs(self, t: np.ndarray, rank: np.ndarray) -> np.ndarray:
@@ -86,8 +89,8 @@ class Emitter:
         slot = c["slot"].astype(np.int64)
         sp = self.spec
         rank_in = np.select(
-            [slot == 0, slot == 1],
-            [rank % sp.tp, (rank // sp.tp) % sp.dp],
+            [slot == 0, slot == 1, slot == 4],
+            [rank % sp.tp, (rank // sp.tp) % sp.dp, (rank // sp.tp) % sp.dp % sp.ep],
             rank // (sp.tp * sp.dp) - self.comm_stage[comm],
         )
         enq = self._abs(c["enqueue"], rank)

@@ -344,9 +344,46 @@ class Engine:
         )
         for layer in range(sp.layers_per_stage):
             for part, frac in enumerate((0.4, 0.6)):
+                moe = part == 1 and sp.ep > 1
+                if moe:  # MoE: tokens to their experts, through the expert computation, back
+                    self._ep_all_to_all(s, phase, mb)
                 self._compute(s, base * frac, names[part], phase, mb)
+                if moe:
+                    self._ep_all_to_all(s, phase, mb)
                 for op in ops:
                     self._tp_collective(s, op, phase, mb, layer)
+
+    def _ep_all_to_all(self, s: int, phase: int, mb: int) -> None:
+        """One AllToAll in every expert-parallel group of stage ``s`` (groups of ``ep``
+        consecutive dp indices): it ends when its last member arrived and the tokens moved."""
+        sp = self.spec
+        arrive = self.T[s] + self.launch[s]  # [dp, tp]
+        groups = arrive.reshape(sp.dp // sp.ep, sp.ep, sp.tp)
+        ranks = self.layout.ranks[s].reshape(groups.shape)
+        one_node = (ranks // sp.gpus_per_node == ranks[:, :1] // sp.gpus_per_node).all(axis=1)
+        bw = np.where(one_node, sp.nvlink_gbytes_s, sp.nic_gbytes_s)  # [groups, tp]
+        nbytes = self.tp_elems * 2 // sp.tp  # this rank's tokens, (ep-1)/ep of them leave it
+        xfer = nbytes * (sp.ep - 1) / sp.ep / (bw * 1e9) * 1e9 + sp.latency_us * 1e3
+        end = groups.max(axis=1, keepdims=True) + xfer[:, None, :]
+        end = np.broadcast_to(end, groups.shape).reshape(arrive.shape)
+        count = self.tp_elems // sp.tp
+        self._record_coll(
+            s,
+            self.layout.ranks[s],
+            self.layout.ep_comm[s],
+            CollOp.ALL_TO_ALL,
+            self.ep_seq[s],
+            -1,
+            count,
+            count * 2,
+            arrive,
+            end,
+            mb,
+            phase,
+            4,
+        )
+        self.ep_seq[s] += 1
+        self.T[s] = np.array(end)
 
     # ------------------------------------------------------------------ pipeline
     def _program(self, s: int) -> Generator[list[_P2P], None, None]:
@@ -706,6 +743,7 @@ class Engine:
         self.links = Columns(LINK_COLS)
         self.tp_seq = getattr(self, "tp_seq", [0] * sp.pp)
         self.dp_seq = getattr(self, "dp_seq", [0] * sp.pp)
+        self.ep_seq = getattr(self, "ep_seq", [0] * sp.pp)
         self._pending: dict = {}
         self._done: dict = {}
         start = self.T.copy()

@@ -11,7 +11,14 @@ Communicators:
 * PP: one two-member communicator per adjacent stage pair and (dp, tp), as
   PyTorch's NCCL backend creates for point-to-point traffic. For Send/Recv the
   sequence number counts transfers from the sender to its peer, so the n-th
-  Send from A to B matches the n-th Recv at B from A.
+  Send from A to B matches the n-th Recv at B from A;
+* EP (with ``ep > 1``, a mixture-of-experts model): the data-parallel ranks of
+  a (stage, tp index) split into groups of ``ep`` consecutive dp indices, as
+  Megatron carves expert-parallel groups out of data parallelism. Every layer's
+  MLP is a MoE layer: an AllToAll dispatches tokens to the experts and another
+  combines them, in the forward and again in the backward pass.
+
+Context parallelism (``cp > 1``) is refused with a clear error: not simulated.
 
 >>> spec = JobSpec(tp=2, pp=2, dp=2, num_layers=4, global_batch_size=8)
 >>> spec.world_size, spec.num_microbatches, spec.coords(5)
@@ -86,8 +93,13 @@ class JobSpec:
         ):
             if getattr(self, name) < 1:
                 raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.cp != 1 or self.ep != 1:
-            raise SpecError("context/expert parallelism (cp, ep) are not simulated yet: use 1")
+        if self.cp != 1:
+            raise SpecError("context parallelism (cp) is not simulated yet: use cp=1")
+        if self.dp % self.ep:
+            raise SpecError(
+                f"ep {self.ep} must divide dp {self.dp}: expert-parallel groups are carved "
+                f"out of the data-parallel ranks"
+            )
         if self.num_layers % self.pp:
             raise SpecError(f"num_layers {self.num_layers} is not divisible by pp {self.pp}")
         per_step = self.micro_batch_size * self.dp
@@ -178,6 +190,7 @@ class Layout:
     tp_comm: np.ndarray = field(init=False)  # [stage, dp] -> comm index
     dp_comm: np.ndarray = field(init=False)  # [stage, tp] -> comm index
     pp_comm: np.ndarray = field(init=False)  # [stage (lower of pair), dp, tp] -> comm index
+    ep_comm: np.ndarray = field(init=False)  # [stage, dp, tp] -> comm index (-1: no EP)
     ranks: np.ndarray = field(init=False)  # [stage, dp, tp] -> global rank
 
     def __post_init__(self) -> None:
@@ -189,6 +202,7 @@ class Layout:
         self.tp_comm = np.zeros((s.pp, s.dp), dtype=np.int64)
         self.dp_comm = np.zeros((s.pp, s.tp), dtype=np.int64)
         self.pp_comm = np.zeros((max(s.pp - 1, 1), s.dp, s.tp), dtype=np.int64)
+        self.ep_comm = np.full((s.pp, s.dp, s.tp), -1, dtype=np.int64)
         for p in range(s.pp):
             for d in range(s.dp):
                 self.tp_comm[p, d] = self._add(
@@ -203,6 +217,15 @@ class Layout:
                 for t in range(s.tp):
                     pair = [int(self.ranks[p, d, t]), int(self.ranks[p + 1, d, t])]
                     self.pp_comm[p, d, t] = self._add(CommRole.PP, pair, f"pp.{p}.{d}.{t}", p)
+        if s.ep > 1:
+            for p in range(s.pp):
+                for t in range(s.tp):
+                    for g in range(s.dp // s.ep):
+                        group = slice(g * s.ep, (g + 1) * s.ep)
+                        idx = self._add(
+                            CommRole.EP, list(self.ranks[p, group, t]), f"ep.{p}.{t}.{g}", p
+                        )
+                        self.ep_comm[p, group, t] = idx
         self.hashes = np.array([c.hash for c in self.comms], dtype=np.uint64)
         self.sizes = np.array([len(c.ranks) for c in self.comms], dtype=np.int64)
         # rank_in_comm lookup: dict per comm
