@@ -329,3 +329,27 @@ def test_an_expert_parallel_job_is_analysed_like_any_other(
         return
     (label,) = [lab for lab in run.labels if lab.kind == kind]
     assert [v.rank for v in verdicts if v.kind == kind][:1] == [label.rank]
+
+
+def test_ranks_late_only_because_their_pipeline_predecessor_is_slow_are_not_blamed() -> None:
+    """A slow GPU in stage 0 makes every later stage wait for its activations: those
+    ranks arrive late everywhere, but together, so the slow GPU alone is blamed."""
+    from dataclasses import replace
+
+    from producers.sim.faults import SlowGPU
+    from producers.sim.scenarios import Run, scale_spec
+    from schemas.records import RankStep
+
+    spec = replace(scale_spec("demo"), job="pred")  # tp2 pp4 dp2
+    slow = spec.rank(0, 1, 0)
+    run = Run("pred", spec, [SlowGPU(onset_step=10, rank=slow, factor=1.6)], steps=30)
+    out = list(Replay().run(run.records()))
+    verdicts = [v for v in out if isinstance(v, Verdict)]
+    assert [(v.kind, v.rank) for v in verdicts] == [(VerdictKind.SLOWDOWN, slow)]
+    # downstream ranks of the same pipeline replica waited, but took no blame
+    blame: dict[int, float] = {}
+    for r in out:
+        if isinstance(r, RankStep) and r.step >= 12:
+            blame[r.rank] = blame.get(r.rank, 0.0) + r.blame_ns
+    downstream = [spec.rank(p, 1, t) for p in range(1, spec.pp) for t in range(spec.tp)]
+    assert max(blame[r] for r in downstream) < 0.2 * blame[slow]
