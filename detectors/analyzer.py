@@ -27,7 +27,7 @@ from detectors.changepoint import ShiftDetector
 from detectors.fusion import VerdictBook
 from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang
 from detectors.links import LinkMonitor
-from detectors.parts import CommProgress
+from detectors.parts import CommProgress, EdgeThroughput
 from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepAssembler, StepPart, StepReport
 from detectors.topology import Topology
@@ -87,6 +87,7 @@ class JobAnalyzer:
         self.bursts: dict[str, list[tuple[int, float, int]]] = {}
         self.link_culprits: dict[tuple[int, int], str] = {}  # degraded edge -> its incident
         self.link_fields: dict[str, dict[str, Any]] = {}  # incident -> cause and culprit fields
+        self.nic_counters = False  # the job's sources send link samples of their own
         self.hb_latest: dict[int, Heartbeat] = {}
         self.hb_done: dict[tuple[int, int], int] = {}
         self.hb_progress_ns = 0
@@ -114,6 +115,8 @@ class JobAnalyzer:
             return out + self._part(item)
         if isinstance(item, CommProgress):
             return out + self._progress(item.last_arrival_ns, item.last_end_ns)
+        if isinstance(item, EdgeThroughput):
+            return out + self._edge_throughput(item)
         self.now_ns = max(self.now_ns, event_time(item))
         match item:
             case JobInfo():
@@ -129,6 +132,7 @@ class JobAnalyzer:
                 else:
                     self.stuck.pop(key, None)
             case LinkSample():
+                self.nic_counters = True
                 out += self._link(item)
             case Heartbeat():
                 self._heartbeat(item)
@@ -430,6 +434,29 @@ class JobAnalyzer:
         return [v] if v else []
 
     # ------------------------------------------------------------------ links
+    def _edge_throughput(self, e: EdgeThroughput) -> list[msgspec.Struct]:
+        """Link throughput measured from proxy summaries, for jobs without link samples."""
+        self.now_ns = max(self.now_ns, e.ts_ns)
+        if self.nic_counters or self.topo is None:
+            return []
+        topo = self.topo
+        return self._link(
+            LinkSample(
+                job=self.job,
+                node=topo.node(e.src_rank),
+                rank=e.src_rank,
+                ts_ns=e.ts_ns,
+                window_ns=e.window_ns,
+                nic=topo.nic(e.src_rank),
+                src_rank=e.src_rank,
+                dst_rank=e.dst_rank,
+                dst_node=topo.node(e.dst_rank),
+                dst_nic=topo.nic(e.dst_rank),
+                size_bytes=e.size_bytes,
+                throughput_gbps=e.throughput_gbps,
+            )
+        )
+
     def _link(self, s: LinkSample) -> list[msgspec.Struct]:
         ev = self.links.update(s)
         if ev is None or self.topo is None:

@@ -4,7 +4,9 @@
 (every member's record of each instance) and the
 :class:`~detectors.parts.StepFolder` (complete instances folded into one part
 per step), and passes on only the proxy summaries the job needs (stuck ones,
-and the completion of one that was stuck: a network hang's evidence). The
+and the completion of one that was stuck: a network hang's evidence), plus
+each edge's throughput over every ``edge_window`` completed sends
+(:class:`~detectors.parts.EdgeThroughput`). The
 flow keeps one per (job, communicator) key; the offline
 :class:`~detectors.replay.Replay` keeps one per communicator too, so both hand
 the job's analyzer the same items.
@@ -26,8 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 from detectors.align import CollectiveAligner
-from detectors.parts import CommSchedule, StepFolder
+from detectors.parts import CommSchedule, EdgeThroughput, StepFolder
 from schemas.records import AlignedCollective, Collective, ProxySummary
+from schemas.units import Direction
 
 
 class CommAnalyzer:
@@ -41,15 +44,21 @@ class CommAnalyzer:
         held open.
     """
 
-    def __init__(self, min_timeout_ns: int = 500_000_000, max_open: int = 4096) -> None:
+    def __init__(
+        self, min_timeout_ns: int = 500_000_000, max_open: int = 4096, edge_window: int = 16
+    ) -> None:
+        if edge_window < 1:
+            raise ValueError("edge_window must be at least 1")
         self.min_timeout_ns = min_timeout_ns
         self.max_open = max_open
+        self.edge_window = edge_window
         self._reset()
 
     def _reset(self) -> None:
         self.aligner = CollectiveAligner(min_timeout_ns=self.min_timeout_ns, max_open=self.max_open)
         self.folder = StepFolder()
         self._stuck: dict[tuple[int, ...], None] = {}
+        self._edges: dict[tuple[int, int], list[int]] = {}  # (src, dst) -> [n, bytes, wait, t0]
 
     def update(
         self, items: list[Collective | ProxySummary | CommSchedule]
@@ -89,7 +98,26 @@ class CommAnalyzer:
         if key in self._stuck:
             del self._stuck[key]
             return [p]
+        if p.direction is Direction.SEND and p.size_bytes > 0 and p.send_wait_ns > 0:
+            return self._edge(p)
         return []
+
+    def _edge(self, p: ProxySummary) -> list[EdgeThroughput]:
+        acc = self._edges.get((p.rank, p.peer))
+        if acc is None:
+            acc = self._edges[(p.rank, p.peer)] = [0, 0, 0, p.first_ns]
+        acc[0] += 1
+        acc[1] += p.size_bytes
+        acc[2] += p.send_wait_ns
+        if acc[0] < self.edge_window:
+            return []
+        del self._edges[(p.rank, p.peer)]
+        return [
+            EdgeThroughput(
+                p.job, p.rank, p.peer, p.last_ns, max(0, p.last_ns - acc[3]), acc[1],
+                acc[1] * 8 / acc[2],
+            )
+        ]  # fmt: skip
 
     def expire(self, now_ns: int) -> list[Any]:
         """Partial instances open too long, for the job (see ``CollectiveAligner.expire``)."""

@@ -83,6 +83,20 @@ class ScheduleBook:
         return []
 
 
+class EdgeThroughput(NamedTuple):
+    """Throughput of one edge over a window of its completed sends, from proxy summaries:
+    bytes over time in SendWait, the measure the NCCL plugin's link samples use. The job
+    uses it for sources that send no link samples of their own."""
+
+    job: str
+    src_rank: int
+    dst_rank: int
+    ts_ns: int
+    window_ns: int
+    size_bytes: int
+    throughput_gbps: float
+
+
 class StepFolder:
     """Per-communicator pre-aggregation (see the module docstring).
 
@@ -193,4 +207,4 @@ class StepFolder:
         return len(self._parts)
 
 
-__all__ = ["CommProgress", "CommSchedule", "ScheduleBook", "StepFolder"]
+__all__ = ["CommProgress", "CommSchedule", "EdgeThroughput", "ScheduleBook", "StepFolder"]

@@ -353,3 +353,22 @@ def test_ranks_late_only_because_their_pipeline_predecessor_is_slow_are_not_blam
             blame[r.rank] = blame.get(r.rank, 0.0) + r.blame_ns
     downstream = [spec.rank(p, 1, t) for p in range(1, spec.pp) for t in range(spec.tp)]
     assert max(blame[r] for r in downstream) < 0.2 * blame[slow]
+
+
+def test_without_link_samples_a_degraded_link_is_found_from_proxy_summaries() -> None:
+    """Some sources have no NIC counters: each edge's throughput then comes from its
+    proxy summaries (bytes over SendWait), and healthy runs stay quiet."""
+    from schemas.records import LinkSample
+
+    def verdicts(name: str, seed: int) -> tuple[list[Verdict], object]:
+        run = build(name, scale="tiny", seed=seed, kernels=False)
+        recs = [r for r in run.records() if not isinstance(r, LinkSample)]
+        return [v for v in Replay().run(recs) if isinstance(v, Verdict)], run
+
+    found, run = verdicts("slow-link", 1)
+    (label,) = run.labels
+    assert {(v.kind, v.cause, v.link) for v in found} == {
+        (VerdictKind.LINK_DEGRADATION, Cause.NETWORK_LINK, label.link)
+    }
+    for seed in range(3):
+        assert verdicts("healthy", seed)[0] == []
