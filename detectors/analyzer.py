@@ -75,6 +75,8 @@ class JobAnalyzer:
             host_lead_drop=st.host_lead_drop,
         )
         self.links = LinkMonitor(warmup=st.warmup_steps, drop=st.link_drop)
+        # link throughput measured from proxy summaries: its own baselines, never mixed
+        self.proxy_links = LinkMonitor(warmup=st.warmup_steps, drop=st.link_drop)
         self.book = VerdictBook(self.job)
         self.recent: deque[StepReport] = deque(maxlen=16)
         self.partials: dict[tuple[int, int, int], Instance] = {}
@@ -435,9 +437,13 @@ class JobAnalyzer:
 
     # ------------------------------------------------------------------ links
     def _edge_throughput(self, e: EdgeThroughput) -> list[msgspec.Struct]:
-        """Link throughput measured from proxy summaries, for jobs without link samples."""
+        """Link throughput measured from proxy summaries, for jobs without link samples.
+
+        Used only once the warm-up steps passed without any link sample from the job's
+        sources (which then have no NIC counters), with baselines of its own."""
         self.now_ns = max(self.now_ns, e.ts_ns)
-        if self.nic_counters or self.topo is None:
+        warm = self.recent and self.recent[-1].step >= self.settings.warmup_steps
+        if self.nic_counters or self.topo is None or not warm:
             return []
         topo = self.topo
         return self._link(
@@ -454,11 +460,12 @@ class JobAnalyzer:
                 dst_nic=topo.nic(e.dst_rank),
                 size_bytes=e.size_bytes,
                 throughput_gbps=e.throughput_gbps,
-            )
+            ),
+            self.proxy_links,
         )
 
-    def _link(self, s: LinkSample) -> list[msgspec.Struct]:
-        ev = self.links.update(s)
+    def _link(self, s: LinkSample, monitor: LinkMonitor | None = None) -> list[msgspec.Struct]:
+        ev = (monitor or self.links).update(s)
         if ev is None or self.topo is None:
             return []
         topo = self.topo

@@ -241,9 +241,12 @@ def test_analyze_names_the_slow_link_and_the_stuck_edge(
         drive,
     )
     assert all(getattr(r, "job", "plugin-job") == "plugin-job" for r in records)
-    verdicts = {v["kind"]: v for v in _analyze(records, tmp_path)}
-    link = verdicts["link_degradation"]
-    assert link["link"].startswith("gpu-node-0") and "gpu-node-1" in link["link"]
+    found = _analyze(records, tmp_path)
+    # SendWait comes from real 1-2 ms sleeps here: under load a healthy edge can look slow
+    # too, so the test asks for the slow edge among the link verdicts, not for it alone
+    links = [v["link"] for v in found if v["kind"] == "link_degradation"]
+    assert any(x.startswith("gpu-node-0") and "gpu-node-1" in x for x in links), links
+    verdicts = {v["kind"]: v for v in found}
     hang = verdicts["hang"]
     assert hang["cause"] in ("network_link", "nic")
     assert "gpu-node-0" in (hang["link"] or "") and "gpu-node-1" in (hang["link"] or "")
