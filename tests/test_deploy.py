@@ -59,9 +59,16 @@ def compose() -> dict[str, Any]:
 
 
 def test_compose_has_the_whole_deployment(compose: dict) -> None:
-    assert {"kafka", "clickhouse", "grafana", "init", "flow-0", "flow-1", "agent"} <= set(
-        compose["services"]
-    )
+    assert {
+        "kafka",
+        "clickhouse",
+        "grafana",
+        "init",
+        "flow-0",
+        "flow-1",
+        "store-0",
+        "agent",
+    } <= set(compose["services"])
     kafka = compose["services"]["kafka"]["environment"]
     assert "controller" in kafka["KAFKA_PROCESS_ROLES"]  # KRaft, no ZooKeeper
 
@@ -70,7 +77,7 @@ def test_every_megatrace_service_runs_a_real_command_with_real_settings(compose:
     megatrace = {
         n: s for n, s in compose["services"].items() if s.get("image") == "megatrace:latest"
     }
-    assert len(megatrace) == 4
+    assert len(megatrace) == 5  # init, flow-0, flow-1, store-0, agent
     for name, service in megatrace.items():
         leaf = check_command(service["command"])
         assert leaf.name in {"up", "run", "agent"}, name
@@ -82,6 +89,20 @@ def test_every_megatrace_service_runs_a_real_command_with_real_settings(compose:
 
 
 def test_the_flow_processes_form_one_cluster(compose: dict) -> None:
+    """Detection is one two-process cluster; raw storage runs beside it, so every input
+    topic is both stored and analysed."""
+    roles = {
+        name: svc["command"][svc["command"].index("--role") + 1]
+        for name, svc in compose["services"].items()
+        if svc.get("command", [None])[0] == "run"
+    }
+    assert roles == {"flow-0": "detect", "flow-1": "detect", "store-0": "store"}
+    dirs = [
+        svc["command"]
+        for svc in compose["services"].values()
+        if "--recovery-dir" in svc.get("command", [])
+    ]
+    assert len({c[c.index("--recovery-dir") + 1] for c in dirs}) == len(dirs) == 3
     flows = [compose["services"][f"flow-{i}"]["command"] for i in range(2)]
     addresses = {c[c.index("--addresses") + 1] for c in flows}
     assert len(addresses) == 1
