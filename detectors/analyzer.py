@@ -576,7 +576,6 @@ class JobAnalyzer:
         exp = self.expected_step_ns() or 0.0
         limit = max(self.settings.hang_factor * exp, self.settings.min_hang_ms * 1e6)
         topo = self.topo
-        member_of = {h: tuple(c.ranks) for h, c in topo.comms.items()}
         diag: HangDiagnosis | None
         if self.hb_latest:
             silent = self.hb_now_ns - self.hb_progress_ns
@@ -589,7 +588,7 @@ class JobAnalyzer:
                 h: {"pp": 0, "tp": 1, "dp": 3}.get(c.role.value, 2) for h, c in topo.comms.items()
             }
             diag = diagnose_from_heartbeats(
-                self.hb_latest, member_of, list(self.stuck.values()), prio
+                self.hb_latest, self._members(), list(self.stuck.values()), prio
             )
             if diag is not None and len(diag.alternatives) > 1:
                 diag = self._earliest_call(diag, prio)
@@ -598,11 +597,18 @@ class JobAnalyzer:
             silent = self.now_ns - self.last_progress_ns
             if not self.last_progress_ns or silent <= limit or not self.partials:
                 return []
-            diag = diagnose_hang(list(self.partials.values()), list(self.stuck.values()), member_of)
+            diag = diagnose_hang(
+                list(self.partials.values()), list(self.stuck.values()), self._members()
+            )
             detected = self.now_ns
         if diag is None:
             return []
         return self._hang_verdict(diag, silent, exp, detected)
+
+    def _members(self) -> dict[int, tuple[int, ...]]:
+        """Each communicator's ranks, built only when a hang is diagnosed (tick runs often)."""
+        assert self.topo is not None
+        return {h: tuple(c.ranks) for h, c in self.topo.comms.items()}
 
     def _earliest_call(self, diag: HangDiagnosis, prio: dict[int, int]) -> HangDiagnosis:
         """Of the calls the culprit never joined, the one earliest in its stage's schedule."""

@@ -66,26 +66,25 @@ class CommAnalyzer:
         """Records (and schedules) in; (stored rows, items for the job) out."""
         rows: list[AlignedCollective] = []
         forward: list[Any] = []
-        folder = self.folder
-        add = self.aligner.update_many
         batch: list[Collective] = []
+
+        def align() -> None:  # the records so far, before a schedule changes how they fold
+            for inst in self.aligner.update_many(batch):
+                r, f = self.folder.update(inst)
+                rows.extend(r)
+                forward.extend(f)
+            batch.clear()
+
         for item in items:
             if isinstance(item, Collective):
                 batch.append(item)
             elif isinstance(item, ProxySummary):
                 forward += self._proxy(item)
             else:
-                for inst in add(batch):
-                    r, f = folder.update(inst)
-                    rows += r
-                    forward += f
-                batch = []
-                folder.learn(item)
-        for inst in add(batch):
-            r, f = folder.update(inst)
-            rows += r
-            forward += f
-        return rows, forward + folder.progress()
+                align()
+                self.folder.learn(item)
+        align()
+        return rows, forward + self.folder.progress()
 
     def _proxy(self, p: ProxySummary) -> list[ProxySummary]:
         self.folder.saw_time(p.last_ns)

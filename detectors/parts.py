@@ -170,8 +170,7 @@ class StepFolder:
 
     def partial(self, inst: Instance) -> list[Any]:
         """A partial instance goes to the job as it is; so will its completion."""
-        if self.comm_hash < 0:
-            self.comm_hash, self.job = inst.comm_hash, inst.job
+        self._name(inst)
         self._last_arrival = max(self._last_arrival, max(inst.arrival))
         self._partial.add((inst.comm_hash, inst.sender, inst.seq))
         if len(self._partial) > 4096:
@@ -196,9 +195,12 @@ class StepFolder:
         """Another record of the communicator's (event time moves on)."""
         self._last_arrival = max(self._last_arrival, ts_ns)
 
-    def _saw(self, inst: Instance) -> None:
-        if self.comm_hash < 0:
+    def _name(self, inst: Instance) -> None:
+        if self.comm_hash < 0:  # no schedule yet: the first instance says whose folder this is
             self.comm_hash, self.job = inst.comm_hash, inst.job
+
+    def _saw(self, inst: Instance) -> None:
+        self._name(inst)
         self._last_arrival = max(self._last_arrival, max(inst.arrival))
         self._last_end = max(self._last_end, max(inst.end))
 

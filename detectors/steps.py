@@ -171,15 +171,11 @@ class StepPart:
                 nl[r] = nl.get(r, 0.0) + v
 
 
-def _dense(values: dict[int, float] | dict[int, int], world: int, fill: float = 0.0) -> np.ndarray:
-    out = np.full(world, fill, dtype=np.float64)
-    if values:
-        out[list(values)] = list(values.values())
-    return out
-
-
-def _dense_int(values: dict[int, int], world: int, fill: int) -> np.ndarray:
-    out = np.full(world, fill, dtype=np.int64)
+def _dense(
+    values: dict[int, float] | dict[int, int], world: int, fill: float = 0.0, dtype: type = float
+) -> np.ndarray:
+    """A per-rank array from a sparse {rank: value} (ranks absent get ``fill``)."""
+    out = np.full(world, fill, dtype=dtype)
     if values:
         out[list(values)] = list(values.values())
     return out
@@ -309,8 +305,8 @@ class StepAssembler:
                     blame_ns=_dense(acc.blame, world),
                     wait_ns=_dense(acc.wait, world),
                     host_lead_ns=lead,
-                    first_ns=_dense_int(acc.first, world, -1),
-                    last_end_ns=_dense_int(acc.last_end, world, 0),
+                    first_ns=_dense(acc.first, world, -1, np.int64),
+                    last_end_ns=_dense(acc.last_end, world, 0, np.int64),
                     spans=acc.spans,
                     node_lateness=acc.node_late,
                     transfer_ns=acc.transfer,

@@ -156,19 +156,19 @@ def _stage_rank(spec: JobSpec, rng: np.random.Generator, stage: int | None = Non
     return spec.rank(p, int(rng.integers(spec.dp)), int(rng.integers(spec.tp)))
 
 
+def _remote_peers(spec: JobSpec, u: int, upstream: bool) -> list[int]:
+    """The ranks on other nodes that ``u`` sends to: its DP-ring successor and its next
+    pipeline stage (activations), and with ``upstream`` its previous stage (gradients)."""
+    p, d, t = spec.coords(u)
+    peers = [spec.rank(p, (d + 1) % spec.dp, t)] if spec.dp > 1 else []
+    stages = (p + 1, p - 1) if upstream else (p + 1,)
+    peers += [spec.rank(q, d, t) for q in stages if 0 <= q < spec.pp]
+    return [v for v in peers if spec.node_of(v) != spec.node_of(u)]
+
+
 def _inter_node_edge(spec: JobSpec, rng: np.random.Generator) -> tuple[int, int]:
     """A link that crosses nodes: a DP-ring edge or a pipeline (activation) edge."""
-    edges = []
-    for p in range(spec.pp):
-        for d in range(spec.dp):
-            for t in range(spec.tp):
-                u = spec.rank(p, d, t)
-                cands = [spec.rank(p, (d + 1) % spec.dp, t)] if spec.dp > 1 else []
-                if p + 1 < spec.pp:
-                    cands.append(spec.rank(p + 1, d, t))
-                edges += [
-                    (u, v) for v in cands if u // spec.gpus_per_node != v // spec.gpus_per_node
-                ]
+    edges = [(u, v) for u in range(spec.world_size) for v in _remote_peers(spec, u, False)]
     if not edges:
         raise ValueError("this layout has no inter-node link")
     u, v = edges[int(rng.integers(len(edges)))]
@@ -226,15 +226,7 @@ class NotApplicable(ValueError):
 
 def _slow_nic(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
     """A NIC whose rank sends to at least two other nodes (else it looks like one link)."""
-    ranks = []
-    for p in range(spec.pp):
-        for d in range(spec.dp):
-            for t in range(spec.tp):
-                u = spec.rank(p, d, t)
-                dsts = [spec.rank(p, (d + 1) % spec.dp, t)] if spec.dp > 1 else []
-                dsts += [spec.rank(q, d, t) for q in (p - 1, p + 1) if 0 <= q < spec.pp]
-                if len({v for v in dsts if spec.node_of(v) != spec.node_of(u)}) >= 2:
-                    ranks.append(u)
+    ranks = [u for u in range(spec.world_size) if len(set(_remote_peers(spec, u, True))) >= 2]
     if not ranks:
         raise NotApplicable("no rank here sends to two other nodes: a slow NIC looks like a link")
     rank = ranks[int(rng.integers(len(ranks)))]
