@@ -619,6 +619,28 @@ def build_plugin(out: str) -> None:
     click.echo(f"use it with: NCCL_PROFILER_PLUGIN={lib.resolve()} (and a node agent running)")
 
 
+@cli.command("gpu-check")
+@click.option(
+    "--out",
+    default="gpu-check",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Directory for the records, raw CUPTI activity, NCCL logs and summary.json.",
+)
+def gpu_check(out: str) -> None:
+    """Smoke-test this GPU node: live CUPTI, the NCCL plugin under the real NCCL, a stuck
+    call, and the PyTorch collector with kernels (needs a GPU, PyTorch and cupti-python)."""
+    from producers.gpu_check import GpuCheckError, report, run_checks
+
+    try:
+        checks = run_checks(Path(out), progress=lambda m: click.echo(m, err=True))
+    except GpuCheckError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(report(checks))
+    if not all(c.ok for c in checks):
+        raise SystemExit(1)
+
+
 @cli.command("analyze")
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="One verdict per line as JSON.")

@@ -133,8 +133,10 @@ class CuptiCollector:
         rank: int,
         sink: Callable[[list[msgspec.Struct]], None],
         buffer_bytes: int = 8 << 20,
+        on_activity: Callable[[list[Activity]], None] | None = None,
     ) -> None:
         self.job, self.node, self.rank, self.sink = job, node, rank, sink
+        self.on_activity = on_activity  # sees each buffer before mapping (to record fixtures)
         self.buffer_bytes = buffer_bytes
         self.nccl_ids: set[int] = set()
         self.dropped = 0
@@ -142,6 +144,7 @@ class CuptiCollector:
         self._cupti: Any = None
         self._offset = 0
         self._kind_names: dict[int, str] = {}
+        self._enabled: list[int] = []
 
     def start(self) -> CuptiCollector:
         try:
@@ -160,7 +163,10 @@ class CuptiCollector:
         }
         self._offset = time.time_ns() - int(cupti.get_timestamp())
         cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
-        for kind in self._kind_names:
+        # External correlations are recorded only for API calls whose records are
+        # on, so the runtime and driver API records are enabled too (and skipped).
+        self._enabled = [*self._kind_names, int(ak.RUNTIME), int(ak.DRIVER)]
+        for kind in self._enabled:
             cupti.activity_enable(kind)
         return self
 
@@ -169,6 +175,8 @@ class CuptiCollector:
 
     def _buffer_completed(self, activities: list[Any]) -> None:
         acts = [a for a in (activity_record(x, self._kind_names) for x in activities) if a]
+        if self.on_activity is not None:
+            self.on_activity(acts)
         records = map_activities(
             acts,
             job=self.job,
@@ -198,7 +206,7 @@ class CuptiCollector:
         if self._cupti is None:
             return
         self._cupti.activity_flush_all(1)
-        for kind in self._kind_names:
+        for kind in self._enabled:
             self._cupti.activity_disable(kind)
         self._cupti = None
 

@@ -30,6 +30,7 @@ at B from A). Roles (TP/PP/DP) follow the declared Megatron layout.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -130,6 +131,7 @@ class Collector:
         heartbeat_s: float = 0.5,
         partial_after_s: float = 0.2,
         flush_s: float = 0.05,
+        kernels: bool = False,
     ) -> None:
         dist = _torch()
         if not dist.is_initialized():
@@ -144,6 +146,9 @@ class Collector:
         self.heartbeat_s = heartbeat_s
         self.partial_ns = int(partial_after_s * 1e9)
         self.flush_s = flush_s
+        self.kernels = kernels
+        self._cupti: Any = None  # a started CuptiCollector when kernels are recorded
+        self._mark: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
         self.layout: dict[tuple[int, ...], CommRole] = {}
         self.tp = self.pp = self.dp = 1
         self.step: int | None = None
@@ -268,7 +273,8 @@ class Collector:
             entry = [c, op, c.issued, t, None, time.time_ns(), None, False]
             self._pending.append(entry)
             self.calls += 1
-            work = fn(*args, **kwargs)
+            with self._mark():
+                work = fn(*args, **kwargs)
             if work is None or not kwargs.get("async_op", False):
                 entry[6] = time.time_ns()
                 return work
@@ -309,7 +315,8 @@ class Collector:
             if peer is None:  # recv from any source: nothing to pair it with
                 return fn(tensor, *args, **kwargs)
             entry = self._p2p_entry(sending, tensor, peer)
-            work = fn(tensor, peer, *args, **kwargs)
+            with self._mark():
+                work = fn(tensor, peer, *args, **kwargs)
             if blocking:
                 entry[6] = time.time_ns()
                 return work
@@ -327,7 +334,8 @@ class Collector:
             ]
             self._tls.batch = True
             try:
-                works = fn(p2p_op_list)
+                with self._mark():
+                    works = fn(p2p_op_list)
             finally:
                 self._tls.batch = False
             if len(works) == len(entries):
@@ -409,6 +417,8 @@ class Collector:
     def install(self) -> Collector:
         """Wrap the functions in ``torch.distributed`` and in its ``distributed_c10d``
         module (``P2POp`` and ``batch_isend_irecv`` look them up there)."""
+        if self.kernels:  # first: without CUPTI nothing is wrapped
+            self._start_kernels()
         dist = self.dist
         c10d = dist.distributed_c10d
         for name in (*_OPS, *_P2P, "batch_isend_irecv"):
@@ -429,12 +439,25 @@ class Collector:
         self._thread.start()
         return self
 
+    def _start_kernels(self) -> None:
+        """Record this process's kernels through CUPTI; kernels launched inside a wrapped
+        call are marked as NCCL kernels (by correlation, not by name)."""
+        from producers.cupti import CuptiCollector
+
+        self._cupti = CuptiCollector(
+            job=self.job, node=self.node, rank=self.rank, sink=self.sink
+        ).start()
+        self._mark = self._cupti.nccl_call
+
     def uninstall(self) -> None:
         for name, fn in self._originals.items():
             for module in (self.dist, self.dist.distributed_c10d):
                 if hasattr(module, name):
                     setattr(module, name, fn)
         self._originals.clear()
+        if self._cupti is not None:
+            self._cupti.stop()
+            self._cupti, self._mark = None, contextlib.nullcontext
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
@@ -536,15 +559,22 @@ def enable(
     dp: int | None = None,
     num_layers: int | None = None,
     num_microbatches: int | None = None,
+    kernels: bool | None = None,
     **kwargs: Any,
 ) -> Collector:
-    """Start collecting in this process (after ``init_process_group``); idempotent."""
+    """Start collecting in this process (after ``init_process_group``); idempotent.
+
+    ``kernels`` (default: ``MEGATRACE_KERNELS=1``) also records the process's GPU
+    kernels through CUPTI (``pip install 'megatrace[cupti]'``), NCCL kernels marked.
+    """
     global _active
     if _active is not None:
         return _active
     env = os.environ
     job = job or env.get("MEGATRACE_JOB") or env.get("TORCHELASTIC_RUN_ID") or "torch-job"
-    col = Collector(job=job, sink=sink or default_sink(), **kwargs)
+    if kernels is None:
+        kernels = env.get("MEGATRACE_KERNELS") == "1"
+    col = Collector(job=job, sink=sink or default_sink(), kernels=kernels, **kwargs)
     layout = _megatron_layout() or {}
     col.declare(
         tp=tp or int(env.get("MEGATRACE_TP", layout.get("tp", 1))),

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from infra.kafka import producer_config
 from megatrace.cli import cli
 from producers.agent import AgentClient, NodeAgent
-from producers.nccl_plugin import Plugin
+from producers.nccl_plugin import P2P, Plugin
 from schemas.codec import decode, write_jsonl
 from schemas.config import Settings
 from schemas.records import (
@@ -100,6 +100,8 @@ def test_a_multi_rank_collective_arrives_whole(
     events, sent, dropped = plugin.stats()
     assert events > 0
     assert dropped == 0 and sent >= len(colls) + len(proxies)
+    counts = plugin.counts()
+    assert counts["calls_finished"] == len(colls) and counts["calls_reported_stuck"] == 0
 
 
 def test_a_slow_edge_and_a_stuck_proxy_op_show_in_the_records(
@@ -126,6 +128,27 @@ def test_a_slow_edge_and_a_stuck_proxy_op_show_in_the_records(
     assert len(unfinished) == 2 and all(c.end_ns is None for c in unfinished)
     for comm in comms:
         plugin.finalize(comm)
+
+
+def test_a_transfer_to_itself_is_counted_and_never_reported_stuck(
+    library: Path, receiver: socket.socket
+) -> None:
+    # NCCL 2.28.9 (seen by `megatrace gpu-check` on an H200) runs a rank's send and
+    # receive to itself with no proxy operation: no event ever says they ended.
+    plugin = Plugin(library)
+    comm = plugin.init(COMM, 2, 0)
+    for func in ("Send", "Recv"):
+        handle = plugin.start(
+            comm, P2P, func=func, count=256, datatype="ncclFloat32", peer=0, nChannels=1
+        )
+        plugin.stop(handle)
+    time.sleep(0.4)  # past MEGATRACE_STUCK_MS
+    plugin.flush()
+    assert not [r for r in received(receiver) if isinstance(r, Collective)]
+    counts = plugin.counts()
+    assert counts["p2p_started"] == counts["self_transfers_skipped"] == 2
+    assert counts["calls_reported_stuck"] == 0
+    plugin.finalize(comm)
 
 
 def test_the_plugin_never_blocks_without_an_agent(

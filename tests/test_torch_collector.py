@@ -81,3 +81,20 @@ def test_the_same_group_gets_the_same_hash_on_every_member() -> None:
     assert a == torch_collector.comm_hash("group", [0, 1, 2, 3])
     assert a != torch_collector.comm_hash("group", (0, 1, 2, 4))
     assert a != torch_collector.comm_hash("p2p", (0, 1, 2, 3))
+
+
+def test_kernels_without_cupti_are_a_clear_error_and_wrap_nothing(pg: None) -> None:
+    pytest.importorskip("producers.cupti")
+    try:
+        import cupti  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("cupti-python is installed here")
+    from producers.cupti import CuptiUnavailable
+
+    original = dist.all_reduce
+    with pytest.raises(CuptiUnavailable, match=r"megatrace\[cupti\]"):
+        torch_collector.enable("j", sink=lambda r: None, tp=1, pp=1, kernels=True)
+    assert dist.all_reduce is original
+    assert torch_collector.enable("j", sink=lambda r: None, tp=1, pp=1).kernels is False

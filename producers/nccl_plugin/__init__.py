@@ -30,6 +30,28 @@ SEND_GPU_WAIT, SEND_WAIT, RECV_WAIT, RECV_FLUSH_WAIT, RECV_GPU_WAIT = 8, 9, 10, 
 SEND_PEER_WAIT = 20
 
 
+#: The plugin's health counters, in the order ``megatrace_profiler_counts`` returns them.
+COUNTS = (
+    "coll_started",
+    "p2p_started",
+    "proxy_ops_started",
+    "proxy_steps_started",
+    "kernel_ch_started",
+    "kernel_ch_stopped",
+    "orphans",
+    "calls_finished",
+    "calls_reported_stuck",
+    "self_transfers_skipped",
+)
+
+
+def counts(lib: C.CDLL) -> dict[str, int]:
+    """What NCCL did, as the loaded plugin counted it (events by type, calls finished)."""
+    out = (C.c_uint64 * 16)()
+    n = lib.megatrace_profiler_counts(out)
+    return dict(zip(COUNTS[:n], out[:n], strict=True))
+
+
 class PluginBuildError(RuntimeError):
     """The plugin could not be compiled (no C compiler, or it failed)."""
 
@@ -215,6 +237,10 @@ class Plugin:
         self.lib.megatrace_profiler_stats(out)
         return out[0], out[1], out[2]
 
+    def counts(self) -> dict[str, int]:
+        """The health counters (see :data:`COUNTS`)."""
+        return counts(self.lib)
+
     def flush(self) -> None:
         self.lib.megatrace_profiler_flush()
 
@@ -281,4 +307,4 @@ class Plugin:
                     self.stop(kch)
 
 
-__all__ = ["LIBRARY", "SOURCE", "Comm", "Plugin", "PluginBuildError", "build"]
+__all__ = ["COUNTS", "LIBRARY", "SOURCE", "Comm", "Plugin", "PluginBuildError", "build", "counts"]

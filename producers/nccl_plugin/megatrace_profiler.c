@@ -23,7 +23,10 @@
  *    each communicator's last issued and completed collective, so a hang is
  *    visible even when no call completes;
  *  - a call enqueued but unfinished after MEGATRACE_STUCK_MS is reported as
- *    joined and not finished.
+ *    joined and not finished;
+ *  - a rank's transfers to itself are counted, not recorded: NCCL runs them
+ *    with no proxy operation, so no event says when they end (seen with
+ *    NCCL 2.28.9 by `megatrace gpu-check`).
  *
  * Hot path: events come from a fixed pool (no allocation), a proxy-step state
  * change is a clock read and two additions, finished records go into a
@@ -184,6 +187,13 @@ static _Atomic uint32_t g_pool_next;
 static mt_rec g_ring[MT_RING];
 static _Atomic uint64_t g_ring_head, g_ring_tail;
 static _Atomic uint64_t g_dropped, g_events, g_sent;
+/* Health counters, by what NCCL did: starts of Coll, P2p, ProxyOp, ProxyStep and
+ * KernelCh events; KernelCh stops; children whose parent NCCL did not give; calls
+ * finished; calls reported stuck; transfers to the rank itself (not tracked). */
+enum { C_COLL, C_P2P, C_PROXY_OP, C_PROXY_STEP, C_KERNEL_CH, C_KERNEL_CH_STOP, C_ORPHAN,
+       C_FINISHED, C_STUCK, C_SELF, C_NCOUNTS };
+static _Atomic uint64_t g_counts[C_NCOUNTS];
+static inline void mt_count(int i) { atomic_fetch_add_explicit(&g_counts[i], 1, memory_order_relaxed); }
 static _Atomic int g_refs;
 static pthread_t g_flusher;
 static _Atomic int g_stop;
@@ -240,6 +250,7 @@ static void mt_push(const mt_rec *r) {
 }
 
 static void mt_emit_coll(mt_event *c, int64_t end) {
+  mt_count(end > 0 ? C_FINISHED : C_STUCK);
   mt_rec r = {0};
   r.kind = REC_COLL; r.comm_hash = c->kind == MT_P2P ? c->pair_hash : c->ctx->comm_hash;
   r.seq = c->seq;
@@ -541,6 +552,16 @@ static mt_result_t mt_start(mt_ctx *ctx, void **handle, uint64_t type, void *par
   if (type != MT_COLL && type != MT_P2P && type != MT_PROXY_OP && type != MT_PROXY_STEP &&
       type != MT_KERNEL_CH)
     return 0;
+  mt_count(type == MT_COLL ? C_COLL : type == MT_P2P ? C_P2P : type == MT_PROXY_OP ? C_PROXY_OP
+           : type == MT_PROXY_STEP ? C_PROXY_STEP : C_KERNEL_CH);
+  if ((type == MT_PROXY_OP || type == MT_KERNEL_CH) && !parent_obj) mt_count(C_ORPHAN);
+  if (type == MT_P2P && p2p->peer == ctx->rank) {
+    /* A transfer to itself: NCCL copies it inside the kernel with no proxy operation,
+     * so no KernelCh event ever says it ended (seen on NCCL 2.28.9). It waits on
+     * nobody; tracking it would only report it stuck. Counted, not recorded. */
+    mt_count(C_SELF);
+    return 0;
+  }
   mt_event *e = mt_alloc();
   if (!e) return 0;
   e->kind = (int)type;
@@ -620,6 +641,7 @@ static mt_result_t mt_stop(void *handle) {
       return 0;
     }
     case MT_KERNEL_CH: {
+      mt_count(C_KERNEL_CH_STOP);
       mt_event *parent = e->parent;
       mt_free(e);
       mt_child_done(parent, now, 1);
@@ -712,6 +734,11 @@ __attribute__((visibility("default"))) const mt_profiler_v4 ncclProfiler_v4 = {
 /* For tests and health: events seen, records sent, records dropped; and a flush. */
 __attribute__((visibility("default"))) void megatrace_profiler_stats(uint64_t out[3]) {
   out[0] = atomic_load(&g_events); out[1] = atomic_load(&g_sent); out[2] = atomic_load(&g_dropped);
+}
+/* The health counters (see g_counts), C_NCOUNTS of them. */
+__attribute__((visibility("default"))) int megatrace_profiler_counts(uint64_t *out) {
+  for (int i = 0; i < C_NCOUNTS; i++) out[i] = atomic_load(&g_counts[i]);
+  return C_NCOUNTS;
 }
 __attribute__((visibility("default"))) void megatrace_profiler_flush(void) {
   mt_report_stuck();
