@@ -7,7 +7,7 @@ CUDA and NCCL it checks, and prints as a table:
    attention, copies, NCCL transfers) comes back as
    :class:`~schemas.records.Kernel` records on the host clock; GEMM durations
    agree with CUDA events; every NCCL kernel is marked by correlation (names
-   are only used here, to check the marking); the per-launch cost of CUPTI.
+   are only used here, to check the marking).
 2. **The NCCL profiler plugin under the real NCCL**: NCCL loads it (the
    newest interface both know), sends it the events of a one-rank
    communicator's send/receive to itself with the right fields, and the
@@ -19,6 +19,8 @@ CUDA and NCCL it checks, and prints as a table:
 3. **The PyTorch collector with kernels**: ``torch_collector.enable(kernels=True)``
    on a one-rank NCCL process group gives collective and kernel records in one
    stream.
+4. **What live CUPTI costs**: the wall time of a transformer training step
+   (8 layers of width 2,048, bf16) with and without it; at most 5% passes.
 
 Each check runs in its own process (CUDA and CUPTI are process-wide) and
 writes what it saw under ``--out``: the records, the raw CUPTI activity and
@@ -157,22 +159,6 @@ def _timed(fn: Callable[[], Any], n: int) -> list[float]:
     return times
 
 
-def _launch_us(n: int = 3000) -> float:
-    """Wall-clock microseconds per launch of a tiny kernel (best of three runs)."""
-    import torch
-
-    x = torch.ones(256, device="cuda")
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            x.add_(1.0)
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    return best
-
-
 def cupti_child(out: Path) -> list[Check]:
     """Check 1 (run in its own process)."""
     import torch
@@ -194,7 +180,6 @@ def cupti_child(out: Path) -> list[Check]:
     F.scaled_dot_product_attention(q, q, q)
     nccl.to_self(comm, s, r, stream)
     torch.cuda.synchronize()
-    bare_us = _launch_us()
 
     records: list[Kernel] = []
     raw: list[Activity] = []
@@ -207,7 +192,6 @@ def cupti_child(out: Path) -> list[Check]:
     )
     t0 = time.time_ns()
     col.start()
-    traced_us = _launch_us()
     gemm_ms = _timed(lambda: a @ b, 10)
     for _ in range(5):
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -234,8 +218,6 @@ def cupti_child(out: Path) -> list[Check]:
         copy_ms=copy_ms,
         copy_bytes=host.numel() * 4,
         nccl_launches=nccl_launches,
-        bare_us=bare_us,
-        traced_us=traced_us,
         copied=ok_copy,
     )
 
@@ -249,8 +231,6 @@ def cupti_verdicts(
     copy_ms: float,
     copy_bytes: int,
     nccl_launches: int,
-    bare_us: float,
-    traced_us: float,
     copied: bool,
 ) -> list[Check]:
     """What the records of check 1 must show (pure: tested on recorded activity)."""
@@ -319,15 +299,6 @@ def cupti_verdicts(
             big is not None and 1.0 < gbps < 100.0,
             f"{len(copies)} copies; the 256 MB host-to-device copy at {gbps:.1f} GB/s "
             f"by CUPTI ({copy_bytes / (copy_ms * 1e6):.1f} GB/s by CUDA events)",
-        )
-    )
-    checks.append(
-        Check(
-            "cupti cost",
-            True,
-            f"{bare_us:.2f} µs per tiny kernel launch without CUPTI, "
-            f"{traced_us:.2f} µs with it (+{traced_us - bare_us:.2f} µs)",
-            {"bare_us": bare_us, "traced_us": traced_us},
         )
     )
     return checks
@@ -504,6 +475,60 @@ def collector_child(out: Path) -> list[Check]:
     ]
 
 
+# --------------------------------------------------------------------------- check 4: overhead
+
+
+def _train_steps(model: Any, opt: Any, x: Any, n: int) -> list[float]:
+    """Milliseconds of wall clock per training step (forward, backward, update)."""
+    import torch
+
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def overhead_child(out: Path, max_overhead: float = 0.05) -> list[Check]:
+    """Check 4 (own process): a transformer training step with and without live CUPTI."""
+    import torch
+
+    from producers.cupti import CuptiCollector
+
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(2048, 16, 8192, batch_first=True, norm_first=True)
+    model = torch.nn.TransformerEncoder(layer, 8).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    x = torch.randn(8, 1024, 2048, device="cuda")
+    _train_steps(model, opt, x, 5)
+    before = _train_steps(model, opt, x, 20)
+    records: list[Kernel] = []
+    col = CuptiCollector(job="gpu-check", node=socket.gethostname(), rank=0, sink=records.extend)
+    col.start()
+    traced = _train_steps(model, opt, x, 20)
+    col.stop()
+    after = _train_steps(model, opt, x, 20)
+    bare = statistics.median(before + after)
+    with_cupti = statistics.median(traced)
+    cost = with_cupti / bare - 1
+    return [
+        Check(
+            "cupti overhead on a training step",
+            cost <= max_overhead,
+            f"{bare:.1f} ms per step without, {with_cupti:.1f} ms with live CUPTI "
+            f"({cost:+.1%}; bar {max_overhead:.0%}); {len(records) / 20:.0f} kernel records a step",
+            {"bare_ms": before + after, "traced_ms": traced},
+        )
+    ]
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -533,14 +558,16 @@ def run_checks(out: Path, *, progress: Callable[[str], None] = print) -> list[Ch
         raise GpuCheckError("no CUDA GPU visible to PyTorch on this machine")
     out.mkdir(parents=True, exist_ok=True)
     checks: list[Check] = []
-    progress("1/3 live CUPTI")
+    progress("1/4 live CUPTI")
     checks += _in_child("cupti_child", out)
-    progress("2/3 NCCL profiler plugin under the real NCCL")
+    progress("2/4 NCCL profiler plugin under the real NCCL")
     iters = 50
     got, log = run_plugin(out, iters=iters)
     checks += plugin_verdicts(got, iters * len(SIZES), log)
-    progress("3/3 PyTorch collector with kernels")
+    progress("3/4 PyTorch collector with kernels")
     checks += _in_child("collector_child", out)
+    progress("4/4 live CUPTI's cost on a training step")
+    checks += _in_child("overhead_child", out)
     (out / "summary.json").write_text(json.dumps([dataclasses.asdict(c) for c in checks], indent=1))
     return checks
 
