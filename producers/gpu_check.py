@@ -16,9 +16,10 @@ CUDA and NCCL it checks, and prints as a table:
    without the profiler, and a transfer to itself without proxy operations,
    so the completion path (kernel-channel and proxy events) needs two GPUs;
    the plugin's own tests drive that path through NCCL's entry points.
-3. **The PyTorch collector with kernels**: ``torch_collector.enable(kernels=True)``
+3. **The PyTorch collector on a GPU**: ``torch_collector.enable(kernels=True)``
    on a one-rank NCCL process group gives collective and kernel records in one
-   stream.
+   stream, and a call queued behind ~0.6 s of GPU work gets the GPU's times (it
+   is reported unfinished until the GPU is done with it), not the host's.
 4. **What live CUPTI costs**: the wall time of a transformer training step
    (8 layers of width 2,048, bf16) with and without it; at most 5% passes.
 
@@ -457,22 +458,55 @@ def collector_child(out: Path) -> list[Check]:
         b = a @ a
         dist.all_reduce(b)
     torch.cuda.synchronize()
+    # the GPU busy for a while: the call is enqueued at once, reached and finished later
+    torch.cuda._sleep(int(1.2e9))  # about 0.6 s of GPU clock cycles
+    t_call = time.time_ns()
+    dist.all_reduce(b)
+    t_back = time.time_ns()
+    time.sleep(0.35)  # meanwhile the collector reports the call unfinished
+    torch.cuda.synchronize()
+    t_sync = time.time_ns()
+    time.sleep(0.3)
     torch_collector.disable()
     dist.destroy_process_group()
     (out / "collector.jsonl").write_bytes(b"".join(encode(x) + b"\n" for x in got))
-    done = sorted(
-        x.seq
-        for x in got
-        if isinstance(x, Collective) and x.op == CollOp.ALL_REDUCE and x.end_ns is not None
-    )
+    return collector_verdicts(got, t_call=t_call, t_back=t_back, t_sync=t_sync)
+
+
+def collector_verdicts(got: list[Any], *, t_call: int, t_back: int, t_sync: int) -> list[Check]:
+    """What check 3 must show (pure): four AllReduce calls, the last behind a busy GPU."""
+    calls = [x for x in got if isinstance(x, Collective) and x.op == CollOp.ALL_REDUCE]
+    done = {x.seq: x for x in calls if x.end_ns is not None}
     kernels = [x for x in got if isinstance(x, Kernel)]
-    return [
+    last = done.get(3)
+    early = [x for x in calls if x.seq == 3 and x.end_ns is None]
+    checks = [
         Check(
             "collector with kernels",
-            done == [0, 1, 2] and len(kernels) >= 3,
-            f"AllReduce {done} finished and {len(kernels)} kernel records in one stream",
+            sorted(done) == [0, 1, 2, 3] and len(kernels) >= 3,
+            f"AllReduce {sorted(done)} finished and {len(kernels)} kernel records in one stream",
         )
     ]
+    if last is None or last.start_ns is None or last.end_ns is None:
+        return [
+            *checks,
+            Check("collector device times", False, "the last call has no device times"),
+        ]
+    reached = (last.start_ns - last.enqueue_ns) / 1e6
+    checks.append(
+        Check(
+            "collector device times",
+            bool(early)
+            and reached > 200
+            and last.start_ns <= last.end_ns <= t_sync + 1_000_000
+            and t_sync - last.end_ns < 50_000_000,
+            f"the host was back in {(t_back - t_call) / 1e6:.2f} ms; the GPU reached the call "
+            f"{reached:.0f} ms after it was enqueued and finished it "
+            f"{(t_sync - last.end_ns) / 1e6:.2f} ms before the host saw the stream drained; "
+            f"reported unfinished meanwhile: {bool(early)}",
+        )
+    )
+    return checks
 
 
 # --------------------------------------------------------------------------- check 4: overhead

@@ -60,6 +60,9 @@ _OPS = (
     "barrier",
 )
 _P2P = ("send", "recv", "isend", "irecv")
+# A call in flight is a list: [comm, op, seq, tensor, peer, enqueue_ns, host_end_ns,
+# reported, ev_before, ev_after, device_start_ns, device_end_ns] (events: CUDA calls only).
+_EV0, _EV1, _DSTART, _DEND = 8, 9, 10, 11
 
 
 class CollectorError(RuntimeError):
@@ -118,6 +121,61 @@ class _Comm:
         self.completed = -1
 
 
+class GpuTimer:
+    """Device-side times of calls on CUDA tensors, on the host clock, from CUDA events.
+
+    A NCCL call returns to Python as soon as it is enqueued, so host clocks say
+    nothing about when the GPU reached it or finished it. :meth:`mark` records an
+    event on the current stream: one before the call (it completes when the GPU
+    arrives at the call) and one after it returns, or after ``wait()`` for async
+    work (it completes when the stream has waited for NCCL). :meth:`time_ns`
+    gives a completed event's time on the host clock, from its distance to an
+    anchor event recorded on an idle side stream at a known host time (renewed
+    every ``anchor_s``); ``None`` while the GPU has not reached it. ``cuda`` is
+    ``torch.cuda`` (a stand-in in tests).
+    """
+
+    def __init__(self, cuda: Any, anchor_s: float = 30.0) -> None:
+        self.cuda = cuda
+        self.anchor_ns = int(anchor_s * 1e9)
+        self._side = cuda.Stream()
+        self._free: list[Any] = []
+        self._anchor: tuple[Any, int] | None = None
+        self._next: tuple[Any, int] | None = None
+        self._renew()
+
+    def _event(self) -> Any:
+        return self._free.pop() if self._free else self.cuda.Event(enable_timing=True)
+
+    def _renew(self) -> None:
+        ev = self._event()
+        ev.record(self._side)
+        self._next = (ev, time.time_ns())
+
+    def mark(self) -> Any:
+        """An event recorded now on the current stream."""
+        ev = self._event()
+        ev.record()
+        return ev
+
+    def time_ns(self, ev: Any) -> int | None:
+        """Host-clock time of a recorded event, or None if the GPU has not reached it."""
+        if self._next is not None and self._next[0].query():
+            if self._anchor is not None:
+                self._free.append(self._anchor[0])
+            self._anchor, self._next = self._next, None
+        if self._anchor is None or not ev.query():
+            return None
+        anchor, host = self._anchor
+        if self._next is None and time.time_ns() - host > self.anchor_ns:
+            self._renew()
+        return host + round(anchor.elapsed_time(ev) * 1e6)
+
+    def release(self, *events: Any) -> None:
+        """Give events back for reuse."""
+        self._free.extend(e for e in events if e is not None)
+
+
 class Collector:
     """Records one process's ``torch.distributed`` calls (see the module docstring)."""
 
@@ -149,6 +207,7 @@ class Collector:
         self.kernels = kernels
         self._cupti: Any = None  # a started CuptiCollector when kernels are recorded
         self._mark: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+        self._gpu: GpuTimer | None = None  # built at the first call on a CUDA tensor
         self.layout: dict[tuple[int, ...], CommRole] = {}
         self.tp = self.pp = self.dp = 1
         self.step: int | None = None
@@ -270,15 +329,18 @@ class Collector:
             c = self._comm(group)
             c.issued += 1
             t = _first_tensor(args, kwargs)
-            entry = [c, op, c.issued, t, None, time.time_ns(), None, False]
+            entry = [c, op, c.issued, t, None, time.time_ns(), None, False, None, None, None, None]
+            gpu = self._timer(t)
+            if gpu is not None:
+                entry[_EV0] = gpu.mark()
             self._pending.append(entry)
             self.calls += 1
             with self._mark():
                 work = fn(*args, **kwargs)
             if work is None or not kwargs.get("async_op", False):
-                entry[6] = time.time_ns()
+                _returned(entry, gpu)
                 return work
-            return _Work(work, [entry])
+            return _Work(work, [entry], gpu)
 
         wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
         wrapper.__name__ = name
@@ -291,7 +353,10 @@ class Collector:
         self._p2p_seq[key] = seq + 1
         c.issued += 1
         op = CollOp.SEND if sending else CollOp.RECV
-        entry = [c, op, seq, tensor, peer, time.time_ns(), None, False]
+        entry = [c, op, seq, tensor, peer, time.time_ns(), None, False, None, None, None, None]
+        gpu = self._timer(tensor)
+        if gpu is not None:
+            entry[_EV0] = gpu.mark()
         self._pending.append(entry)
         self.calls += 1
         return entry
@@ -318,9 +383,9 @@ class Collector:
             with self._mark():
                 work = fn(tensor, peer, *args, **kwargs)
             if blocking:
-                entry[6] = time.time_ns()
+                _returned(entry, self._gpu if entry[_EV0] is not None else None)
                 return work
-            return _Work(work, [entry])
+            return _Work(work, [entry], self._gpu if entry[_EV0] is not None else None)
 
         wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
         wrapper.__name__ = name
@@ -338,16 +403,42 @@ class Collector:
                     works = fn(p2p_op_list)
             finally:
                 self._tls.batch = False
+            gpu = self._gpu if entries and entries[0][_EV0] is not None else None
             if len(works) == len(entries):
-                return [_Work(w, [e]) for w, e in zip(works, entries, strict=True)]
-            return [_Work(w, entries) for w in works]  # coalesced: one completion for all
+                return [_Work(w, [e], gpu) for w, e in zip(works, entries, strict=True)]
+            return [_Work(w, entries, gpu) for w in works]  # coalesced: one completion for all
 
         wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
         return wrapper
 
     # ------------------------------------------------------------------ off the hot path
+    def _timer(self, t: Any) -> GpuTimer | None:
+        """The device timer for a call on ``t`` (None: not a CUDA tensor)."""
+        if t is None or not getattr(t, "is_cuda", False):
+            return None
+        if self._gpu is None:
+            import torch
+
+            self._gpu = GpuTimer(torch.cuda)
+        return self._gpu
+
+    def _device_done(self, e: list[Any]) -> bool:
+        """Fill a CUDA call's device times as its events complete; True once it ended."""
+        gpu = self._gpu
+        if gpu is None:
+            return False
+        if e[_DSTART] is None:
+            e[_DSTART] = gpu.time_ns(e[_EV0])
+        if e[_EV1] is not None and e[_DEND] is None:
+            e[_DEND] = gpu.time_ns(e[_EV1])
+        return e[_DSTART] is not None and e[_DEND] is not None
+
     def _record(self, e: list[Any]) -> Collective:
-        c, op, seq, t, peer, enq, end, _ = e
+        c, op, seq, t, peer, enq, end = e[:7]
+        start = None
+        if e[_EV0] is not None:  # device times, never before the host enqueued the call
+            start = None if e[_DSTART] is None else max(enq, e[_DSTART])
+            end = None if e[_DEND] is None else max(start or enq, e[_DEND])
         count, nbytes, dtype = _tensor_info(t)
         return Collective(
             job=self.job,
@@ -362,6 +453,7 @@ class Collector:
             size_bytes=nbytes,
             dtype=dtype,
             enqueue_ns=enq,
+            start_ns=start,
             end_ns=end,
             peer=peer,
         )
@@ -375,10 +467,13 @@ class Collector:
         pending = self._pending
         for _ in range(len(pending)):  # callers may append meanwhile: take only these
             e = pending.popleft()
-            if e[6] is not None:
+            ended = e[6] is not None if e[_EV0] is None else self._device_done(e)
+            if ended:
                 out.append(self._record(e))
                 c = e[0]
                 c.completed = c.completed + 1 if e[1].is_p2p else max(c.completed, e[2])
+                if e[_EV0] is not None and self._gpu is not None:
+                    self._gpu.release(e[_EV0], e[_EV1])
             else:
                 if not e[7] and now - e[5] > self.partial_ns:
                     out.append(self._record(e))
@@ -466,15 +561,15 @@ class Collector:
 class _Work:
     """A torch ``Work`` that stamps its calls' completion when it is waited on."""
 
-    def __init__(self, work: Any, entries: list[list[Any]]) -> None:
+    def __init__(self, work: Any, entries: list[list[Any]], gpu: GpuTimer | None = None) -> None:
         self._work = work
         self._entries = entries
+        self._gpu = gpu
 
     def _done(self) -> None:
-        now = time.time_ns()
         for e in self._entries:
             if e[6] is None:
-                e[6] = now
+                _returned(e, self._gpu)
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         r = self._work.wait(*args, **kwargs)
@@ -489,6 +584,14 @@ class _Work:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
+
+
+def _returned(entry: list[Any], gpu: GpuTimer | None) -> None:
+    """The host got a call back (or waited for it): stamp it, and for a CUDA call
+    mark the stream, whose event completes when the GPU finished the call."""
+    entry[6] = time.time_ns()
+    if gpu is not None:
+        entry[_EV1] = gpu.mark()
 
 
 def _positional_group(name: str, args: tuple[Any, ...]) -> Any:

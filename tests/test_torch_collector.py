@@ -98,3 +98,89 @@ def test_kernels_without_cupti_are_a_clear_error_and_wrap_nothing(pg: None) -> N
         torch_collector.enable("j", sink=lambda r: None, tp=1, pp=1, kernels=True)
     assert dist.all_reduce is original
     assert torch_collector.enable("j", sink=lambda r: None, tp=1, pp=1).kernels is False
+
+
+class FakeCuda:
+    """A stand-in for ``torch.cuda``: events on the side stream complete at once
+    (an idle stream), events on the current stream when the test says the GPU
+    reached them."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0.0
+
+    def Stream(self) -> object:
+        return object()
+
+    def Event(self, enable_timing: bool = False) -> FakeEvent:
+        return FakeEvent(self)
+
+
+class FakeEvent:
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda = cuda
+        self.t: float | None = None
+
+    def record(self, stream: object | None = None) -> None:
+        self.t = self.cuda.now_ms if stream is not None else None
+
+    def query(self) -> bool:
+        return self.t is not None
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        assert self.t is not None and other.t is not None
+        return other.t - self.t
+
+
+def test_cuda_calls_take_their_times_from_the_device_not_the_host(pg: None) -> None:
+    # NCCL returns to Python at once: a call is finished when the GPU finished it
+    got: list[Any] = []
+    col = torch_collector.Collector(job="j", sink=got.extend, node="n0", flush_s=3600)
+    cuda = FakeCuda()
+    timer = torch_collector.GpuTimer(cuda)
+    anchor_host = timer._next[1]
+    col._timer = lambda t: timer  # every call is a CUDA call on the fake device
+    col._gpu = timer
+    col.declare(tp=1, pp=1)
+    col.install()
+    try:
+        t = torch.ones(16)
+        dist.all_reduce(t)  # the host is back; the GPU has not reached the call
+        (entry,) = [e for e in col._pending if e[1] == CollOp.ALL_REDUCE]
+        before, after = entry[8], entry[9]
+        assert not [r for r in col.drain() if isinstance(r, Collective)]
+        (partial,) = [r for r in col.drain(now_ns=2**62) if isinstance(r, Collective)]
+        assert partial.start_ns is None and partial.end_ns is None  # not even arrived
+        before.t = 5.0  # the GPU arrives 5 ms after the anchor
+        (joined,) = [r for r in col.drain(now_ns=2**62) if isinstance(r, Collective)] or [None]
+        assert joined is None  # reported once as unfinished, then only when it ends
+        after.t = 12.5  # ... and finishes 7.5 ms later
+        (done,) = [r for r in col.drain() if isinstance(r, Collective)]
+    finally:
+        col.uninstall()
+    assert done.start_ns == anchor_host + 5_000_000
+    assert done.end_ns == anchor_host + 12_500_000
+    assert done.enqueue_ns < done.start_ns
+    assert col.heartbeat().comms[0].completed_seq == 0
+
+
+def test_a_cuda_call_the_gpu_never_finishes_stays_unfinished(pg: None) -> None:
+    got: list[Any] = []
+    col = torch_collector.Collector(job="j", sink=got.extend, node="n0", flush_s=3600)
+    cuda = FakeCuda()
+    timer = torch_collector.GpuTimer(cuda)
+    col._timer = lambda t: timer
+    col._gpu = timer
+    col.declare(tp=1, pp=1)
+    col.install()
+    try:
+        work = dist.all_reduce(torch.ones(4), async_op=True)
+        work.wait()  # the host waited: the stream is marked, the GPU is hung
+        (entry,) = [e for e in col._pending if e[1] == CollOp.ALL_REDUCE]
+        entry[8].t = 1.0  # it arrived on the GPU
+        (partial,) = [r for r in col.drain(now_ns=2**62) if isinstance(r, Collective)]
+        for _ in range(3):
+            assert not [r for r in col.drain(now_ns=2**62) if isinstance(r, Collective)]
+    finally:
+        col.uninstall()
+    assert partial.start_ns is not None and partial.end_ns is None
+    assert col.heartbeat().comms[0].completed_seq == -1
