@@ -22,6 +22,12 @@ batches to the sink (the node agent's socket by default; it never blocks).
 A call still unfinished after ``partial_after_s`` is also reported as joined
 but not finished, so a hang shows who waits and who never came.
 
+Calls on CUDA tensors (NCCL) return to Python as soon as they are enqueued, so
+their host times say nothing: :class:`GpuTimer` takes their arrival (the
+stream reached the call) and end (the stream waited for NCCL) from CUDA
+events, and such a call is finished only when the GPU is done with it.
+With ``kernels=True`` the process's GPU kernels come too, through CUPTI.
+
 Communicators get a stable hash from their member ranks, so every member
 names a group the same way. Point-to-point calls go on a two-rank
 communicator per pair of ranks (the n-th Send from A to B meets the n-th Recv
