@@ -10,7 +10,9 @@
  * What it does:
  *  - collectives and point-to-point calls: comm hash, rank, nranks, seq,
  *    func, count, datatype, algo, proto, channels; "enqueued" at the call's
- *    stop, completed at the last proxy-op or kernel-channel stop;
+ *    stop, started when its first kernel channel starts (the GPU reached the
+ *    call: the host runs ahead of the GPU, so the enqueue time says little),
+ *    completed at the last proxy-op or kernel-channel stop;
  *  - proxy operations summarised per (comm, seq, channel, peer, direction):
  *    steps posted and done, bytes, first/last timestamps, and the time spent
  *    in each proxy-step wait state (SendGPUWait, SendPeerWait, SendWait,
@@ -152,6 +154,7 @@ typedef struct mt_event {
   size_t count;
   int peer, nchannels;
   int64_t t_enqueue, t_done;
+  _Atomic int64_t t_start; /* the first kernel channel's start: the GPU reached the call */
   _Atomic int pending;
   _Atomic int children;
   _Atomic int kernels_done; /* kernel channels stopped: all nchannels means the kernel ended */
@@ -178,7 +181,7 @@ typedef struct {
   const char *func, *dtype, *algo, *proto;
   size_t count;
   uint64_t bytes;
-  int64_t t_enqueue, t_done, first, last;
+  int64_t t_enqueue, t_start, t_done, first, last;
   int64_t wait[MT_WAITS];
 } mt_rec;
 
@@ -224,6 +227,7 @@ static mt_event *mt_alloc(void) {
       mt_event *e = &g_pool[i];
       e->parent = NULL; e->ctx = NULL; e->func = e->dtype = e->algo = e->proto = NULL;
       e->t_enqueue = e->t_done = e->first = e->last = 0;
+      atomic_store(&e->t_start, 0);
       atomic_store(&e->pending, 0); atomic_store(&e->children, 0); atomic_store(&e->stopped, 0);
       atomic_store(&e->kernels_done, 0);
       atomic_store(&e->bytes, 0); atomic_store(&e->steps_done, 0); atomic_store(&e->reported, 0);
@@ -257,7 +261,7 @@ static void mt_emit_coll(mt_event *c, int64_t end) {
   r.global_rank = c->ctx->global_rank; r.rank = c->ctx->rank; r.nranks = c->ctx->nranks;
   r.peer = c->peer; r.nchannels = c->nchannels; r.func = c->func; r.dtype = c->dtype;
   r.algo = c->algo; r.proto = c->proto; r.count = c->count;
-  r.t_enqueue = c->t_enqueue; r.t_done = end;
+  r.t_enqueue = c->t_enqueue; r.t_start = atomic_load(&c->t_start); r.t_done = end;
   mt_push(&r);
 }
 
@@ -351,18 +355,20 @@ static int mt_format(const mt_rec *r, char *buf, size_t cap) {
   if (r->kind == REC_COLL) {
     int size;
     const char *dt = mt_dtype(r->dtype, &size);
-    char peer[32] = "null", end[32] = "null";
+    char peer[32] = "null", start[32] = "null", end[32] = "null";
     if (r->peer >= 0) snprintf(peer, sizeof peer, "%d", r->peer);
-    if (r->t_done >= r->t_enqueue && r->t_done > 0) snprintf(end, sizeof end, "%lld", (long long)r->t_done);
+    int64_t t0 = r->t_start < r->t_enqueue ? r->t_enqueue : r->t_start; /* never before the call */
+    if (r->t_start > 0) snprintf(start, sizeof start, "%lld", (long long)t0);
+    if (r->t_done >= t0 && r->t_done > 0) snprintf(end, sizeof end, "%lld", (long long)r->t_done);
     return snprintf(buf, cap,
                     "{\"type\":\"coll\",%s,\"comm_hash\":%llu,\"comm_size\":%d,\"rank_in_comm\":%d,"
                     "\"op\":\"%s\",\"seq\":%llu,\"count\":%zu,\"size_bytes\":%zu,\"dtype\":\"%s\","
-                    "\"enqueue_ns\":%lld,\"end_ns\":%s,\"peer\":%s,\"algo\":%s%s%s,\"proto\":%s%s%s,"
+                    "\"enqueue_ns\":%lld,\"start_ns\":%s,\"end_ns\":%s,\"peer\":%s,\"algo\":%s%s%s,\"proto\":%s%s%s,"
                     "\"nchannels\":%d}\n",
                     head, (unsigned long long)r->comm_hash, r->peer >= 0 ? 2 : r->nranks,
                     r->peer >= 0 ? (r->rank > r->peer) : r->rank, r->func ? r->func : "AllReduce",
                     (unsigned long long)r->seq, r->count, r->count * (size_t)size, dt,
-                    (long long)r->t_enqueue, end, peer, r->algo ? "\"" : "", r->algo ? r->algo : "null",
+                    (long long)r->t_enqueue, start, end, peer, r->algo ? "\"" : "", r->algo ? r->algo : "null",
                     r->algo ? "\"" : "", r->proto ? "\"" : "", r->proto ? r->proto : "null",
                     r->proto ? "\"" : "", r->nchannels);
   }
@@ -593,7 +599,11 @@ static mt_result_t mt_start(mt_ctx *ctx, void **handle, uint64_t type, void *par
       e->channel = op->channelId; e->peer = op->peer; e->nsteps = op->nSteps; e->is_send = op->isSend;
       if (parent) { atomic_fetch_add(&parent->pending, 1); atomic_fetch_add(&parent->children, 1); }
     } else if (type == MT_KERNEL_CH) {
-      if (parent) { atomic_fetch_add(&parent->pending, 1); atomic_fetch_add(&parent->children, 1); }
+      if (parent) {
+        atomic_fetch_add(&parent->pending, 1); atomic_fetch_add(&parent->children, 1);
+        int64_t none = 0; /* the first channel to start says when the GPU reached the call */
+        atomic_compare_exchange_strong(&parent->t_start, &none, mt_now());
+      }
     } else { /* proxy step: its parent is the proxy op */
       int64_t now = mt_now();
       if (parent && !parent->first) parent->first = now;
