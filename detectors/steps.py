@@ -12,6 +12,7 @@ when instances two steps later show it never will.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -137,11 +138,7 @@ class StepPart:
 
     def merge(self, other: StepPart) -> None:
         """Add another part of the same step."""
-        self.n += other.n
-        self.start = min(self.start, other.start)
-        self.end = max(self.end, other.end)
-        self.dp_end = max(self.dp_end, other.dp_end)
-        self.last_arrival = max(self.last_arrival, other.last_arrival)
+        self.merge_shape(other)
         for mine, theirs in (
             (self.lead_sum, other.lead_sum),
             (self.lead_n, other.lead_n),
@@ -157,6 +154,16 @@ class StepPart:
         for r, v in other.last_end.items():
             if v > self.last_end.get(r, 0):
                 self.last_end[r] = v
+
+    def merge_shape(self, other: StepPart) -> None:
+        """Add another part's count, extent, transfers and node spans, leaving its
+        per-rank figures to :func:`dense_ranks` (the job merges thousands of parts
+        a step: per-rank dictionaries are summed once, as arrays, at the close)."""
+        self.n += other.n
+        self.start = min(self.start, other.start)
+        self.end = max(self.end, other.end)
+        self.dp_end = max(self.dp_end, other.dp_end)
+        self.last_arrival = max(self.last_arrival, other.last_arrival)
         for c, x in other.transfer.items():
             self.transfer[c] = max(self.transfer.get(c, 0), x)
         for key, (b, e) in other.spans.items():
@@ -171,13 +178,34 @@ class StepPart:
                 nl[r] = nl.get(r, 0.0) + v
 
 
-def _dense(
-    values: dict[int, float] | dict[int, int], world: int, fill: float = 0.0, dtype: type = float
-) -> np.ndarray:
-    """A per-rank array from a sparse {rank: value} (ranks absent get ``fill``)."""
-    out = np.full(world, fill, dtype=dtype)
-    if values:
-        out[list(values)] = list(values.values())
+def _keys_values(dicts: list[dict[int, float]] | list[dict[int, int]]) -> tuple[list, list]:
+    return list(chain.from_iterable(dicts)), list(chain.from_iterable(d.values() for d in dicts))
+
+
+def dense_ranks(parts: list[StepPart], world: int) -> dict[str, np.ndarray]:
+    """The per-rank figures of several parts of one step, merged, as arrays.
+
+    >>> a, b = StepPart(0, lateness={1: 2.0}, first={1: 50}), StepPart(0, lateness={1: 1.0})
+    >>> b.first[1], b.first[2] = 40, 60
+    >>> d = dense_ranks([a, b], 3)
+    >>> d["lateness"].tolist(), d["first"].tolist()
+    ([0.0, 3.0, 0.0], [-1, 40, 60])
+    """
+    out: dict[str, np.ndarray] = {}
+    for name in ("lead_sum", "lead_n", "wait", "lateness", "blame"):
+        keys, values = _keys_values([getattr(p, name) for p in parts])
+        out[name] = (
+            np.bincount(keys, weights=values, minlength=world)[:world] if keys else np.zeros(world)
+        )
+    keys, values = _keys_values([p.first for p in parts])
+    first = np.full(world, _NEVER, dtype=np.int64)
+    np.minimum.at(first, np.asarray(keys, dtype=np.int64), np.asarray(values, dtype=np.int64))
+    first[first == _NEVER] = -1
+    out["first"] = first
+    keys, values = _keys_values([p.last_end for p in parts])
+    last_end = np.zeros(world, dtype=np.int64)
+    np.maximum.at(last_end, np.asarray(keys, dtype=np.int64), np.asarray(values, dtype=np.int64))
+    out["last_end"] = last_end
     return out
 
 
@@ -191,6 +219,7 @@ class StepAssembler:
 
     def _reset(self) -> None:
         self._acc: dict[int, StepPart] = {}
+        self._parts: dict[int, list[StepPart]] = {}  # parts merged at the close (dense_ranks)
         self._closed_upto = -1
         self._prev_end: int | None = None
         self.late_instances = 0
@@ -239,7 +268,8 @@ class StepAssembler:
         acc = self._acc.get(part.step)
         if acc is None:
             acc = self._acc[part.step] = StepPart(part.step)
-        acc.merge(part)
+        acc.merge_shape(part)
+        self._parts.setdefault(part.step, []).append(part)
         return self._after(acc, part.comm_hash)
 
     def _after(self, acc: StepPart, comm: int) -> list[StepReport]:
@@ -290,8 +320,8 @@ class StepAssembler:
             end = acc.dp_end or acc.end
             start = self._prev_end if self._prev_end is not None else acc.start
             self._prev_end = end
-            lead_sum = _dense(acc.lead_sum, world)
-            lead_n = _dense(acc.lead_n, world)
+            ranks = dense_ranks([acc, *self._parts.pop(s, [])], world)
+            lead_sum, lead_n = ranks["lead_sum"], ranks["lead_n"]
             lead = np.divide(lead_sum, lead_n, out=np.zeros_like(lead_sum), where=lead_n > 0)
             out.append(
                 StepReport(
@@ -301,12 +331,12 @@ class StepAssembler:
                     duration_ns=max(0, end - start),
                     complete=acc.n >= self.expected_instances(),
                     n_instances=acc.n,
-                    lateness_ns=_dense(acc.lateness, world),
-                    blame_ns=_dense(acc.blame, world),
-                    wait_ns=_dense(acc.wait, world),
+                    lateness_ns=ranks["lateness"],
+                    blame_ns=ranks["blame"],
+                    wait_ns=ranks["wait"],
                     host_lead_ns=lead,
-                    first_ns=_dense(acc.first, world, -1, np.int64),
-                    last_end_ns=_dense(acc.last_end, world, 0, np.int64),
+                    first_ns=ranks["first"],
+                    last_end_ns=ranks["last_end"],
                     spans=acc.spans,
                     node_lateness=acc.node_late,
                     transfer_ns=acc.transfer,
