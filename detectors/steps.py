@@ -122,12 +122,14 @@ class StepPart:
         )
         stage, replica, _ = topo.coords(ranks[0])
         key = (replica, stage, phase, mb if mb is not None else -1)
+        # the node runs from the moment its whole TP group met at a collective: a member
+        # that came early (its peer was held up upstream) waited, it did not compute
         span = self.spans.get(key)
         if span is None:
-            self.spans[key] = [a_min, e_max]
+            self.spans[key] = [a_max, e_max]
             nl = self.node_late[key] = dict.fromkeys(ranks, 0.0)
         else:
-            span[0] = min(span[0], a_min)
+            span[0] = min(span[0], a_max)
             span[1] = max(span[1], e_max)
             nl = self.node_late[key]
         lateness = self.lateness
@@ -242,6 +244,7 @@ class StepAssembler:
             + by_role[CommRole.DP] * t.dp_ops_per_step
             + by_role[CommRole.PP] * 2 * t.job.num_microbatches
             + by_role[CommRole.EP] * t.ep_ops_per_step
+            + by_role[CommRole.CP] * t.cp_ops_per_step
         )
         self._expected = (len(t.comms), n)
         return n

@@ -14,7 +14,12 @@ non-interleaved 1F1B schedule:
   AllGather, distributed optimizer) collectives per step;
 * with expert parallelism (``ep > 1``), an EP communicator of stage s issues
   two AllToAll (dispatch, combine) per layer of every (phase, micro-batch)
-  node, in the stage's 1F1B order.
+  node, in the stage's 1F1B order;
+* with context parallelism (``cp > 1``, Megatron's tp-cp-dp-pp order: a
+  stage's data axis has dp x cp ranks), a CP communicator issues two
+  collectives per layer of every node (keys and values gathered in the
+  forward pass; gathered, and their gradients reduce-scattered, in the
+  backward pass), in the stage's 1F1B order.
 
 >>> from schemas.records import JobInfo
 >>> topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=8, tp=2, pp=2, dp=2,
@@ -77,9 +82,11 @@ class Topology:
 
     # ------------------------------------------------------------------ ranks
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp stage, dp index, tp index) from Megatron's layout."""
+        """(pp stage, data-axis index, tp index) from Megatron's layout (the data axis
+        has dp x cp ranks; it is the dp index without context parallelism)."""
         j = self.job
-        return rank // (j.tp * j.dp), (rank // j.tp) % j.dp, rank % j.tp
+        d = j.dp * j.cp
+        return rank // (j.tp * d), (rank // j.tp) % d, rank % j.tp
 
     def node(self, rank: int) -> str:
         info = self.ranks.get(rank)
@@ -130,12 +137,23 @@ class Topology:
         return 2 * self.job.num_microbatches * self.ep_ops_per_node
 
     @property
+    def cp_ops_per_node(self) -> int:
+        """Context-parallel collectives per (phase, micro-batch) node: two per layer (0
+        without context parallelism)."""
+        j = self.job
+        return 2 * (j.num_layers // j.pp) if j.cp > 1 else 0
+
+    @property
+    def cp_ops_per_step(self) -> int:
+        return 2 * self.job.num_microbatches * self.cp_ops_per_node
+
+    @property
     def dp_ops_per_step(self) -> int:
         return 2 if self.job.distributed_optimizer else 1
 
     def place(self, comm_hash: int, seq: int, op: CollOp, sender: int) -> Position | None:
         """:meth:`position` of a collective instance (``sender`` -1 for collectives)."""
-        stage = sender // (self.job.tp * self.job.dp) if sender >= 0 else None
+        stage = self.coords(sender)[0] if sender >= 0 else None
         return self.position(comm_hash, seq, op, stage)
 
     def position(
@@ -153,9 +171,12 @@ class Topology:
             phase, mb = self.stage_order(stage or 0)[node]
             per_layer = 2 * (2 if self.job.sequence_parallel else 1)
             return Position(step, phase, mb, stage, k // per_layer)
-        if info.role == CommRole.EP and self.ep_ops_per_step:
-            step, i = divmod(seq, self.ep_ops_per_step)
-            node, k = divmod(i, self.ep_ops_per_node)
+        if info.role is CommRole.EP or info.role is CommRole.CP:  # n per layer, every node
+            n = self.ep_ops_per_node if info.role is CommRole.EP else self.cp_ops_per_node
+            if not n:
+                return Position(0, Phase.UNKNOWN.value, None, stage)
+            step, i = divmod(seq, 2 * M * n)
+            node, k = divmod(i, n)
             phase, mb = self.stage_order(stage or 0)[node]
             return Position(step, phase, mb, stage, k // 2)
         if info.role == CommRole.PP:

@@ -390,6 +390,9 @@ def scenarios() -> None:
 @click.option("--pp", type=int)
 @click.option("--dp", type=int)
 @click.option("--ep", type=int, help="Expert parallelism (MoE AllToAll); must divide dp.")
+@click.option(
+    "--cp", type=int, help="Context parallelism (keys/values gathered per layer); ranks x cp."
+)
 @click.option("--steps", type=int, help="Iterations (default: the scenario's).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--no-kernels", is_flag=True, help="Leave out CUPTI kernel records.")
@@ -405,6 +408,7 @@ def simulate(
     pp: int | None,
     dp: int | None,
     ep: int | None,
+    cp: int | None,
     steps: int | None,
     seed: int,
     no_kernels: bool,
@@ -416,7 +420,7 @@ def simulate(
     from producers.sim.scenarios import build
     from schemas.codec import write_jsonl
 
-    over = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp, "ep": ep}.items() if v}
+    over = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}.items() if v}
     if no_kernels:
         over["kernels"] = False
     try:
@@ -426,7 +430,7 @@ def simulate(
     sp = run.spec
     click.echo(
         f"job {sp.job}: {sp.world_size} ranks (tp{sp.tp} pp{sp.pp} dp{sp.dp}"
-        f"{f' ep{sp.ep}' if sp.ep > 1 else ''}) on "
+        f"{f' ep{sp.ep}' if sp.ep > 1 else ''}{f' cp{sp.cp}' if sp.cp > 1 else ''}) on "
         f"{sp.num_nodes} nodes, {run.steps} steps, faults: {run.faults or 'none'}"
     )
     records = _paced(run.records(), speed) if paced else run.records()
@@ -799,7 +803,11 @@ def report(obj: _Ctx, job: str, out: str | None) -> None:
     show_default=True,
     help="Also score the peers' rules (HTA, NVRx, Flight Recorder, fixed threshold).",
 )
-def evaluate(scales: tuple[str, ...], seeds: int, names: tuple[str, ...], baselines: bool) -> None:
+@click.option("--ep", default=1, show_default=True, help="Expert parallelism of every job.")
+@click.option("--cp", default=1, show_default=True, help="Context parallelism of every job.")
+def evaluate(
+    scales: tuple[str, ...], seeds: int, names: tuple[str, ...], baselines: bool, ep: int, cp: int
+) -> None:
     """Detection quality on the labelled scenario catalogue, megatrace beside its peers."""
     from detectors.baselines import BASELINES
     from detectors.replay import Replay
@@ -813,7 +821,7 @@ def evaluate(scales: tuple[str, ...], seeds: int, names: tuple[str, ...], baseli
             if n == "story":
                 continue
             try:
-                build(n, scale=sc, seed=100)
+                build(n, scale=sc, seed=100, ep=ep, cp=cp)
             except NotApplicable as e:
                 click.echo(f"skipping {n} at {sc}: {e}")
                 continue
@@ -826,7 +834,7 @@ def evaluate(scales: tuple[str, ...], seeds: int, names: tuple[str, ...], baseli
     ) as bar:
         done = 0
         for name, scale, seed in bar:
-            run = build(name, scale=scale, seed=seed + 100)
+            run = build(name, scale=scale, seed=seed + 100, ep=ep, cp=cp)
             records = list(run.records(emit_kernels=baselines))
             replay = Replay()
             t0 = time.perf_counter()

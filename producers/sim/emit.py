@@ -52,22 +52,25 @@ class Emitter:
         self.comm_size = [len(c.ranks) for c in lay.comms]
         self.comm_stage = np.array([c.pp_stage for c in lay.comms])
         # latest issued/completed seq per (rank, slot); slot: 0 tp, 1 dp, 2 pp-below,
-        # 3 pp-above, 4 ep
+        # 3 pp-above, 4 ep or cp (the group carved from the data axis; never both)
         self.slot_comm = np.full((sp.world_size, 5), -1, dtype=np.int64)
+        group = max(sp.ep, sp.cp)
+        group_comm = lay.ep_comm if sp.ep > 1 else lay.cp_comm
         for p in range(sp.pp):
-            for d in range(sp.dp):
+            for d in range(sp.dpc):
                 for t in range(sp.tp):
                     r = sp.rank(p, d, t)
                     if sp.tp > 1:
                         self.slot_comm[r, 0] = lay.tp_comm[p, d]
-                    if sp.dp > 1:
+                    if sp.dpc > 1:
                         self.slot_comm[r, 1] = lay.dp_comm[p, t]
                     if p > 0:
                         self.slot_comm[r, 2] = lay.pp_comm[p - 1, d, t]
                     if p < sp.pp - 1:
                         self.slot_comm[r, 3] = lay.pp_comm[p, d, t]
-                    if sp.ep > 1:
-                        self.slot_comm[r, 4] = lay.ep_comm[p, d, t]
+                    if group > 1:
+                        self.slot_comm[r, 4] = group_comm[p, d, t]
+        self.group = group
         self.issued = np.full(self.slot_comm.shape, -1, dtype=np.int64)
         self.completed = np.full(self.slot_comm.shape, -1, dtype=np.int64)
         self.last_ns = int(sp.t0_ns)
@@ -90,8 +93,8 @@ class Emitter:
         sp = self.spec
         rank_in = np.select(
             [slot == 0, slot == 1, slot == 4],
-            [rank % sp.tp, (rank // sp.tp) % sp.dp, (rank // sp.tp) % sp.dp % sp.ep],
-            rank // (sp.tp * sp.dp) - self.comm_stage[comm],
+            [rank % sp.tp, (rank // sp.tp) % sp.dpc, (rank // sp.tp) % sp.dpc % self.group],
+            rank // (sp.tp * sp.dpc) - self.comm_stage[comm],
         )
         enq = self._abs(c["enqueue"], rank)
         start = self._abs(c["start"], rank)

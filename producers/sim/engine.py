@@ -3,7 +3,8 @@
 Each pipeline stage runs Megatron's non-interleaved 1F1B program (warm-up
 forwards, steady one-forward-one-backward, cool-down backwards, then the
 data-parallel gradient sync and the optimizer). Work is vectorised over the
-(dp, tp) ranks of a stage: one numpy operation per call for all of them.
+(d, tp) ranks of a stage (d: the data axis, dp x cp ranks): one numpy operation
+per call for all of them.
 
 Timing rules (times are float ns since the job start; ``inf`` = never):
 
@@ -159,7 +160,7 @@ class Engine:
         s = spec
         rng = np.random.default_rng(spec.seed)
         self.rng = rng
-        shape = (s.pp, s.dp, s.tp)
+        shape = (s.pp, s.dpc, s.tp)
         self.speed = (1.0 + rng.normal(0.0, s.rank_speed_cv, shape)).clip(0.9, 1.1)
         self.lateness = np.abs(rng.normal(0.0, s.rank_lateness_us * 1e3, shape))
         self.skew_ns = rng.normal(0.0, s.clock_skew_us * 1e3, s.num_nodes)
@@ -169,7 +170,7 @@ class Engine:
         self.step_no = 0
         self.hung = False
         # transfer sizes (bytes) per call kind
-        h, sl, mbs = s.hidden, s.seq_len, s.micro_batch_size
+        h, sl, mbs = s.hidden, s.seq_len // s.cp, s.micro_batch_size  # this rank's tokens
         self.act_elems = sl * mbs * h // (s.tp if s.sequence_parallel else 1)
         self.tp_elems = sl * mbs * h
         self.grad_elems = 12 * h * h * s.layers_per_stage // s.tp
@@ -342,37 +343,82 @@ class Engine:
             if sp.sequence_parallel
             else [CollOp.ALL_REDUCE]
         )
+        base /= sp.cp  # context parallelism: each rank computes its share of the sequence
+        forward = phase == PHASE_CODE[Phase.FORWARD]
         for layer in range(sp.layers_per_stage):
             for part, frac in enumerate((0.4, 0.6)):
                 moe = part == 1 and sp.ep > 1
+                ctx = part == 0 and sp.cp > 1
                 if moe:  # MoE: tokens to their experts, through the expert computation, back
                     self._ep_all_to_all(s, phase, mb)
+                if ctx:  # attention over the whole sequence: gather keys and values
+                    self._cp_collective(s, CollOp.ALL_GATHER, phase, mb)
+                    if forward:
+                        self._cp_collective(s, CollOp.ALL_GATHER, phase, mb)
                 self._compute(s, base * frac, names[part], phase, mb)
                 if moe:
                     self._ep_all_to_all(s, phase, mb)
+                if ctx and not forward:  # their gradients go back to their owners
+                    self._cp_collective(s, CollOp.REDUCE_SCATTER, phase, mb)
                 for op in ops:
                     self._tp_collective(s, op, phase, mb, layer)
 
     def _ep_all_to_all(self, s: int, phase: int, mb: int) -> None:
-        """One AllToAll in every expert-parallel group of stage ``s`` (groups of ``ep``
-        consecutive dp indices): it ends when its last member arrived and the tokens moved."""
+        """One AllToAll in every expert-parallel group of stage ``s``: this rank's tokens
+        to their experts, (ep-1)/ep of them leaving it."""
         sp = self.spec
-        arrive = self.T[s] + self.launch[s]  # [dp, tp]
-        groups = arrive.reshape(sp.dp // sp.ep, sp.ep, sp.tp)
+        count = self.tp_elems // sp.tp
+        self._group_collective(
+            s,
+            CollOp.ALL_TO_ALL,
+            sp.ep,
+            self.layout.ep_comm[s],
+            count,
+            count * 2 * (sp.ep - 1) / sp.ep,
+            phase,
+            mb,
+        )
+
+    def _cp_collective(self, s: int, op: CollOp, phase: int, mb: int) -> None:
+        """One AllGather (keys or values) or ReduceScatter (their gradients) in every
+        context-parallel group of stage ``s``: each rank's share of the sequence's
+        keys/values, (cp-1)/cp of the whole moving through each rank."""
+        sp = self.spec
+        kv = self.tp_elems // sp.tp  # this rank's share of keys (or values), elements
+        count = kv * sp.cp if op == CollOp.ALL_GATHER else kv
+        self._group_collective(
+            s, op, sp.cp, self.layout.cp_comm[s], count, kv * 2 * (sp.cp - 1), phase, mb
+        )
+
+    def _group_collective(
+        self,
+        s: int,
+        op: CollOp,
+        size: int,
+        comms: np.ndarray,
+        count: int,
+        moved: float,
+        phase: int,
+        mb: int,
+    ) -> None:
+        """A collective in every group of ``size`` consecutive data-axis ranks of stage
+        ``s`` (expert or context parallelism): it ends when its last member arrived and
+        ``moved`` bytes per rank went over the group's slowest kind of link."""
+        sp = self.spec
+        arrive = self.T[s] + self.launch[s]  # [d, tp]
+        groups = arrive.reshape(sp.dpc // size, size, sp.tp)
         ranks = self.layout.ranks[s].reshape(groups.shape)
         one_node = (ranks // sp.gpus_per_node == ranks[:, :1] // sp.gpus_per_node).all(axis=1)
         bw = np.where(one_node, sp.nvlink_gbytes_s, sp.nic_gbytes_s)  # [groups, tp]
-        nbytes = self.tp_elems * 2 // sp.tp  # this rank's tokens, (ep-1)/ep of them leave it
-        xfer = nbytes * (sp.ep - 1) / sp.ep / (bw * 1e9) * 1e9 + sp.latency_us * 1e3
+        xfer = moved / (bw * 1e9) * 1e9 + sp.latency_us * 1e3
         end = groups.max(axis=1, keepdims=True) + xfer[:, None, :]
         end = np.broadcast_to(end, groups.shape).reshape(arrive.shape)
-        count = self.tp_elems // sp.tp
         self._record_coll(
             s,
             self.layout.ranks[s],
-            self.layout.ep_comm[s],
-            CollOp.ALL_TO_ALL,
-            self.ep_seq[s],
+            comms,
+            op,
+            self.group_seq[s],
             -1,
             count,
             count * 2,
@@ -382,7 +428,7 @@ class Engine:
             phase,
             4,
         )
-        self.ep_seq[s] += 1
+        self.group_seq[s] += 1
         self.T[s] = np.array(end)
 
     # ------------------------------------------------------------------ pipeline
@@ -593,7 +639,7 @@ class Engine:
     def _dp_sync(self, s: int) -> None:
         sp = self.spec
         F = PHASE_CODE[Phase.DP_SYNC]
-        if sp.dp > 1:
+        if sp.dpc > 1:  # gradients are reduced over the dp x cp ranks
             ops = (
                 [CollOp.REDUCE_SCATTER, CollOp.ALL_GATHER]
                 if sp.distributed_optimizer
@@ -610,8 +656,8 @@ class Engine:
 
     def _dp_collective(self, s: int, op: CollOp, phase: int) -> None:
         sp = self.spec
-        n = sp.dp
-        ranks = self.layout.ranks[s]  # (dp, tp)
+        n = sp.dpc
+        ranks = self.layout.ranks[s]  # (d, tp)
         nxt = np.roll(ranks, -1, axis=0)  # ring successor within each tp column
         arrive = self.T[s] + self.launch[s]
         nbytes = self.grad_elems * 2  # bf16 gradients
@@ -743,7 +789,7 @@ class Engine:
         self.links = Columns(LINK_COLS)
         self.tp_seq = getattr(self, "tp_seq", [0] * sp.pp)
         self.dp_seq = getattr(self, "dp_seq", [0] * sp.pp)
-        self.ep_seq = getattr(self, "ep_seq", [0] * sp.pp)
+        self.group_seq = getattr(self, "group_seq", [0] * sp.pp)  # EP or CP, per stage
         self._pending: dict = {}
         self._done: dict = {}
         start = self.T.copy()

@@ -2,7 +2,9 @@
 
 Rank layout (Megatron): ``tp = r % TP``, ``dp = (r // TP) % DP``,
 ``pp = r // (TP * DP)``; nodes hold ``gpus_per_node`` consecutive ranks, one
-NIC per GPU.
+NIC per GPU. With context parallelism Megatron's order is tp-cp-dp-pp: the
+"data axis" of a stage then has ``DP * CP`` ranks, ``d = cp + CP * dp``, and
+everything below indexes ranks by (stage, d, tp).
 
 Communicators:
 
@@ -18,7 +20,14 @@ Communicators:
   MLP is a MoE layer: an AllToAll dispatches tokens to the experts and another
   combines them, in the forward and again in the backward pass.
 
-Context parallelism (``cp > 1``) is refused with a clear error: not simulated.
+* CP (with ``cp > 1``, context parallelism: each rank holds ``1/CP`` of the
+  sequence): one communicator per group of ``cp`` consecutive data-axis
+  ranks. Attention needs the whole sequence's keys and values, exchanged as
+  Megatron/Transformer Engine's ``all_gather`` context-parallel mode does: per
+  layer, two AllGathers (keys, values) in the forward pass, and an AllGather
+  of keys and values plus a ReduceScatter of their gradients in the backward
+  pass. Gradients are reduced over the DP x CP ranks (the DP communicator
+  spans the data axis). CP with EP is refused (not simulated).
 
 >>> spec = JobSpec(tp=2, pp=2, dp=2, num_layers=4, global_batch_size=8)
 >>> spec.world_size, spec.num_microbatches, spec.coords(5)
@@ -93,8 +102,10 @@ class JobSpec:
         ):
             if getattr(self, name) < 1:
                 raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.cp != 1:
-            raise SpecError("context parallelism (cp) is not simulated yet: use cp=1")
+        if self.cp > 1 and self.ep > 1:
+            raise SpecError("context and expert parallelism together are not simulated")
+        if self.seq_len % self.cp:
+            raise SpecError(f"seq_len {self.seq_len} is not divisible by cp {self.cp}")
         if self.dp % self.ep:
             raise SpecError(
                 f"ep {self.ep} must divide dp {self.dp}: expert-parallel groups are carved "
@@ -113,7 +124,12 @@ class JobSpec:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def dpc(self) -> int:
+        """Ranks along a stage's data axis: data-parallel replicas x context-parallel ranks."""
+        return self.dp * self.cp
 
     @property
     def num_microbatches(self) -> int:
@@ -127,12 +143,14 @@ class JobSpec:
     def num_nodes(self) -> int:
         return -(-self.world_size // self.gpus_per_node)
 
-    def rank(self, stage: int, dp: int, tp: int) -> int:
-        return stage * self.tp * self.dp + dp * self.tp + tp
+    def rank(self, stage: int, d: int, tp: int) -> int:
+        """The global rank at (pp stage, data-axis index, tp index)."""
+        return stage * self.tp * self.dpc + d * self.tp + tp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp stage, dp index, tp index) of a global rank."""
-        return rank // (self.tp * self.dp), (rank // self.tp) % self.dp, rank % self.tp
+        """(pp stage, data-axis index, tp index) of a global rank (the data-axis index is
+        the dp index without context parallelism)."""
+        return rank // (self.tp * self.dpc), (rank // self.tp) % self.dpc, rank % self.tp
 
     def node_of(self, rank: int) -> str:
         return f"node-{rank // self.gpus_per_node}"
@@ -190,21 +208,24 @@ class Layout:
     tp_comm: np.ndarray = field(init=False)  # [stage, dp] -> comm index
     dp_comm: np.ndarray = field(init=False)  # [stage, tp] -> comm index
     pp_comm: np.ndarray = field(init=False)  # [stage (lower of pair), dp, tp] -> comm index
-    ep_comm: np.ndarray = field(init=False)  # [stage, dp, tp] -> comm index (-1: no EP)
-    ranks: np.ndarray = field(init=False)  # [stage, dp, tp] -> global rank
+    ep_comm: np.ndarray = field(init=False)  # [stage, d, tp] -> comm index (-1: no EP)
+    cp_comm: np.ndarray = field(init=False)  # [stage, d, tp] -> comm index (-1: no CP)
+    ranks: np.ndarray = field(init=False)  # [stage, d, tp] -> global rank (d: data axis)
 
     def __post_init__(self) -> None:
         s = self.spec
         self.comms = []
+        D = s.dpc
         self.ranks = np.array(
-            [[[s.rank(p, d, t) for t in range(s.tp)] for d in range(s.dp)] for p in range(s.pp)]
+            [[[s.rank(p, d, t) for t in range(s.tp)] for d in range(D)] for p in range(s.pp)]
         )
-        self.tp_comm = np.zeros((s.pp, s.dp), dtype=np.int64)
+        self.tp_comm = np.zeros((s.pp, D), dtype=np.int64)
         self.dp_comm = np.zeros((s.pp, s.tp), dtype=np.int64)
-        self.pp_comm = np.zeros((max(s.pp - 1, 1), s.dp, s.tp), dtype=np.int64)
-        self.ep_comm = np.full((s.pp, s.dp, s.tp), -1, dtype=np.int64)
+        self.pp_comm = np.zeros((max(s.pp - 1, 1), D, s.tp), dtype=np.int64)
+        self.ep_comm = np.full((s.pp, D, s.tp), -1, dtype=np.int64)
+        self.cp_comm = np.full((s.pp, D, s.tp), -1, dtype=np.int64)
         for p in range(s.pp):
-            for d in range(s.dp):
+            for d in range(D):
                 self.tp_comm[p, d] = self._add(
                     CommRole.TP, list(self.ranks[p, d]), f"tp.{p}.{d}", p
                 )
@@ -213,19 +234,22 @@ class Layout:
                     CommRole.DP, list(self.ranks[p, :, t]), f"dp.{p}.{t}", p
                 )
         for p in range(s.pp - 1):
-            for d in range(s.dp):
+            for d in range(D):
                 for t in range(s.tp):
                     pair = [int(self.ranks[p, d, t]), int(self.ranks[p + 1, d, t])]
                     self.pp_comm[p, d, t] = self._add(CommRole.PP, pair, f"pp.{p}.{d}.{t}", p)
-        if s.ep > 1:
-            for p in range(s.pp):
+        for role, size, table in (
+            (CommRole.EP, s.ep, self.ep_comm),
+            (CommRole.CP, s.cp, self.cp_comm),
+        ):
+            if size < 2:
+                continue
+            for p in range(s.pp):  # groups of consecutive data-axis ranks
                 for t in range(s.tp):
-                    for g in range(s.dp // s.ep):
-                        group = slice(g * s.ep, (g + 1) * s.ep)
-                        idx = self._add(
-                            CommRole.EP, list(self.ranks[p, group, t]), f"ep.{p}.{t}.{g}", p
-                        )
-                        self.ep_comm[p, group, t] = idx
+                    for g in range(D // size):
+                        group = slice(g * size, (g + 1) * size)
+                        name = f"{role.value}.{p}.{t}.{g}"
+                        table[p, group, t] = self._add(role, list(self.ranks[p, group, t]), name, p)
         self.hashes = np.array([c.hash for c in self.comms], dtype=np.uint64)
         self.sizes = np.array([len(c.ranks) for c in self.comms], dtype=np.int64)
         # rank_in_comm lookup: dict per comm
@@ -259,7 +283,8 @@ class Layout:
                     nic=s.nic_of(r),
                     tp_rank=t,
                     pp_stage=p,
-                    dp_rank=d,
+                    dp_rank=d // s.cp,
+                    cp_rank=d % s.cp,
                 )
             )
         for c in self.comms:

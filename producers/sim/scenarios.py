@@ -153,14 +153,14 @@ def _time_ordered(emitter: Emitter, trace: StepTrace) -> list[msgspec.Struct]:
 
 def _stage_rank(spec: JobSpec, rng: np.random.Generator, stage: int | None = None) -> int:
     p = int(rng.integers(spec.pp)) if stage is None else stage
-    return spec.rank(p, int(rng.integers(spec.dp)), int(rng.integers(spec.tp)))
+    return spec.rank(p, int(rng.integers(spec.dpc)), int(rng.integers(spec.tp)))
 
 
 def _remote_peers(spec: JobSpec, u: int, upstream: bool) -> list[int]:
     """The ranks on other nodes that ``u`` sends to: its DP-ring successor and its next
     pipeline stage (activations), and with ``upstream`` its previous stage (gradients)."""
     p, d, t = spec.coords(u)
-    peers = [spec.rank(p, (d + 1) % spec.dp, t)] if spec.dp > 1 else []
+    peers = [spec.rank(p, (d + 1) % spec.dpc, t)] if spec.dpc > 1 else []
     stages = (p + 1, p - 1) if upstream else (p + 1,)
     peers += [spec.rank(q, d, t) for q in stages if 0 <= q < spec.pp]
     return [v for v in peers if spec.node_of(v) != spec.node_of(u)]
@@ -304,7 +304,7 @@ def find_bubble_slot(spec: JobSpec, onset: int, rng: np.random.Generator) -> Bub
     if spec.pp < 2:
         raise ValueError("a pipeline bubble needs pp >= 2")
     base = Engine(replace(spec, kernels=False)).step().duration_ns
-    rank = spec.rank(0, int(rng.integers(spec.dp)), int(rng.integers(spec.tp)))
+    rank = spec.rank(0, int(rng.integers(spec.dpc)), int(rng.integers(spec.tp)))
     M = spec.num_microbatches
     for mb in range(M - 1, -1, -1):
         for frac in (0.5, 0.3, 0.15):
