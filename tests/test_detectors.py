@@ -306,16 +306,18 @@ def test_folding_per_communicator_changes_nothing_the_job_concludes() -> None:
     assert any(isinstance(r, Verdict) for r in plain)
 
 
+@pytest.mark.parametrize("parallel", [{"ep": 2}, {"cp": 2}], ids=["ep2", "cp2"])
 @pytest.mark.parametrize(
     ("scenario", "kind"),
     [("missing-recv", VerdictKind.HANG), ("mixed", VerdictKind.SLOWDOWN), ("healthy", None)],
 )
-def test_an_expert_parallel_job_is_analysed_like_any_other(
-    scenario: str, kind: VerdictKind | None
+def test_expert_and_context_parallel_jobs_are_analysed_like_any_other(
+    scenario: str, kind: VerdictKind | None, parallel: dict[str, int]
 ) -> None:
-    """With MoE AllToAll on expert-parallel communicators, steps still close complete and
-    the culprit is still the injected rank (not an expert-parallel peer waiting on it)."""
-    run = build(scenario, scale="demo", seed=1, steps=30, ep=2)
+    """With MoE AllToAll on expert-parallel communicators, or keys and values gathered on
+    context-parallel ones every layer, steps still close complete and the culprit is
+    still the injected rank (not a peer of its group waiting on it)."""
+    run = build(scenario, scale="demo", seed=1, steps=30, **parallel)
     replay = Replay()
     verdicts = [v for v in replay.run(run.records()) if isinstance(v, Verdict)]
     (job,) = replay.jobs.values()

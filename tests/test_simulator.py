@@ -20,9 +20,9 @@ def _records(run):
     return list(run.records())
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_sequence_numbers_agree_across_members(ep: int) -> None:
-    run = build("healthy", scale="tiny", seed=2, steps=4, ep=ep)
+@pytest.mark.parametrize(("ep", "cp"), [(1, 1), (2, 1), (1, 2)])
+def test_sequence_numbers_agree_across_members(ep: int, cp: int) -> None:
+    run = build("healthy", scale="tiny", seed=2, steps=4, ep=ep, cp=cp)
     colls = [r for r in _records(run) if isinstance(r, Collective)]
     members = Counter()
     sizes = {}
@@ -142,9 +142,38 @@ def test_expert_parallel_groups_are_carved_from_data_parallel_ranks() -> None:
     assert set(per_rank.values()) == {expected}
 
 
+def test_context_parallel_groups_follow_megatrons_layout() -> None:
+    """cp=2, Megatron's tp-cp-dp-pp order: CP groups are pairs of consecutive data-axis
+    ranks; every layer gathers keys and values; gradients are reduced over dp x cp."""
+    from schemas.records import CommInfo, RankInfo
+    from schemas.units import CommRole
+
+    run = build("healthy", scale="demo", seed=0, steps=2, cp=2)  # tp2 pp4 dp2 cp2
+    spec = run.spec
+    recs = _records(run)
+    assert spec.world_size == 32 and spec.num_microbatches == scale_spec("demo").num_microbatches
+    comms = {r.comm_hash: r for r in recs if isinstance(r, CommInfo)}
+    cp = {h: c for h, c in comms.items() if c.role == CommRole.CP}
+    assert len(cp) == spec.pp * spec.tp * spec.dp
+    for info in cp.values():  # ranks tp apart: cp varies right after tp
+        assert info.ranks[1] - info.ranks[0] == spec.tp
+    dp = [c for c in comms.values() if c.role == CommRole.DP]
+    assert {len(c.ranks) for c in dp} == {spec.dp * spec.cp}
+    ranks = {r.rank: r for r in recs if isinstance(r, RankInfo)}
+    assert (ranks[2].cp_rank, ranks[2].dp_rank, ranks[4].cp_rank, ranks[4].dp_rank) == (1, 0, 0, 1)
+    cp_calls = [r for r in recs if isinstance(r, Collective) and r.comm_hash in cp]
+    assert {r.op for r in cp_calls} == {CollOp.ALL_GATHER, CollOp.REDUCE_SCATTER}
+    per_rank = Counter(r.rank for r in cp_calls)
+    # two per layer, forward and backward, every micro-batch, 2 steps
+    expected = 2 * spec.layers_per_stage * 2 * spec.num_microbatches * 2
+    assert set(per_rank.values()) == {expected}
+
+
 def test_impossible_jobs_are_refused_with_the_reason() -> None:
-    with pytest.raises(SpecError, match="context parallelism"):
-        JobSpec(cp=2)
+    with pytest.raises(SpecError, match="context and expert parallelism"):
+        JobSpec(cp=2, ep=2, dp=2)
+    with pytest.raises(SpecError, match="seq_len 4095 is not divisible by cp 2"):
+        JobSpec(cp=2, seq_len=4095)
     with pytest.raises(SpecError, match="ep 3 must divide dp 2"):
         JobSpec(dp=2, ep=3)
     with pytest.raises(SpecError, match="not divisible by pp"):
