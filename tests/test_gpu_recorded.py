@@ -16,9 +16,10 @@ from click.testing import CliRunner
 
 from megatrace.cli import cli
 from producers.cupti import Activity, map_activities
-from producers.gpu_check import plugin_verdicts
+from producers.gpu_check import collector_verdicts, plugin_verdicts
 from schemas.codec import decode
-from schemas.units import KernelKind
+from schemas.records import Collective, Kernel
+from schemas.units import CollOp, DType, KernelKind
 
 DATA = Path(__file__).with_name("data")
 
@@ -83,3 +84,33 @@ def test_gpu_check_without_a_gpu_says_so(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["gpu-check", "--out", str(tmp_path)])
     assert res.exit_code == 1
     assert "GPU" in res.output or "PyTorch" in res.output
+
+
+def _call(seq: int, enq: int, start: int | None, end: int | None) -> Collective:
+    return Collective(
+        job="j", node="n", rank=0, comm_hash=1, comm_size=1, rank_in_comm=0,
+        op=CollOp.ALL_REDUCE, seq=seq, count=4, size_bytes=16, dtype=DType.FLOAT32,
+        enqueue_ns=enq, start_ns=start, end_ns=end,
+    )  # fmt: skip
+
+
+def test_the_collector_check_wants_device_times_behind_a_busy_gpu() -> None:
+    ms = 1_000_000
+    kernels = [
+        Kernel(job="j", node="n", rank=0, device=0, stream=7, name="nvjet", correlation_id=i,
+               start_ns=i, end_ns=i + 1, kind=KernelKind.COMPUTE)
+        for i in range(3)
+    ]  # fmt: skip
+    calls = [_call(12000 + i, i * ms, i * ms + 10, i * ms + 20) for i in range(3)]
+    early = _call(12003, 10 * ms, None, None)  # reported while the GPU was busy
+    late = _call(12003, 10 * ms, 610 * ms, 611 * ms)
+    ok = collector_verdicts(
+        [*calls, early, late, *kernels], t_call=10 * ms, t_back=10 * ms + 300_000, t_sync=612 * ms
+    )
+    assert [c.ok for c in ok] == [True, True], ok
+    # host times (the call "finished" as soon as it returned) fail the check
+    host = _call(12003, 10 * ms, None, 10 * ms + 300_000)
+    bad = collector_verdicts(
+        [*calls, host, *kernels], t_call=10 * ms, t_back=10 * ms, t_sync=612 * ms
+    )
+    assert [c.name for c in bad if not c.ok] == ["collector device times"]
