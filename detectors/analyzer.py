@@ -90,6 +90,8 @@ class JobAnalyzer:
         self.link_culprits: dict[tuple[int, int], str] = {}  # degraded edge -> its incident
         self.link_fields: dict[str, dict[str, Any]] = {}  # incident -> cause and culprit fields
         self.nic_counters = False  # the job's sources send link samples of their own
+        # per sending rank: [baseline SendGPUWait per send (sum, windows), latest (EWMA)]
+        self.gpu_wait: dict[int, list[float]] = {}
         self.hb_latest: dict[int, Heartbeat] = {}
         self.hb_done: dict[tuple[int, int], int] = {}
         self.hb_progress_ns = 0
@@ -355,6 +357,7 @@ class JobAnalyzer:
         )
         fields["evidence"] = {
             **fields.get("evidence", {}),
+            **self._gpu_wait_evidence(fields.get("rank")),
             "step_time_ratio": ratio,
             "baseline_step_ns": float(self.shift.baseline or 0),
         }
@@ -366,7 +369,12 @@ class JobAnalyzer:
             onset_ns=onset_rep.start_ns,
             detected_ns=rep.end_ns,
             severity=severity,
-            confidence=0.9 if found else 0.5,
+            # the culprit's own sends waiting on their data confirm its GPU (decision table)
+            confidence=(
+                (0.95 if fields["evidence"].get("send_gpu_wait_ratio", 0.0) >= 3 else 0.9)
+                if found
+                else 0.5
+            ),
             step=onset,
             **fields,
         )
@@ -436,6 +444,25 @@ class JobAnalyzer:
         return [v] if v else []
 
     # ------------------------------------------------------------------ links
+    def _track_gpu_wait(self, rank: int, wait_ns: float, baseline_windows: int = 4) -> None:
+        """A sender's SendGPUWait per send: a baseline from its first windows after the
+        warm-up, then a moving average (the GPU column of method.md's decision table)."""
+        t = self.gpu_wait.get(rank)
+        if t is None:
+            t = self.gpu_wait[rank] = [0.0, 0.0, wait_ns]
+        if t[1] < baseline_windows:
+            t[0] += wait_ns
+            t[1] += 1
+        t[2] = 0.5 * t[2] + 0.5 * wait_ns
+
+    def _gpu_wait_evidence(self, rank: int | None) -> dict[str, float]:
+        """How late ``rank``'s sends found their data, against its own baseline."""
+        t = self.gpu_wait.get(rank) if rank is not None else None
+        if t is None or not t[1]:
+            return {}
+        base = t[0] / t[1]
+        return {"send_gpu_wait_ns": t[2], "send_gpu_wait_ratio": t[2] / max(base, 1.0)}
+
     def _edge_throughput(self, e: EdgeThroughput) -> list[msgspec.Struct]:
         """Link throughput measured from proxy summaries, for jobs without link samples.
 
@@ -443,6 +470,8 @@ class JobAnalyzer:
         sources (which then have no NIC counters), with baselines of its own."""
         self.now_ns = max(self.now_ns, e.ts_ns)
         warm = self.recent and self.recent[-1].step >= self.settings.warmup_steps
+        if warm:
+            self._track_gpu_wait(e.src_rank, float(e.gpu_wait_ns))
         if self.nic_counters or self.topo is None or not warm:
             return []
         topo = self.topo
@@ -550,6 +579,7 @@ class JobAnalyzer:
                 "current_gbps": ev.current_gbps,
                 "drop": ev.drop,
                 "slow_links_from_nic": float(len(siblings) + 1),
+                **self._gpu_wait_evidence(ev.src_rank),
             },
             **report,
         )

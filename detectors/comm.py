@@ -104,17 +104,18 @@ class CommAnalyzer:
     def _edge(self, p: ProxySummary) -> list[EdgeThroughput]:
         acc = self._edges.get((p.rank, p.peer))
         if acc is None:
-            acc = self._edges[(p.rank, p.peer)] = [0, 0, 0, p.first_ns]
+            acc = self._edges[(p.rank, p.peer)] = [0, 0, 0, p.first_ns, 0]
         acc[0] += 1
         acc[1] += p.size_bytes
         acc[2] += p.send_wait_ns
+        acc[4] += p.send_gpu_wait_ns
         if acc[0] < self.edge_window:
             return []
         del self._edges[(p.rank, p.peer)]
         return [
             EdgeThroughput(
                 p.job, p.rank, p.peer, p.last_ns, max(0, p.last_ns - acc[3]), acc[1],
-                acc[1] * 8 / acc[2],
+                acc[1] * 8 / acc[2], acc[4] // acc[0],
             )
         ]  # fmt: skip
 

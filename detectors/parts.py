@@ -85,8 +85,10 @@ class ScheduleBook:
 
 class EdgeThroughput(NamedTuple):
     """Throughput of one edge over a window of its completed sends, from proxy summaries:
-    bytes over time in SendWait, the measure the NCCL plugin's link samples use. The job
-    uses it for sources that send no link samples of their own."""
+    bytes over time in SendWait, the measure the NCCL plugin's link samples use (the
+    network's share of the transfer). The job uses it for sources that send no link
+    samples of their own. ``gpu_wait_ns`` is the mean SendGPUWait per send: how long the
+    sender's data was not there yet (its GPU's share; method.md's decision table)."""
 
     job: str
     src_rank: int
@@ -95,6 +97,7 @@ class EdgeThroughput(NamedTuple):
     window_ns: int
     size_bytes: int
     throughput_gbps: float
+    gpu_wait_ns: int = 0
 
 
 class StepFolder:

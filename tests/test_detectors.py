@@ -333,6 +333,21 @@ def test_expert_and_context_parallel_jobs_are_analysed_like_any_other(
     assert [v.rank for v in verdicts if v.kind == kind][:1] == [label.rank]
 
 
+def test_proxy_wait_states_tell_a_slow_gpu_from_a_slow_link() -> None:
+    """method.md's decision table on edges that are slow, not stuck: a slow GPU's sends
+    wait on their own data (SendGPUWait), a slow link's sender does not."""
+    run = build("mixed", scale="demo", seed=0)  # a 2x slower GPU and a 5x slower link
+    latest: dict[str, Verdict] = {}
+    for v in Replay().run(run.records(emit_kernels=False)):
+        if isinstance(v, Verdict):
+            latest[v.verdict_id] = v
+    by_kind = {v.kind: v for v in latest.values()}
+    gpu, link = by_kind[VerdictKind.SLOWDOWN], by_kind[VerdictKind.LINK_DEGRADATION]
+    assert gpu.rank == next(lab.rank for lab in run.labels if lab.kind == VerdictKind.SLOWDOWN)
+    assert gpu.evidence["send_gpu_wait_ratio"] > 10 and gpu.confidence == 0.95
+    assert link.evidence["send_gpu_wait_ratio"] < 1.5
+
+
 def test_ranks_late_only_because_their_pipeline_predecessor_is_slow_are_not_blamed() -> None:
     """A slow GPU in stage 0 makes every later stage wait for its activations: those
     ranks arrive late everywhere, but together, so the slow GPU alone is blamed."""
