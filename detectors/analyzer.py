@@ -48,6 +48,11 @@ from schemas.records import (
 from schemas.units import Cause, CollOp, Phase, VerdictKind
 
 
+#: A culprit whose sends wait this many times longer than usual on their own data
+#: (SendGPUWait) is confirmed as a GPU producing late (method.md's decision table).
+GPU_WAIT_CONFIRMS = 3.0
+
+
 class JobAnalyzer:
     """The detectors of one job (see the module docstring)."""
 
@@ -371,7 +376,11 @@ class JobAnalyzer:
             severity=severity,
             # the culprit's own sends waiting on their data confirm its GPU (decision table)
             confidence=(
-                (0.95 if fields["evidence"].get("send_gpu_wait_ratio", 0.0) >= 3 else 0.9)
+                (
+                    0.95
+                    if fields["evidence"].get("send_gpu_wait_ratio", 0.0) >= GPU_WAIT_CONFIRMS
+                    else 0.9
+                )
                 if found
                 else 0.5
             ),

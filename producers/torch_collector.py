@@ -151,7 +151,10 @@ class GpuTimer:
         self._renew()
 
     def _event(self) -> Any:
-        return self._free.pop() if self._free else self.cuda.Event(enable_timing=True)
+        try:  # the caller's thread and the collector's both take events
+            return self._free.pop()
+        except IndexError:
+            return self.cuda.Event(enable_timing=True)
 
     def _renew(self) -> None:
         ev = self._event()
