@@ -47,7 +47,6 @@ from schemas.records import (
 )
 from schemas.units import Cause, CollOp, Phase, VerdictKind
 
-
 #: A culprit whose sends wait this many times longer than usual on their own data
 #: (SendGPUWait) is confirmed as a GPU producing late (method.md's decision table).
 GPU_WAIT_CONFIRMS = 3.0
