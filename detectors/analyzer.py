@@ -105,6 +105,19 @@ class JobAnalyzer:
 
     # ------------------------------------------------------------------ inputs
     def update(self, item: Any) -> list[msgspec.Struct]:
+        if self.topo is not None and not self._early:  # the many items of a running job
+            kind = type(item)
+            if kind is StepPart:
+                return self._part(item)
+            if kind is LinkSample:
+                self.now_ns = max(self.now_ns, item.ts_ns)
+                self.nic_counters = True
+                return self._link(item)
+            if kind is EdgeThroughput:
+                return self._edge_throughput(item)
+            if kind is Heartbeat:
+                self.now_ns = max(self.now_ns, item.ts_ns)
+                return self._heartbeat_in(item)
         meta = isinstance(item, JobInfo | RankInfo | CommInfo)
         if self.topo is None and not isinstance(item, JobInfo):
             if meta:
@@ -143,13 +156,17 @@ class JobAnalyzer:
                 self.nic_counters = True
                 out += self._link(item)
             case Heartbeat():
-                self._heartbeat(item)
-                if self._resolved_hang is not None:
-                    v, self._resolved_hang = self._resolved_hang, None
-                    out.append(v)
+                out += self._heartbeat_in(item)
             case Kernel():
                 pass
         return out
+
+    def _heartbeat_in(self, hb: Heartbeat) -> list[msgspec.Struct]:
+        self._heartbeat(hb)
+        if self._resolved_hang is not None:
+            v, self._resolved_hang = self._resolved_hang, None
+            return [v]
+        return []
 
     def _heartbeat(self, hb: Heartbeat) -> None:
         """Liveness and progress: a completed sequence number that moved is progress."""

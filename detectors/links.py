@@ -34,7 +34,7 @@ class LinkEvent:
         return 1.0 - self.current_gbps / self.baseline_gbps if self.baseline_gbps else 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Link:
     seed: list[float]
     baseline: float = 0.0
@@ -54,7 +54,9 @@ class LinkMonitor:
 
     def update(self, s: LinkSample) -> LinkEvent | None:
         key = (s.src_rank, s.dst_rank)
-        link = self._links.setdefault(key, _Link(seed=[]))
+        link = self._links.get(key)
+        if link is None:
+            link = self._links[key] = _Link(seed=[])
         x = s.throughput_gbps
         if len(link.seed) < self.warmup:
             link.seed.append(x)
