@@ -11,9 +11,7 @@ Timing rules (times are float ns since the job start; ``inf`` = never):
 * a compute segment lasts its base time x the rank's persistent speed x
   jitter x any slowdown fault;
 * a rank arrives at a call when it finishes the previous work plus its launch
-  delay; the host enqueued the call ``host_lead`` earlier, and further ahead
-  by the extra time a slow GPU takes (the host runs ahead of a slow GPU until
-  the step's end, so a send's data comes late: its SendGPUWait grows);
+  delay; the host enqueued the call ``host_lead`` earlier;
 * a blocking collective ends at the last member's arrival + transfer time
   (ring model over the slowest edge);
 * a Send/Recv pair completes at max(both posted) + transfer; a Megatron batched
@@ -59,7 +57,6 @@ KERNEL_NAMES = [
 ]
 INF = np.inf
 CHUNK_BYTES = 512 * 1024  # bytes per NCCL proxy step
-MAX_RUN_AHEAD_NS = 0.5e9  # a host stops ahead of its GPU when the launch queue fills
 
 
 @dataclass
@@ -185,8 +182,6 @@ class Engine:
         self.cf = self.speed.copy()
         self.launch = self.lateness.copy()
         self.lead = np.full(self.T.shape, s.host_lead_us * 1e3)
-        self.slow = np.ones(self.T.shape)  # fault factor of each GPU's compute
-        self.run_ahead = np.zeros(self.T.shape)  # how far the host got ahead of a slow GPU
         self.hangs: dict[tuple[int, int, int], tuple] = {}
         self.bubbles: list[tuple[tuple[int, int, int], BubbleDelay]] = []
         self.link_factor: dict[tuple[int, int], float] = {}
@@ -195,7 +190,6 @@ class Engine:
         for f in self.faults:
             if isinstance(f, SlowGPU | IntermittentGPU) and f.active(step):
                 self.cf[s.coords(f.rank)] *= f.factor
-                self.slow[s.coords(f.rank)] *= f.factor
             elif isinstance(f, HostStarvation) and f.active(step):
                 on_node = self.node == f.node
                 self.launch[on_node] += f.launch_delay_us * 1e3
@@ -253,9 +247,6 @@ class Engine:
                 dur[d, t] += f.delay_ms * 1e6 / max(1, self.spec.layers_per_stage * 2)
         start = self.T[s]
         end = start + dur
-        if self.slow[s].max() > 1.0:  # the host launched this at a healthy GPU's pace
-            ahead = self.run_ahead[s] + base_ms * 1e6 * (self.slow[s] - 1.0)
-            self.run_ahead[s] = np.minimum(ahead, MAX_RUN_AHEAD_NS)
         if sp.kernels:
             self._corr += 1
             fin = np.isfinite(end)
@@ -321,8 +312,9 @@ class Engine:
         k = int(issued.sum())
         if not k:
             return
-        ahead = self.lead[s] + self.run_ahead[s]
-        lead = ahead[issued] if arrive.shape == ahead.shape else ahead.ravel()[0]
+        lead = (
+            self.lead[s][issued] if arrive.shape == self.lead[s].shape else self.lead[s].ravel()[0]
+        )
         peer_arr = np.asarray(peer)
         seq_arr = np.asarray(seq)
         self.colls.add(
@@ -587,7 +579,6 @@ class Engine:
         hung = np.isinf(done)
         fin_s, fin_r = np.isfinite(send_post), np.isfinite(recv_post)
         gpu_lead_s = self.lead[s_send][mask]
-        behind_s = self.run_ahead[s_send][mask]
         for ch in range(sp.nchannels):
             # sender side
             m = fin_s
@@ -602,9 +593,9 @@ class Engine:
                 steps=steps,
                 done_steps=np.where(hung[m], steps // 2, steps),
                 nbytes=ch_bytes,
-                first=send_post[m] - behind_s[m],  # posted when the host enqueued it
+                first=send_post[m],
                 last=done[m],
-                gpu_wait=np.where(by_gpu[m], INF, np.minimum(gpu_lead_s[m], 50e3) + behind_s[m]),
+                gpu_wait=np.where(by_gpu[m], INF, np.minimum(gpu_lead_s[m], 50e3)),
                 peer_wait=np.clip(np.nan_to_num(recv_post[m] - send_post[m], posinf=0), 0, None),
                 net_wait=np.where(by_gpu[m], xfer[m] / 2, np.where(hung[m], INF, xfer[m])),
                 flush_wait=0.0,
@@ -723,13 +714,9 @@ class Engine:
                     steps=steps,
                     done_steps=done_steps[fin],
                     nbytes=ch_bytes,
-                    first=arrive[fin] - self.run_ahead[s][fin],
+                    first=arrive[fin],
                     last=endb[fin],
-                    gpu_wait=np.where(
-                        gpu_edge[fin],
-                        INF,
-                        np.minimum(self.lead[s][fin], 50e3) + self.run_ahead[s][fin],
-                    ),
+                    gpu_wait=np.where(gpu_edge[fin], INF, np.minimum(self.lead[s][fin], 50e3)),
                     peer_wait=np.subtract(
                         lastw,
                         arrive,
