@@ -95,6 +95,7 @@ class Decoded:
     raw: list[bytes]
     dead: list[DeadLetter]
     produced_ms: int
+    kinds: frozenset[type] = frozenset()  # the record types present (a topic holds few)
 
 
 def flow_config(
@@ -147,7 +148,8 @@ def decode_batch(batch: RawBatch) -> Decoded:
             continue
         records.append(rec)
         kept.append(raw)
-    return Decoded(records, kept, dead, min(batch.produced_ms, default=0))
+    kinds = frozenset(map(type, records))
+    return Decoded(records, kept, dead, min(batch.produced_ms, default=0), kinds)
 
 
 def comm_key(job: str, comm_hash: int) -> str:
@@ -158,7 +160,14 @@ def job_of(comm_key: str) -> str:
     return comm_key.rsplit(":", 1)[0]
 
 
+_COMM_KINDS = frozenset({Collective, ProxySummary})
+_STORED_ONLY = frozenset({Collective, ProxySummary, Kernel})
+_META_KINDS = frozenset({JobInfo, CommInfo})
+
+
 def comm_records_by_comm(d: Decoded) -> list[tuple[str, list[Collective | ProxySummary]]]:
+    if d.kinds.isdisjoint(_COMM_KINDS):  # another topic's batch: nothing to look at
+        return []
     groups: dict[str, list[Collective | ProxySummary]] = {}
     for r in d.records:
         if isinstance(r, Collective | ProxySummary):
@@ -169,6 +178,8 @@ def comm_records_by_comm(d: Decoded) -> list[tuple[str, list[Collective | ProxyS
 def others_by_job(d: Decoded) -> list[tuple[str, list[msgspec.Struct]]]:
     """What the job analysis reads directly (kernels are only stored; collectives and
     proxy summaries go through their communicator)."""
+    if d.kinds <= _STORED_ONLY:
+        return []
     groups: dict[str, list[msgspec.Struct]] = {}
     for r in d.records:
         if not isinstance(r, Collective | ProxySummary | Kernel):
@@ -178,6 +189,8 @@ def others_by_job(d: Decoded) -> list[tuple[str, list[msgspec.Struct]]]:
 
 def meta_by_job(d: Decoded) -> list[tuple[str, list[JobInfo | CommInfo]]]:
     """The records communicators' schedules are made of."""
+    if d.kinds.isdisjoint(_META_KINDS):
+        return []
     groups: dict[str, list[JobInfo | CommInfo]] = {}
     for r in d.records:
         if isinstance(r, JobInfo | CommInfo):
