@@ -214,6 +214,9 @@ def forward_to_job(kv: tuple[str, AlignOut]) -> tuple[str, list[Any]]:
 
 def rows_of(d: Decoded) -> tuple[dict[str, list[bytes]], int]:
     """The records' original JSON per ClickHouse table."""
+    if len(d.kinds) == 1:  # one kind of record, as most topics hold: one table
+        (kind,) = d.kinds
+        return {TABLE_FOR[kind].name: d.raw}, d.produced_ms
     rows: dict[str, list[bytes]] = {}
     for rec, raw in zip(d.records, d.raw, strict=True):
         rows.setdefault(TABLE_FOR[type(rec)].name, []).append(raw)
