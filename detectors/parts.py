@@ -138,12 +138,7 @@ class StepFolder:
         topo.add(schedule.comm)
         self.topo, self.role = topo, schedule.comm.role
         self.comm_hash, self.job = schedule.comm.comm_hash, schedule.comm.job
-        self.per_step = {
-            CommRole.TP: topo.tp_ops_per_step,
-            CommRole.DP: topo.dp_ops_per_step,
-            CommRole.PP: 2 * topo.job.num_microbatches,
-            CommRole.EP: topo.ep_ops_per_step,
-        }.get(self.role, 0)
+        self.per_step = topo.ops_per_step(self.role)
 
     def update(self, inst: Instance) -> tuple[list[AlignedCollective], list[Any]]:
         """A complete instance: (stored rows, items for the job)."""

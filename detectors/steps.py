@@ -239,13 +239,7 @@ class StepAssembler:
         by_role = dict.fromkeys(CommRole, 0)
         for c in t.comms.values():
             by_role[c.role] += 1
-        n = (
-            by_role[CommRole.TP] * t.tp_ops_per_step
-            + by_role[CommRole.DP] * t.dp_ops_per_step
-            + by_role[CommRole.PP] * 2 * t.job.num_microbatches
-            + by_role[CommRole.EP] * t.ep_ops_per_step
-            + by_role[CommRole.CP] * t.cp_ops_per_step
-        )
+        n = sum(count * t.ops_per_step(role) for role, count in by_role.items())
         self._expected = (len(t.comms), n)
         return n
 

@@ -115,41 +115,25 @@ class Topology:
             cache[key] = one_f_one_b(*key)
         return cache[key]
 
-    @property
-    def tp_ops_per_node(self) -> int:
-        """TP collectives per (phase, micro-batch) node: 2 per layer (x2 with SP)."""
+    def ops_per_layer(self, role: CommRole) -> int:
+        """Collectives a communicator of ``role`` issues per layer of every (phase,
+        micro-batch) node: TP 2 (4 with sequence parallelism), EP 2 (dispatch, combine),
+        CP 2 (keys and values, or their gradients); 0 for the others."""
         j = self.job
-        return 2 * (j.num_layers // j.pp) * (2 if j.sequence_parallel else 1)
+        if role is CommRole.TP:
+            return 2 * (2 if j.sequence_parallel else 1)
+        if (role is CommRole.EP and j.ep > 1) or (role is CommRole.CP and j.cp > 1):
+            return 2
+        return 0
 
-    @property
-    def tp_ops_per_step(self) -> int:
-        return 2 * self.job.num_microbatches * self.tp_ops_per_node
-
-    @property
-    def ep_ops_per_node(self) -> int:
-        """Expert-parallel AllToAll per (phase, micro-batch) node: dispatch and combine per
-        layer (0 without expert parallelism)."""
+    def ops_per_step(self, role: CommRole) -> int:
+        """Collectives (instances) a communicator of ``role`` has in one step."""
         j = self.job
-        return 2 * (j.num_layers // j.pp) if j.ep > 1 else 0
-
-    @property
-    def ep_ops_per_step(self) -> int:
-        return 2 * self.job.num_microbatches * self.ep_ops_per_node
-
-    @property
-    def cp_ops_per_node(self) -> int:
-        """Context-parallel collectives per (phase, micro-batch) node: two per layer (0
-        without context parallelism)."""
-        j = self.job
-        return 2 * (j.num_layers // j.pp) if j.cp > 1 else 0
-
-    @property
-    def cp_ops_per_step(self) -> int:
-        return 2 * self.job.num_microbatches * self.cp_ops_per_node
-
-    @property
-    def dp_ops_per_step(self) -> int:
-        return 2 if self.job.distributed_optimizer else 1
+        if role is CommRole.DP:
+            return 2 if j.distributed_optimizer else 1
+        if role is CommRole.PP:  # M activations down and M gradients up
+            return 2 * j.num_microbatches
+        return 2 * j.num_microbatches * self.ops_per_layer(role) * (j.num_layers // j.pp)
 
     def place(self, comm_hash: int, seq: int, op: CollOp, sender: int) -> Position | None:
         """:meth:`position` of a collective instance (``sender`` -1 for collectives)."""
@@ -165,24 +149,16 @@ class Topology:
             return None
         stage = info.pp_stage
         M = self.job.num_microbatches
-        if info.role == CommRole.TP and self.tp_ops_per_step:
-            step, i = divmod(seq, self.tp_ops_per_step)
-            node, k = divmod(i, self.tp_ops_per_node)
+        per_layer = self.ops_per_layer(info.role)  # TP, EP and CP: in every node's layers
+        if per_layer:
+            step, i = divmod(seq, self.ops_per_step(info.role))
+            node, k = divmod(i, per_layer * (self.job.num_layers // self.job.pp))
             phase, mb = self.stage_order(stage or 0)[node]
-            per_layer = 2 * (2 if self.job.sequence_parallel else 1)
             return Position(step, phase, mb, stage, k // per_layer)
-        if info.role is CommRole.EP or info.role is CommRole.CP:  # n per layer, every node
-            n = self.ep_ops_per_node if info.role is CommRole.EP else self.cp_ops_per_node
-            if not n:
-                return Position(0, Phase.UNKNOWN.value, None, stage)
-            step, i = divmod(seq, 2 * M * n)
-            node, k = divmod(i, n)
-            phase, mb = self.stage_order(stage or 0)[node]
-            return Position(step, phase, mb, stage, k // 2)
         if info.role == CommRole.PP:
             step, mb = divmod(seq, M)
             downward = sender_stage is None or sender_stage == stage
             return Position(step, FWD if downward else BWD, mb, stage)
         if info.role == CommRole.DP:
-            return Position(seq // self.dp_ops_per_step, Phase.DP_SYNC.value, None, stage)
+            return Position(seq // self.ops_per_step(CommRole.DP), Phase.DP_SYNC.value, None, stage)
         return Position(0, Phase.UNKNOWN.value, None, stage)

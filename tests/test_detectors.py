@@ -341,6 +341,8 @@ def test_expert_and_context_parallel_jobs_are_analysed_like_any_other(
     )
     assert all(r.complete for r in job.recent if r.step < hung_at)
     assert job.assembler is not None and job.assembler.late_instances == 0
+    # every communicator folds its own instances: the job gets parts, not instances
+    assert all(comm.folder.per_step > 0 for comm in replay.comms.values())
     if kind is None:
         assert verdicts == []
         return
