@@ -632,8 +632,8 @@ def build_plugin(out: str) -> None:
     help="Directory for the records, raw CUPTI activity, NCCL logs and summary.json.",
 )
 def gpu_check(out: str) -> None:
-    """Smoke-test this GPU node: live CUPTI, the NCCL plugin under the real NCCL, a stuck
-    call, and the PyTorch collector with kernels (needs a GPU, PyTorch and cupti-python)."""
+    """Smoke-test this GPU node: live CUPTI, the NCCL plugin under the real NCCL, the
+    PyTorch collector on a GPU, and what CUPTI costs (needs a GPU, PyTorch, cupti-python)."""
     from producers.gpu_check import GpuCheckError, report, run_checks
 
     try:

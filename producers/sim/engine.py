@@ -274,12 +274,30 @@ class Engine:
         end = arrive.max(axis=1, keepdims=True) + xfer
         end = np.broadcast_to(end, arrive.shape)
         count = self.tp_elems if op == CollOp.ALL_REDUCE else self.tp_elems // n
+        comms = np.broadcast_to(self.layout.tp_comm[s][:, None], arrive.shape)
+        self._stage_collective(s, comms, op, self.tp_seq, 0, count, arrive, end, mb, phase)
+
+    def _stage_collective(
+        self,
+        s: int,
+        comms: np.ndarray,
+        op: CollOp,
+        seqs: list[int],
+        slot: int,
+        count: int,
+        arrive: np.ndarray,
+        end: np.ndarray,
+        mb: int,
+        phase: int,
+    ) -> None:
+        """Record one bf16 collective of every group of stage ``s`` (sequence number
+        ``seqs[s]``, then advanced) and move the stage's ranks to its end."""
         self._record_coll(
             s,
             self.layout.ranks[s],
-            np.broadcast_to(self.layout.tp_comm[s][:, None], arrive.shape),
+            comms,
             op,
-            self.tp_seq[s],
+            seqs[s],
             -1,
             count,
             count * 2,
@@ -287,9 +305,9 @@ class Engine:
             end,
             mb,
             phase,
-            0,
+            slot,
         )
-        self.tp_seq[s] += 1
+        seqs[s] += 1
         self.T[s] = np.array(end)
 
     def _record_coll(
@@ -413,23 +431,7 @@ class Engine:
         xfer = moved / (bw * 1e9) * 1e9 + sp.latency_us * 1e3
         end = groups.max(axis=1, keepdims=True) + xfer[:, None, :]
         end = np.broadcast_to(end, groups.shape).reshape(arrive.shape)
-        self._record_coll(
-            s,
-            self.layout.ranks[s],
-            comms,
-            op,
-            self.group_seq[s],
-            -1,
-            count,
-            count * 2,
-            arrive,
-            end,
-            mb,
-            phase,
-            4,
-        )
-        self.group_seq[s] += 1
-        self.T[s] = np.array(end)
+        self._stage_collective(s, comms, op, self.group_seq, 4, count, arrive, end, mb, phase)
 
     # ------------------------------------------------------------------ pipeline
     def _program(self, s: int) -> Generator[list[_P2P], None, None]:
