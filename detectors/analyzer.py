@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -36,7 +37,6 @@ from schemas.records import (
     CommInfo,
     Heartbeat,
     JobInfo,
-    Kernel,
     LinkSample,
     ProxySummary,
     RankInfo,
@@ -105,63 +105,58 @@ class JobAnalyzer:
 
     # ------------------------------------------------------------------ inputs
     def update(self, item: Any) -> list[msgspec.Struct]:
-        if self.topo is not None and not self._early:  # the many items of a running job
-            kind = type(item)
-            if kind is StepPart:
-                return self._part(item)
-            if kind is LinkSample:
-                self.now_ns = max(self.now_ns, item.ts_ns)
-                self.nic_counters = True
-                return self._link(item)
-            if kind is EdgeThroughput:
-                return self._edge_throughput(item)
-            if kind is Heartbeat:
-                self.now_ns = max(self.now_ns, item.ts_ns)
-                return self._heartbeat_in(item)
-        meta = isinstance(item, JobInfo | RankInfo | CommInfo)
         if self.topo is None and not isinstance(item, JobInfo):
-            if meta:
+            if isinstance(item, RankInfo | CommInfo):
                 self._pending_meta.append(item)
             elif len(self._early) < 100_000:  # records that overtook the job record
                 self._early.append(item)
             return []
         out: list[msgspec.Struct] = []
-        if self._early and not meta:
+        if self._early and not isinstance(item, JobInfo | RankInfo | CommInfo):
             early, self._early = self._early, []  # the metadata burst is over: replay in order
             for rec in early:
                 out += self.update(rec)
-        if isinstance(item, Instance):
-            return out + self._instance(item)
-        if isinstance(item, StepPart):
-            return out + self._part(item)
-        if isinstance(item, CommProgress):
-            return out + self._progress(item.last_arrival_ns, item.last_end_ns)
-        if isinstance(item, EdgeThroughput):
-            return out + self._edge_throughput(item)
-        self.now_ns = max(self.now_ns, event_time(item))
-        match item:
-            case JobInfo():
-                return out + self._job(item)
-            case RankInfo() | CommInfo():
-                self.topo.add(item)
-            case ProxySummary():
-                key = (item.comm_hash, item.seq, item.rank, item.channel, item.peer, item.direction)
-                if item.steps_done < item.steps_posted:
-                    self.stuck[key] = item
-                    if len(self.stuck) > 10_000:
-                        self.stuck.pop(next(iter(self.stuck)))
-                else:
-                    self.stuck.pop(key, None)
-            case LinkSample():
-                self.nic_counters = True
-                out += self._link(item)
-            case Heartbeat():
-                out += self._heartbeat_in(item)
-            case Kernel():
-                pass
-        return out
+        handle = _HANDLERS.get(type(item))
+        if handle is None:  # a record the analysis only keeps time by
+            self.now_ns = max(self.now_ns, event_time(item))
+            return out
+        return out + handle(self, item)
+
+    def _record_time(self, rec: Any) -> None:
+        self.now_ns = max(self.now_ns, event_time(rec))
+
+    def _job_in(self, job: JobInfo) -> list[msgspec.Struct]:
+        self._record_time(job)
+        return self._job(job)
+
+    def _meta_in(self, rec: RankInfo | CommInfo) -> list[msgspec.Struct]:
+        self._record_time(rec)
+        assert self.topo is not None
+        self.topo.add(rec)
+        return []
+
+    def _proxy_in(self, p: ProxySummary) -> list[msgspec.Struct]:
+        """Stuck proxy operations (and their completion) for the hang diagnosis."""
+        self._record_time(p)
+        key = (p.comm_hash, p.seq, p.rank, p.channel, p.peer, p.direction)
+        if p.steps_done < p.steps_posted:
+            self.stuck[key] = p
+            if len(self.stuck) > 10_000:
+                self.stuck.pop(next(iter(self.stuck)))
+        else:
+            self.stuck.pop(key, None)
+        return []
+
+    def _link_in(self, s: LinkSample) -> list[msgspec.Struct]:
+        self.now_ns = max(self.now_ns, s.ts_ns)
+        self.nic_counters = True
+        return self._link(s)
+
+    def _progress_in(self, p: CommProgress) -> list[msgspec.Struct]:
+        return self._progress(p.last_arrival_ns, p.last_end_ns)
 
     def _heartbeat_in(self, hb: Heartbeat) -> list[msgspec.Struct]:
+        self.now_ns = max(self.now_ns, hb.ts_ns)
         self._heartbeat(hb)
         if self._resolved_hang is not None:
             v, self._resolved_hang = self._resolved_hang, None
@@ -806,5 +801,19 @@ class JobAnalyzer:
         cp = critical_path(rep.node_durations(d), self.topo.job.pp, self.topo.job.num_microbatches)
         return [f"{ph[0].upper()}{mb}s{s}" for s, ph, mb in cp.path]
 
+
+#: What the job does with each kind of item (anything else only moves its clock).
+_HANDLERS: dict[type, Callable[[JobAnalyzer, Any], list[msgspec.Struct]]] = {
+    StepPart: JobAnalyzer._part,
+    LinkSample: JobAnalyzer._link_in,
+    EdgeThroughput: JobAnalyzer._edge_throughput,
+    Heartbeat: JobAnalyzer._heartbeat_in,
+    CommProgress: JobAnalyzer._progress_in,
+    Instance: JobAnalyzer._instance,
+    ProxySummary: JobAnalyzer._proxy_in,
+    JobInfo: JobAnalyzer._job_in,
+    RankInfo: JobAnalyzer._meta_in,
+    CommInfo: JobAnalyzer._meta_in,
+}
 
 __all__ = ["JobAnalyzer"]

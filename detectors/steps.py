@@ -138,25 +138,6 @@ class StepPart:
             lateness[r] = lateness.get(r, 0.0) + rel
             nl[r] = nl.get(r, 0.0) + rel
 
-    def merge(self, other: StepPart) -> None:
-        """Add another part of the same step."""
-        self.merge_shape(other)
-        for mine, theirs in (
-            (self.lead_sum, other.lead_sum),
-            (self.lead_n, other.lead_n),
-            (self.wait, other.wait),
-            (self.lateness, other.lateness),
-            (self.blame, other.blame),
-        ):
-            for r, v in theirs.items():
-                mine[r] = mine.get(r, 0) + v
-        for r, v in other.first.items():
-            if v < self.first.get(r, _NEVER):
-                self.first[r] = v
-        for r, v in other.last_end.items():
-            if v > self.last_end.get(r, 0):
-                self.last_end[r] = v
-
     def merge_shape(self, other: StepPart) -> None:
         """Add another part's count, extent, transfers and node spans, leaving its
         per-rank figures to :func:`dense_ranks` (the job merges thousands of parts
