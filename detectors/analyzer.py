@@ -28,7 +28,7 @@ from detectors.changepoint import ShiftDetector
 from detectors.fusion import VerdictBook
 from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang
 from detectors.links import LinkMonitor
-from detectors.parts import CommProgress, EdgeThroughput
+from detectors.parts import CommProgress, EdgeThroughput, StuckProxies
 from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepAssembler, StepPart, StepReport
 from detectors.topology import Topology
@@ -84,7 +84,7 @@ class JobAnalyzer:
         self.book = VerdictBook(self.job)
         self.recent: deque[StepReport] = deque(maxlen=16)
         self.partials: dict[tuple[int, int, int], Instance] = {}
-        self.stuck: dict[tuple, ProxySummary] = {}
+        self.stuck = StuckProxies()
         self.last_progress_ns = 0
         self.now_ns = 0
         self.durations: deque[int] = deque(maxlen=20)
@@ -138,13 +138,7 @@ class JobAnalyzer:
     def _proxy_in(self, p: ProxySummary) -> list[msgspec.Struct]:
         """Stuck proxy operations (and their completion) for the hang diagnosis."""
         self._record_time(p)
-        key = (p.comm_hash, p.seq, p.rank, p.channel, p.peer, p.direction)
-        if p.steps_done < p.steps_posted:
-            self.stuck[key] = p
-            if len(self.stuck) > 10_000:
-                self.stuck.pop(next(iter(self.stuck)))
-        else:
-            self.stuck.pop(key, None)
+        self.stuck.update(p)
         return []
 
     def _link_in(self, s: LinkSample) -> list[msgspec.Struct]:
@@ -638,7 +632,7 @@ class JobAnalyzer:
                 h: {"pp": 0, "tp": 1, "dp": 3}.get(c.role.value, 2) for h, c in topo.comms.items()
             }
             diag = diagnose_from_heartbeats(
-                self.hb_latest, self._members(), list(self.stuck.values()), prio
+                self.hb_latest, self._members(), list(self.stuck.ops.values()), prio
             )
             if diag is not None and len(diag.alternatives) > 1:
                 diag = self._earliest_call(diag, prio)
@@ -648,7 +642,7 @@ class JobAnalyzer:
             if not self.last_progress_ns or silent <= limit or not self.partials:
                 return []
             diag = diagnose_hang(
-                list(self.partials.values()), list(self.stuck.values()), self._members()
+                list(self.partials.values()), list(self.stuck.ops.values()), self._members()
             )
             detected = self.now_ns
         if diag is None:

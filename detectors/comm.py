@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from detectors.align import CollectiveAligner
-from detectors.parts import CommSchedule, EdgeThroughput, StepFolder
+from detectors.parts import CommSchedule, EdgeThroughput, StepFolder, StuckProxies
 from schemas.records import AlignedCollective, Collective, ProxySummary
 from schemas.units import Direction
 
@@ -57,7 +57,7 @@ class CommAnalyzer:
     def _reset(self) -> None:
         self.aligner = CollectiveAligner(min_timeout_ns=self.min_timeout_ns, max_open=self.max_open)
         self.folder = StepFolder()
-        self._stuck: dict[tuple[int, ...], None] = {}
+        self._stuck = StuckProxies()
         self._edges: dict[tuple[int, int], list[int]] = {}  # (src, dst) -> [n, bytes, wait, t0]
 
     def update(
@@ -88,14 +88,7 @@ class CommAnalyzer:
 
     def _proxy(self, p: ProxySummary) -> list[ProxySummary]:
         self.folder.saw_time(p.last_ns)
-        key = (p.comm_hash, p.seq, p.rank, p.channel, p.peer, p.direction)
-        if p.steps_done < p.steps_posted:
-            self._stuck[key] = None
-            if len(self._stuck) > 10_000:
-                self._stuck.pop(next(iter(self._stuck)))
-            return [p]
-        if key in self._stuck:
-            del self._stuck[key]
+        if self._stuck.update(p):  # stuck, or the completion of one that was
             return [p]
         if p.direction is Direction.SEND and p.size_bytes > 0 and p.send_wait_ns > 0:
             return self._edge(p)

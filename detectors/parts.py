@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 from detectors.align import Instance, aligned_record
 from detectors.steps import StepPart
 from detectors.topology import Topology
-from schemas.records import AlignedCollective, CommInfo, JobInfo
+from schemas.records import AlignedCollective, CommInfo, JobInfo, ProxySummary
 from schemas.units import CommRole
 
 Key = tuple[int, int, int]  # (comm_hash, sender or -1, seq)
@@ -81,6 +81,25 @@ class ScheduleBook:
             self.comms[rec.comm_hash] = rec
             return [CommSchedule(self.job, rec)] if self.job is not None else []
         return []
+
+
+class StuckProxies:
+    """Proxy operations posted and not completed (a network hang's evidence), by
+    (comm, seq, rank, channel, peer, direction); the oldest go beyond ``limit``."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self.limit = limit
+        self.ops: dict[tuple[int, ...], ProxySummary] = {}
+
+    def update(self, p: ProxySummary) -> bool:
+        """Note a summary; True when it is stuck, or completes one that was."""
+        key = (p.comm_hash, p.seq, p.rank, p.channel, p.peer, p.direction)
+        if p.steps_done < p.steps_posted:
+            self.ops[key] = p
+            if len(self.ops) > self.limit:
+                self.ops.pop(next(iter(self.ops)))
+            return True
+        return self.ops.pop(key, None) is not None
 
 
 class EdgeThroughput(NamedTuple):
