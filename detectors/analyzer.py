@@ -27,7 +27,7 @@ from detectors.align import Instance, aligned_record
 from detectors.changepoint import ShiftDetector
 from detectors.fusion import VerdictBook
 from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang
-from detectors.links import LinkMonitor
+from detectors.links import LinkEvent, LinkMonitor
 from detectors.parts import CommProgress, EdgeThroughput, StuckProxies
 from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepAssembler, StepPart, StepReport
@@ -97,7 +97,7 @@ class JobAnalyzer:
         # per sending rank: [baseline SendGPUWait per send (sum, windows), latest (EWMA)]
         self.gpu_wait: dict[int, list[float]] = {}
         self.hb_latest: dict[int, Heartbeat] = {}
-        self.hb_done: dict[tuple[int, int], int] = {}
+        self.hb_done: dict[int, dict[int, int]] = {}  # rank -> comm -> completed seq
         self.hb_progress_ns = 0
         self.hb_now_ns = 0
         self._hang_detected_ns = 0
@@ -105,6 +105,9 @@ class JobAnalyzer:
 
     # ------------------------------------------------------------------ inputs
     def update(self, item: Any) -> list[msgspec.Struct]:
+        handle = _HANDLERS.get(type(item))
+        if handle is not None and self.topo is not None and not self._early:
+            return handle(self, item)  # the usual case: the job is known, nothing held back
         if self.topo is None and not isinstance(item, JobInfo):
             if isinstance(item, RankInfo | CommInfo):
                 self._pending_meta.append(item)
@@ -142,15 +145,18 @@ class JobAnalyzer:
         return []
 
     def _link_in(self, s: LinkSample) -> list[msgspec.Struct]:
-        self.now_ns = max(self.now_ns, s.ts_ns)
+        if s.ts_ns > self.now_ns:
+            self.now_ns = s.ts_ns
         self.nic_counters = True
-        return self._link(s)
+        ev = self.links.update(s)  # thousands a step: nothing more unless a link changed
+        return [] if ev is None else self._link_event(ev, s.ts_ns)
 
     def _progress_in(self, p: CommProgress) -> list[msgspec.Struct]:
         return self._progress(p.last_arrival_ns, p.last_end_ns)
 
     def _heartbeat_in(self, hb: Heartbeat) -> list[msgspec.Struct]:
-        self.now_ns = max(self.now_ns, hb.ts_ns)
+        if hb.ts_ns > self.now_ns:
+            self.now_ns = hb.ts_ns
         self._heartbeat(hb)
         if self._resolved_hang is not None:
             v, self._resolved_hang = self._resolved_hang, None
@@ -160,17 +166,23 @@ class JobAnalyzer:
     def _heartbeat(self, hb: Heartbeat) -> None:
         """Liveness and progress: a completed sequence number that moved is progress."""
         self.hb_latest[hb.rank] = hb
-        self.hb_now_ns = max(self.hb_now_ns, hb.ts_ns)
+        ts = hb.ts_ns
+        if ts > self.hb_now_ns:
+            self.hb_now_ns = ts
+        done = self.hb_done.get(hb.rank)
+        if done is None:
+            done = self.hb_done[hb.rank] = {}
+        moved = False
         for cp in hb.comms:
-            key = (hb.rank, cp.comm_hash)
-            if cp.completed_seq > self.hb_done.get(key, -1):
-                self.hb_done[key] = cp.completed_seq
-                self.hb_progress_ns = max(self.hb_progress_ns, hb.ts_ns)
-                if self.hang_open and hb.ts_ns > self._hang_detected_ns:
-                    self._resolved_hang = self.book.resolve(
-                        VerdictKind.HANG.value, self.hang_open, hb.ts_ns
-                    )
-                    self.hang_open = None
+            if cp.completed_seq > done.get(cp.comm_hash, -1):
+                done[cp.comm_hash] = cp.completed_seq
+                moved = True
+        if not moved:
+            return
+        self.hb_progress_ns = max(self.hb_progress_ns, ts)
+        if self.hang_open and ts > self._hang_detected_ns:
+            self._resolved_hang = self.book.resolve(VerdictKind.HANG.value, self.hang_open, ts)
+            self.hang_open = None
 
     def _job(self, info: JobInfo) -> list[msgspec.Struct]:
         if self.topo is None:
@@ -489,27 +501,26 @@ class JobAnalyzer:
         if self.nic_counters or self.topo is None or not warm:
             return []
         topo = self.topo
-        return self._link(
-            LinkSample(
-                job=self.job,
-                node=topo.node(e.src_rank),
-                rank=e.src_rank,
-                ts_ns=e.ts_ns,
-                window_ns=e.window_ns,
-                nic=topo.nic(e.src_rank),
-                src_rank=e.src_rank,
-                dst_rank=e.dst_rank,
-                dst_node=topo.node(e.dst_rank),
-                dst_nic=topo.nic(e.dst_rank),
-                size_bytes=e.size_bytes,
-                throughput_gbps=e.throughput_gbps,
-            ),
-            self.proxy_links,
+        sample = LinkSample(
+            job=self.job,
+            node=topo.node(e.src_rank),
+            rank=e.src_rank,
+            ts_ns=e.ts_ns,
+            window_ns=e.window_ns,
+            nic=topo.nic(e.src_rank),
+            src_rank=e.src_rank,
+            dst_rank=e.dst_rank,
+            dst_node=topo.node(e.dst_rank),
+            dst_nic=topo.nic(e.dst_rank),
+            size_bytes=e.size_bytes,
+            throughput_gbps=e.throughput_gbps,
         )
+        ev = self.proxy_links.update(sample)
+        return [] if ev is None else self._link_event(ev, e.ts_ns)
 
-    def _link(self, s: LinkSample, monitor: LinkMonitor | None = None) -> list[msgspec.Struct]:
-        ev = (monitor or self.links).update(s)
-        if ev is None or self.topo is None:
+    def _link_event(self, ev: LinkEvent, ts_ns: int) -> list[msgspec.Struct]:
+        """A link that degraded or recovered (seen at ``ts_ns``): its verdict."""
+        if self.topo is None:
             return []
         topo = self.topo
         edge = (ev.src_rank, ev.dst_rank)
@@ -518,7 +529,7 @@ class JobAnalyzer:
             if culprit in self.link_culprits.values():
                 return []  # other links of that NIC are still slow
             self.link_fields.pop(culprit, None)
-            v = self.book.resolve(VerdictKind.LINK_DEGRADATION.value, culprit, s.ts_ns)
+            v = self.book.resolve(VerdictKind.LINK_DEGRADATION.value, culprit, ts_ns)
             return [v] if v else []
         step = next((r.step for r in self.recent if r.end_ns >= ev.onset_ns), None)
         if step is None and self.recent:  # samples ran ahead of the steps: extrapolate
@@ -583,7 +594,7 @@ class JobAnalyzer:
             culprit,
             onset_step=None,
             onset_ns=ev.onset_ns,
-            detected_ns=s.ts_ns,
+            detected_ns=ts_ns,
             severity=severity,
             confidence=0.9,
             step=step,
@@ -781,10 +792,8 @@ class JobAnalyzer:
 
     # ------------------------------------------------------------------ tables
     def _slowest_replica(self, rep: StepReport) -> int | None:
-        ends: dict[int, int] = {}
-        for (d, _s, _p, _m), (_b, e) in rep.spans.items():
-            ends[d] = max(ends.get(d, 0), e)
-        return max(ends, key=ends.get) if ends else None
+        slowest = rep.slowest_replicas(1)
+        return slowest[0] if slowest else None
 
     def _critical_names(self, rep: StepReport) -> list[str]:
         from detectors.critical_path import critical_path

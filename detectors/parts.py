@@ -176,14 +176,14 @@ class StepFolder:
         part.fold(inst, pos.phase, pos.microbatch, self.role, topo)
         rows = [aligned_record(inst.job, topo, inst, pos)]
         if part.n >= self.per_step:
-            return rows, [self._parts.pop(pos.step)]
+            return rows, [self._parts.pop(pos.step).seal()]
         if pos.step <= self._newest:
             return rows, []
         self._newest = pos.step  # a new step: older ones that stay open are given up on
         stale = [s for s in self._parts if s <= pos.step - self.give_up_steps]
         if len(self._parts) - len(stale) > self.max_open_steps:
             stale.append(min(s for s in self._parts if s not in stale))
-        return rows, [self._parts.pop(s) for s in sorted(stale)]
+        return rows, [self._parts.pop(s).seal() for s in sorted(stale)]
 
     def partial(self, inst: Instance) -> list[Any]:
         """A partial instance goes to the job as it is; so will its completion."""
@@ -204,7 +204,7 @@ class StepFolder:
 
     def flush(self) -> list[StepPart]:
         """Every open part, oldest first (end of a bounded input)."""
-        out = [self._parts[s] for s in sorted(self._parts)]
+        out = [self._parts[s].seal() for s in sorted(self._parts)]
         self._parts = {}
         return out
 

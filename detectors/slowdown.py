@@ -95,8 +95,9 @@ class SlowdownLocalizer:
         if self.base_late is None:
             self._late.append(rep.lateness_ns.copy())
             self._lead.append(rep.host_lead_ns.copy())
-            for key, (b, e) in rep.spans.items():
-                self._seed_nodes.setdefault(key, []).append(float(e - b))
+            for d, nodes in rep.spans.items():
+                for key, (b, e) in nodes.items():
+                    self._seed_nodes.setdefault((d, *key), []).append(float(e - b))
             if self._seen >= self.warmup:
                 self.base_late = np.median(np.array(self._late), axis=0)
                 self.base_lead = np.median(np.array(self._lead), axis=0)
@@ -105,13 +106,16 @@ class SlowdownLocalizer:
             return
         self.base_late += 0.05 * (rep.lateness_ns - self.base_late)
         self.base_lead += 0.05 * (rep.host_lead_ns - self.base_lead)
-        for key, (b, e) in rep.spans.items():
-            d = float(e - b)
-            exp = self.expected.get(key)
-            if exp is None:
-                self.expected[key] = d
-            elif abs(d - exp) <= self.alpha * exp:
-                self.expected[key] = exp + 0.2 * (d - exp)
+        expected, alpha = self.expected, self.alpha
+        for replica, nodes in rep.spans.items():
+            for node, (b, e) in nodes.items():
+                key = (replica, *node)
+                d = float(e - b)
+                exp = expected.get(key)
+                if exp is None:
+                    expected[key] = d
+                elif abs(d - exp) <= alpha * exp:
+                    expected[key] = exp + 0.2 * (d - exp)
 
     def localize(self, reports: Sequence[StepReport], topo: Topology) -> list[SlowdownFinding]:
         """Culprit candidates for the slowdown seen in ``reports``, most likely first.
@@ -193,10 +197,7 @@ class SlowdownLocalizer:
         j = topo.job
         out = []
         for rep in reps[-2:]:
-            ends: dict[int, int] = {}
-            for (d, _s, _p, _m), (_b, e) in rep.spans.items():
-                ends[d] = max(ends.get(d, 0), e)
-            for d in sorted(ends, key=ends.get, reverse=True)[: self.replicas]:
+            for d in rep.slowest_replicas(self.replicas):
                 durs = rep.node_durations(d)
                 if not durs:
                     continue

@@ -11,8 +11,7 @@ when instances two steps later show it never will.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from itertools import chain
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -20,13 +19,18 @@ from detectors.align import Instance
 from detectors.topology import Position, Topology
 from schemas.units import CommRole
 
-SpanKey = tuple[int, int, str, int]
-_NEVER = 1 << 62  # (dp replica, stage, phase, micro-batch)
+NodeKey = tuple[int, str, int]  # (stage, phase, micro-batch) of one pipeline replica
+_NEVER = 1 << 62
+#: the per-rank sums a part carries, in the rows of :attr:`StepPart.sealed`'s float matrix
+_SUMS = ("lead_sum", "lead_n", "wait", "lateness", "blame")
 
 
 @dataclass
 class StepReport:
-    """One iteration's cross-rank account (times in ns, arrays indexed by global rank)."""
+    """One iteration's cross-rank account (times in ns, arrays indexed by global rank).
+
+    ``spans`` holds each pipeline replica's node spans, ``replica_end`` when each
+    replica's last node ended (the slowest replica is the one ending last)."""
 
     step: int
     start_ns: int
@@ -40,19 +44,20 @@ class StepReport:
     host_lead_ns: np.ndarray
     first_ns: np.ndarray
     last_end_ns: np.ndarray
-    spans: dict[SpanKey, list[int]]
-    node_lateness: dict[SpanKey, dict[int, float]]
+    spans: dict[int, dict[NodeKey, list[int]]]
+    replica_end: dict[int, int]
     transfer_ns: dict[int, int]
 
-    def node_durations(self, replica: int) -> dict[tuple[int, str, int], float]:
-        return {
-            (s, ph, mb): float(e - b)
-            for (d, s, ph, mb), (b, e) in self.spans.items()
-            if d == replica
-        }
+    def node_durations(self, replica: int) -> dict[NodeKey, float]:
+        return {k: float(e - b) for k, (b, e) in self.spans.get(replica, {}).items()}
+
+    def slowest_replicas(self, n: int) -> list[int]:
+        """The ``n`` pipeline replicas whose last node ended last, slowest first."""
+        ends = self.replica_end
+        return sorted(ends, key=ends.__getitem__, reverse=True)[:n]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class StepPart:
     """What some of one step's collective instances say, per rank (sparse, ns).
 
@@ -61,6 +66,9 @@ class StepPart:
     that the job's assembler merges, so the per-instance work runs where the
     communicator's records are (one flow worker per communicator) and the job
     sees one item per (communicator, step). Folding and merging commute.
+
+    A folder seals a part (:meth:`seal`) before sending it: its per-rank figures become
+    three small arrays, which the job concatenates with thousands of others a step.
     """
 
     step: int
@@ -78,15 +86,19 @@ class StepPart:
     wait: dict[int, float] = field(default_factory=dict)
     lateness: dict[int, float] = field(default_factory=dict)
     blame: dict[int, float] = field(default_factory=dict)
-    spans: dict[SpanKey, list[int]] = field(default_factory=dict)
-    node_late: dict[SpanKey, dict[int, float]] = field(default_factory=dict)
+    spans: dict[int, dict[NodeKey, list[int]]] = field(default_factory=dict)
+    replica_end: dict[int, int] = field(default_factory=dict)
     transfer: dict[int, int] = field(default_factory=dict)
+    #: (ranks, sums as rows of _SUMS, [first, last_end]) once sealed
+    sealed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def fold(
         self, inst: Instance, phase: str, mb: int | None, role: CommRole, topo: Topology
     ) -> None:
         """Add one complete instance placed at (phase, micro-batch) of this step."""
         # plain Python: members are few (a TP group, a DP ring, a pair), numpy calls cost more
+        if self.sealed is not None:
+            raise ValueError(f"step {self.step}'s part was sealed: it takes no more instances")
         self.n += 1
         ranks, arr, end, enq = inst.ranks, inst.arrival, inst.end, inst.enqueue
         a_min, a_max, e_max = min(arr), max(arr), max(end)
@@ -121,48 +133,81 @@ class StepPart:
             arr[order[-1]] - arr[order[-2]]
         )
         stage, replica, _ = topo.coords(ranks[0])
-        key = (replica, stage, phase, mb if mb is not None else -1)
+        key = (stage, phase, mb if mb is not None else -1)
         # the node runs from the moment its whole TP group met at a collective: a member
         # that came early (its peer was held up upstream) waited, it did not compute
-        span = self.spans.get(key)
+        nodes = self.spans.get(replica)
+        if nodes is None:
+            nodes = self.spans[replica] = {}
+        span = nodes.get(key)
         if span is None:
-            self.spans[key] = [a_max, e_max]
-            nl = self.node_late[key] = dict.fromkeys(ranks, 0.0)
+            nodes[key] = [a_max, e_max]
         else:
             span[0] = min(span[0], a_max)
             span[1] = max(span[1], e_max)
-            nl = self.node_late[key]
+        if e_max > self.replica_end.get(replica, 0):
+            self.replica_end[replica] = e_max
         lateness = self.lateness
         for r, a in zip(ranks, arr, strict=True):
-            rel = a - mean
-            lateness[r] = lateness.get(r, 0.0) + rel
-            nl[r] = nl.get(r, 0.0) + rel
+            lateness[r] = lateness.get(r, 0.0) + (a - mean)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepPart):
+            return NotImplemented
+        plain = all(
+            getattr(self, f.name) == getattr(other, f.name)
+            for f in fields(self)
+            if f.name != "sealed"
+        )
+        a, b = self.sealed, other.sealed
+        if a is None or b is None:
+            return plain and a is b
+        return plain and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+    def seal(self) -> StepPart:
+        """Freeze the per-rank figures into arrays (a part about to be sent); returns self."""
+        if self.sealed is None:
+            ranks = list(self.first)
+            sums = [[getattr(self, name).get(r, 0.0) for r in ranks] for name in _SUMS]
+            times = [list(self.first.values()), [self.last_end.get(r, 0) for r in ranks]]
+            self.sealed = (
+                np.array(ranks, dtype=np.int64),
+                np.array(sums, dtype=np.float64).reshape(len(_SUMS), len(ranks)),
+                np.array(times, dtype=np.int64).reshape(2, len(ranks)),
+            )
+            for name in ("first", "last_end", *_SUMS):
+                setattr(self, name, {})
+        return self
 
     def merge_shape(self, other: StepPart) -> None:
         """Add another part's count, extent, transfers and node spans, leaving its
         per-rank figures to :func:`dense_ranks` (the job merges thousands of parts
-        a step: per-rank dictionaries are summed once, as arrays, at the close)."""
+        a step: per-rank figures are summed once, as arrays, at the close)."""
         self.n += other.n
-        self.start = min(self.start, other.start)
-        self.end = max(self.end, other.end)
-        self.dp_end = max(self.dp_end, other.dp_end)
-        self.last_arrival = max(self.last_arrival, other.last_arrival)
+        if other.start < self.start:
+            self.start = other.start
+        if other.end > self.end:
+            self.end = other.end
+        if other.dp_end > self.dp_end:
+            self.dp_end = other.dp_end
+        if other.last_arrival > self.last_arrival:
+            self.last_arrival = other.last_arrival
         for c, x in other.transfer.items():
             self.transfer[c] = max(self.transfer.get(c, 0), x)
-        for key, (b, e) in other.spans.items():
-            span = self.spans.get(key)
-            if span is None:
-                self.spans[key] = [b, e]
-                self.node_late[key] = dict(other.node_late[key])
+        for replica, nodes in other.spans.items():
+            mine = self.spans.get(replica)
+            if mine is None:  # the usual case: one TP group's nodes, met here first
+                self.spans[replica] = {k: list(v) for k, v in nodes.items()}
                 continue
-            span[0], span[1] = min(span[0], b), max(span[1], e)
-            nl = self.node_late[key]
-            for r, v in other.node_late[key].items():
-                nl[r] = nl.get(r, 0.0) + v
-
-
-def _keys_values(dicts: list[dict[int, float]] | list[dict[int, int]]) -> tuple[list, list]:
-    return list(chain.from_iterable(dicts)), list(chain.from_iterable(d.values() for d in dicts))
+            for key, (b, e) in nodes.items():
+                span = mine.get(key)
+                if span is None:
+                    mine[key] = [b, e]
+                else:
+                    span[0], span[1] = min(span[0], b), max(span[1], e)
+        for replica, e in other.replica_end.items():
+            if e > self.replica_end.get(replica, 0):
+                self.replica_end[replica] = e
 
 
 def dense_ranks(parts: list[StepPart], world: int) -> dict[str, np.ndarray]:
@@ -170,26 +215,40 @@ def dense_ranks(parts: list[StepPart], world: int) -> dict[str, np.ndarray]:
 
     >>> a, b = StepPart(0, lateness={1: 2.0}, first={1: 50}), StepPart(0, lateness={1: 1.0})
     >>> b.first[1], b.first[2] = 40, 60
-    >>> d = dense_ranks([a, b], 3)
+    >>> d = dense_ranks([a, b.seal()], 3)
     >>> d["lateness"].tolist(), d["first"].tolist()
     ([0.0, 3.0, 0.0], [-1, 40, 60])
     """
-    out: dict[str, np.ndarray] = {}
-    for name in ("lead_sum", "lead_n", "wait", "lateness", "blame"):
-        keys, values = _keys_values([getattr(p, name) for p in parts])
-        out[name] = (
-            np.bincount(keys, weights=values, minlength=world)[:world] if keys else np.zeros(world)
-        )
-    keys, values = _keys_values([p.first for p in parts])
+    sealed = [(p.sealed or StepPart.seal(_copy_figures(p)).sealed) for p in parts]
+    ranks = np.concatenate([s[0] for s in sealed]) if sealed else np.zeros(0, np.int64)
+    sums = np.concatenate([s[1] for s in sealed], axis=1) if sealed else np.zeros((5, 0))
+    times = np.concatenate([s[2] for s in sealed], axis=1) if sealed else np.zeros((2, 0), int)
+    out = {
+        name: np.bincount(ranks, weights=sums[i], minlength=world)[:world].astype(np.float64)
+        for i, name in enumerate(_SUMS)
+    }
     first = np.full(world, _NEVER, dtype=np.int64)
-    np.minimum.at(first, np.asarray(keys, dtype=np.int64), np.asarray(values, dtype=np.int64))
+    np.minimum.at(first, ranks, times[0])
     first[first == _NEVER] = -1
     out["first"] = first
-    keys, values = _keys_values([p.last_end for p in parts])
     last_end = np.zeros(world, dtype=np.int64)
-    np.maximum.at(last_end, np.asarray(keys, dtype=np.int64), np.asarray(values, dtype=np.int64))
+    np.maximum.at(last_end, ranks, times[1])
     out["last_end"] = last_end
     return out
+
+
+def _copy_figures(p: StepPart) -> StepPart:
+    """A part with ``p``'s per-rank figures, to seal without touching ``p``."""
+    return StepPart(
+        p.step,
+        first=p.first,
+        last_end=p.last_end,
+        lead_sum=p.lead_sum,
+        lead_n=p.lead_n,
+        wait=p.wait,
+        lateness=p.lateness,
+        blame=p.blame,
+    )
 
 
 class StepAssembler:
@@ -316,7 +375,7 @@ class StepAssembler:
                     first_ns=ranks["first"],
                     last_end_ns=ranks["last_end"],
                     spans=acc.spans,
-                    node_lateness=acc.node_late,
+                    replica_end=acc.replica_end,
                     transfer_ns=acc.transfer,
                 )
             )

@@ -284,9 +284,8 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], batch: int = 500
             continue
         t0 = time.perf_counter()
         job.update(rec)
-        scheds = book.update(rec)
         t_job += time.perf_counter() - t0
-        for sc in scheds:
+        for sc in book.update(rec):  # the flow's schedule book: a step of its own
             pending.setdefault(sc.comm.comm_hash, []).append(sc)
     for comm_hash in list(pending):
         flush(comm_hash)

@@ -414,3 +414,19 @@ def test_without_link_samples_a_degraded_link_is_found_from_proxy_summaries() ->
     }
     for seed in range(3):
         assert verdicts("healthy", seed)[0] == []
+
+
+def test_a_sealed_step_part_refuses_more_instances() -> None:
+    """A communicator seals its part of a step when it sends it; folding into it later
+    would change what the job already merged, so it is an error that says so."""
+    from detectors.steps import StepPart
+    from detectors.topology import Topology
+    from schemas.units import CommRole
+
+    run = build("healthy", scale="tiny", seed=0, steps=2, kernels=False)
+    part = StepPart(0, first={3: 10}, last_end={3: 20}, lateness={3: 1.5}).seal()
+    assert part.sealed is not None and part.sealed[0].tolist() == [3]
+    inst = Instance("j", 1, 0, CollOp.ALL_REDUCE, 0, 2, 8, (0, 1), (0, 0), (1, 2), (3, 4))
+    with pytest.raises(ValueError, match="sealed"):
+        part.fold(inst, "forward", 0, CommRole.TP, Topology.from_job(run.spec.job_info()))
+    assert part.n == 0
