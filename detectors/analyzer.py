@@ -86,7 +86,8 @@ class JobAnalyzer:
         self.partials: dict[tuple[int, int, int], Instance] = {}
         self.stuck = StuckProxies()
         self.last_progress_ns = 0
-        self.now_ns = 0
+        self.now_ns = 0  # the newest time any input showed
+        self.coll_now_ns = 0  # the newest time the collective records showed
         self.durations: deque[int] = deque(maxlen=20)
         self.hang_open: str | None = None
         self.slow_open: str | None = None
@@ -201,6 +202,7 @@ class JobAnalyzer:
         pos = self.assembler.topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender)
         if not inst.complete:
             self.now_ns = max(self.now_ns, max(inst.arrival))
+            self.coll_now_ns = max(self.coll_now_ns, max(inst.arrival))
             self.partials[key] = inst
             return [aligned_record(self.job, self.topo, inst, pos)]
         self.partials.pop(key, None)
@@ -221,6 +223,7 @@ class JobAnalyzer:
     def _progress(self, arrival_ns: int, end_ns: int) -> list[msgspec.Struct]:
         """Collectives completed up to ``end_ns``: the job moves (and a hang may be over)."""
         self.now_ns = max(self.now_ns, arrival_ns, end_ns)
+        self.coll_now_ns = max(self.coll_now_ns, arrival_ns, end_ns)
         if end_ns <= self.last_progress_ns:
             return []
         self.last_progress_ns = end_ns
@@ -623,7 +626,12 @@ class JobAnalyzer:
         diagnosis uses every rank's latest heartbeat (robust to collective records that
         arrive late, e.g. from a lagging partition). Without heartbeats (old logs),
         progress is the newest completed instance and the diagnosis uses the partial
-        instances reported by the aligners.
+        instances reported by the aligners; then ``now_ns`` is read as the collective
+        records' clock. Records in time order (offline) can pass the newest time of any
+        record. A stream processor, whose topics are read at different paces, must not:
+        link samples read seconds ahead of the collectives are not silence of the job
+        (the flow passes the time the collectives showed, moved on by the wall clock only
+        while they show nothing new).
         """
         self.now_ns = max(self.now_ns, now_ns)
         if self.topo is None or self.hang_open:
@@ -649,13 +657,14 @@ class JobAnalyzer:
                 diag = self._earliest_call(diag, prio)
             detected = self.hb_now_ns
         else:
-            silent = self.now_ns - self.last_progress_ns
+            now = max(self.coll_now_ns, now_ns)
+            silent = now - self.last_progress_ns
             if not self.last_progress_ns or silent <= limit or not self.partials:
                 return []
             diag = diagnose_hang(
                 list(self.partials.values()), list(self.stuck.ops.values()), self._members()
             )
-            detected = self.now_ns
+            detected = now
         if diag is None:
             return []
         return self._hang_verdict(diag, silent, exp, detected)

@@ -38,6 +38,12 @@ class _Clock:
         self.event_ns = max(self.event_ns, event_ns)
         self.wall_ns = time.monotonic_ns()
 
+    def moved(self, event_ns: int) -> None:
+        """Like :meth:`saw`, but only time that moved on counts as news: the clock runs
+        on by the wall while the input shows nothing newer (only old records, or none)."""
+        if event_ns > self.event_ns:
+            self.saw(event_ns)
+
     def now(self) -> int:
         quiet = time.monotonic_ns() - self.wall_ns
         return self.event_ns + max(0, quiet - QUIET_NS)
@@ -119,7 +125,9 @@ class AnalyzeLogic(StatefulBatchLogic[list[Any], list[msgspec.Struct], tuple[Job
     """Per job: instances and records in, tables and verdicts out; the hang watchdog.
 
     Bytewax builds keyed state without telling it the key, so the analyzer is
-    created with the job id of the first item it receives.
+    created with the job id of the first item it receives. The watchdog's clock
+    is the collectives' (see :meth:`JobAnalyzer.tick`): topics are read at
+    different paces, and other records running ahead are not the job's silence.
     """
 
     def __init__(self, settings: DetectSettings, resume: tuple[JobAnalyzer, int] | None) -> None:
@@ -139,7 +147,7 @@ class AnalyzeLogic(StatefulBatchLogic[list[Any], list[msgspec.Struct], tuple[Job
         for batch in values:
             for item in batch:
                 out += update(item)
-        self.clock.saw(self.analyzer.now_ns)
+        self.clock.moved(self.analyzer.coll_now_ns)
         out += self.analyzer.tick(self.clock.now())
         return _one(out), StatefulBatchLogic.RETAIN
 
@@ -160,4 +168,4 @@ class AnalyzeLogic(StatefulBatchLogic[list[Any], list[msgspec.Struct], tuple[Job
     def snapshot(self) -> tuple[JobAnalyzer, int] | None:
         if self.analyzer is None:
             return None
-        return self.analyzer, self.analyzer.now_ns
+        return self.analyzer, self.analyzer.coll_now_ns
