@@ -28,6 +28,7 @@ from detectors.changepoint import ShiftDetector
 from detectors.fusion import VerdictBook
 from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang
 from detectors.links import LinkEvent, LinkMonitor
+from detectors.node import NodeAnalyzer, NodeDigest
 from detectors.parts import CommProgress, EdgeThroughput, StuckProxies
 from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepAssembler, StepPart, StepReport
@@ -42,7 +43,6 @@ from schemas.records import (
     RankInfo,
     RankStep,
     StepSummary,
-    Verdict,
     event_time,
 )
 from schemas.units import Cause, CollOp, Phase, VerdictKind
@@ -78,7 +78,9 @@ class JobAnalyzer:
             alpha=st.alpha,
             host_lead_drop=st.host_lead_drop,
         )
-        self.links = LinkMonitor(warmup=st.warmup_steps, drop=st.link_drop)
+        # per node: link samples against each link's baseline, heartbeat progress (the flow
+        # sends digests made per node; raw records given here go through the same analyzers)
+        self.nodes: dict[str, NodeAnalyzer] = {}
         # link throughput measured from proxy summaries: its own baselines, never mixed
         self.proxy_links = LinkMonitor(warmup=st.warmup_steps, drop=st.link_drop)
         self.book = VerdictBook(self.job)
@@ -98,11 +100,9 @@ class JobAnalyzer:
         # per sending rank: [baseline SendGPUWait per send (sum, windows), latest (EWMA)]
         self.gpu_wait: dict[int, list[float]] = {}
         self.hb_latest: dict[int, Heartbeat] = {}
-        self.hb_done: dict[int, dict[int, int]] = {}  # rank -> comm -> completed seq
         self.hb_progress_ns = 0
         self.hb_now_ns = 0
         self._hang_detected_ns = 0
-        self._resolved_hang: Verdict | None = None
 
     # ------------------------------------------------------------------ inputs
     def update(self, item: Any) -> list[msgspec.Struct]:
@@ -145,45 +145,40 @@ class JobAnalyzer:
         self.stuck.update(p)
         return []
 
-    def _link_in(self, s: LinkSample) -> list[msgspec.Struct]:
-        if s.ts_ns > self.now_ns:
-            self.now_ns = s.ts_ns
-        self.nic_counters = True
-        ev = self.links.update(s)  # thousands a step: nothing more unless a link changed
-        return [] if ev is None else self._link_event(ev, s.ts_ns)
+    def _node_record(self, rec: LinkSample | Heartbeat) -> list[msgspec.Struct]:
+        """A raw link sample or heartbeat: through its node's analyzer, as the flow does."""
+        node = self.nodes.get(rec.node)
+        if node is None:
+            st = self.settings
+            node = self.nodes[rec.node] = NodeAnalyzer(st.warmup_steps, st.link_drop)
+        digest = node.update((rec,))
+        return self._digest(digest) if digest is not None else []
+
+    def _digest(self, d: NodeDigest) -> list[msgspec.Struct]:
+        """A node's news: links that changed, its ranks' latest heartbeats, their progress."""
+        if d.ts_ns > self.now_ns:
+            self.now_ns = d.ts_ns
+        out: list[msgspec.Struct] = []
+        if d.link_samples:
+            self.nic_counters = True
+            for ev, ts in d.links:
+                out += self._link_event(ev, ts)
+        if not d.heartbeats:
+            return out
+        self.hb_latest.update(d.heartbeats)
+        if d.heartbeat_ns > self.hb_now_ns:
+            self.hb_now_ns = d.heartbeat_ns
+        if d.progress_ns > self.hb_progress_ns:
+            self.hb_progress_ns = d.progress_ns
+        if d.progress_ns and self.hang_open and d.progress_ns > self._hang_detected_ns:
+            v = self.book.resolve(VerdictKind.HANG.value, self.hang_open, d.progress_ns)
+            self.hang_open = None
+            if v:
+                out.append(v)
+        return out
 
     def _progress_in(self, p: CommProgress) -> list[msgspec.Struct]:
         return self._progress(p.last_arrival_ns, p.last_end_ns)
-
-    def _heartbeat_in(self, hb: Heartbeat) -> list[msgspec.Struct]:
-        if hb.ts_ns > self.now_ns:
-            self.now_ns = hb.ts_ns
-        self._heartbeat(hb)
-        if self._resolved_hang is not None:
-            v, self._resolved_hang = self._resolved_hang, None
-            return [v]
-        return []
-
-    def _heartbeat(self, hb: Heartbeat) -> None:
-        """Liveness and progress: a completed sequence number that moved is progress."""
-        self.hb_latest[hb.rank] = hb
-        ts = hb.ts_ns
-        if ts > self.hb_now_ns:
-            self.hb_now_ns = ts
-        done = self.hb_done.get(hb.rank)
-        if done is None:
-            done = self.hb_done[hb.rank] = {}
-        moved = False
-        for cp in hb.comms:
-            if cp.completed_seq > done.get(cp.comm_hash, -1):
-                done[cp.comm_hash] = cp.completed_seq
-                moved = True
-        if not moved:
-            return
-        self.hb_progress_ns = max(self.hb_progress_ns, ts)
-        if self.hang_open and ts > self._hang_detected_ns:
-            self._resolved_hang = self.book.resolve(VerdictKind.HANG.value, self.hang_open, ts)
-            self.hang_open = None
 
     def _job(self, info: JobInfo) -> list[msgspec.Struct]:
         if self.topo is None:
@@ -817,9 +812,10 @@ class JobAnalyzer:
 #: What the job does with each kind of item (anything else only moves its clock).
 _HANDLERS: dict[type, Callable[[JobAnalyzer, Any], list[msgspec.Struct]]] = {
     StepPart: JobAnalyzer._part,
-    LinkSample: JobAnalyzer._link_in,
+    LinkSample: JobAnalyzer._node_record,
+    NodeDigest: JobAnalyzer._digest,
     EdgeThroughput: JobAnalyzer._edge_throughput,
-    Heartbeat: JobAnalyzer._heartbeat_in,
+    Heartbeat: JobAnalyzer._node_record,
     CommProgress: JobAnalyzer._progress_in,
     Instance: JobAnalyzer._instance,
     ProxySummary: JobAnalyzer._proxy_in,

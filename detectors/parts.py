@@ -226,4 +226,77 @@ class StepFolder:
         return len(self._parts)
 
 
-__all__ = ["CommProgress", "CommSchedule", "EdgeThroughput", "ScheduleBook", "StepFolder"]
+class PartMerger:
+    """Merges the step parts of a share of a job's communicators into one part per step.
+
+    The flow keys these by (job, shard of the communicators), between the
+    communicators and the job: at 4,096 ranks a job has some 4,000 communicators,
+    so its single worker would otherwise merge as many parts a step. A step's
+    merged part is sent once every communicator this merger heard from is at
+    that step or past it: it sent its part (a communicator's parts come in step
+    order), or it has none (its instances went to the job as they were). What
+    arrives later is merged again and sent on; the job merges any number of
+    parts of a step. At most ``max_open_steps`` steps wait for a communicator
+    that went quiet.
+
+    >>> from detectors.steps import StepPart
+    >>> m = PartMerger()
+    >>> def part(step, comm):
+    ...     return StepPart(step, comm_hash=comm, n=1, start=step, first={comm: step}).seal()
+    >>> [(p.step, p.comms) for p in m.update(part(0, comm=1))]  # the only one heard from
+    [(0, (1,))]
+    >>> m.update(part(1, comm=2))  # waits for communicator 1's part of step 1
+    []
+    >>> [(p.step, p.comms, p.n) for p in m.update(part(1, comm=1))]
+    [(1, (2, 1), 2)]
+    """
+
+    def __init__(self, max_open_steps: int = 8) -> None:
+        if max_open_steps < 1:
+            raise ValueError("max_open_steps must be at least 1")
+        self.max_open_steps = max_open_steps
+        self._reset()
+
+    def _reset(self) -> None:
+        self._open: dict[int, list[StepPart]] = {}  # step -> its parts so far
+        self._newest: dict[int, int] = {}  # communicator -> its newest step
+        self._at: dict[int, int] = {}  # newest step -> how many communicators are there
+
+    def update(self, part: StepPart) -> list[StepPart]:
+        """Take a part; return the merged parts now complete, oldest first."""
+        step = part.step
+        self._open.setdefault(step, []).append(part)
+        for comm in part.comms or (part.comm_hash,):
+            prev = self._newest.get(comm)
+            if prev is not None and step <= prev:
+                continue
+            self._newest[comm] = step
+            self._at[step] = self._at.get(step, 0) + 1
+            if prev is not None:
+                if self._at[prev] == 1:
+                    del self._at[prev]
+                else:
+                    self._at[prev] -= 1
+        low = min(self._at)  # every communicator is at this step or past it
+        ready = sorted(s for s in self._open if s <= low)
+        while len(self._open) - len(ready) > self.max_open_steps:
+            ready.append(min(s for s in self._open if s not in ready))
+        return [StepPart.merged(self._open.pop(s)) for s in ready]
+
+    def flush(self) -> list[StepPart]:
+        """Every open step's merged part, oldest first (end of a bounded input)."""
+        return [StepPart.merged(self._open.pop(s)) for s in sorted(self._open)]
+
+    @property
+    def n_open(self) -> int:
+        return len(self._open)
+
+
+__all__ = [
+    "CommProgress",
+    "CommSchedule",
+    "EdgeThroughput",
+    "PartMerger",
+    "ScheduleBook",
+    "StepFolder",
+]

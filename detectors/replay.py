@@ -24,7 +24,8 @@ import msgspec
 
 from detectors.analyzer import JobAnalyzer
 from detectors.comm import CommAnalyzer
-from detectors.parts import ScheduleBook
+from detectors.parts import PartMerger, ScheduleBook
+from detectors.steps import StepPart
 from schemas.config import DetectSettings
 from schemas.records import Collective, ProxySummary
 
@@ -36,6 +37,7 @@ class Replay:
         self.comms: dict[tuple[str, int], CommAnalyzer] = {}
         self.books: dict[str, ScheduleBook] = {}
         self.jobs: dict[str, JobAnalyzer] = {}
+        self.mergers: dict[tuple[str, int], PartMerger] = {}
         self._next_tick = 0
         self.now_ns = 0
 
@@ -71,16 +73,27 @@ class Replay:
             )
         rows, forward = comm.update([item])
         out: list[msgspec.Struct] = list(rows)
+        out += self._to_job(job, forward)
+        return out
+
+    def _to_job(self, job: str, items: Iterable[Any]) -> list[msgspec.Struct]:
+        """A communicator's items to its job; step parts merged per shard, as the flow does."""
+        out: list[msgspec.Struct] = []
         analyzer = self.jobs[job]
-        for x in forward:
-            out += analyzer.update(x)
+        for x in items:
+            if isinstance(x, StepPart):
+                key = (job, x.comm_hash % self.settings.part_shards)
+                merger = self.mergers.get(key) or self.mergers.setdefault(key, PartMerger())
+                for merged in merger.update(x):
+                    out += analyzer.update(merged)
+            else:
+                out += analyzer.update(x)
         return out
 
     def tick(self, now_ns: int) -> list[msgspec.Struct]:
         out: list[msgspec.Struct] = []
         for (job, _), comm in self.comms.items():
-            for x in comm.expire(now_ns):
-                out += self.jobs[job].update(x)
+            out += self._to_job(job, comm.expire(now_ns))
         for a in self.jobs.values():
             out += a.tick(now_ns)
         return out
@@ -88,7 +101,9 @@ class Replay:
     def finish(self) -> list[msgspec.Struct]:
         out = self.tick(self.now_ns)
         for (job, _), comm in self.comms.items():
-            for x in comm.folder.flush():
+            out += self._to_job(job, comm.folder.flush())
+        for (job, _), merger in self.mergers.items():
+            for x in merger.flush():
                 out += self.jobs[job].update(x)
         for a in self.jobs.values():
             out += a.finish()

@@ -101,7 +101,7 @@ class SlowdownLocalizer:
             if self._seen >= self.warmup:
                 self.base_late = np.median(np.array(self._late), axis=0)
                 self.base_lead = np.median(np.array(self._lead), axis=0)
-                self.expected = {k: float(np.median(v)) for k, v in self._seed_nodes.items()}
+                self.expected = _medians(self._seed_nodes)
                 self._late, self._lead, self._seed_nodes = [], [], {}
             return
         self.base_late += 0.05 * (rep.lateness_ns - self.base_late)
@@ -210,3 +210,20 @@ class SlowdownLocalizer:
                     if exp and dur > exp * (1 + self.node_margin):
                         out.append((key, dur - exp, dur))
         return out
+
+
+def _medians(samples: dict[tuple, list[float]]) -> dict[tuple, float]:
+    """Each key's median, computed for all keys with as many samples at once
+    (thousands of nodes at 4,096 ranks: one numpy call each cost 160 ms).
+
+    >>> _medians({"a": [3.0, 1.0, 2.0], "b": [5.0, 7.0], "c": [4.0, 6.0]})
+    {'a': 2.0, 'b': 6.0, 'c': 5.0}
+    """
+    by_len: dict[int, list[tuple]] = {}
+    for key, values in samples.items():
+        by_len.setdefault(len(values), []).append(key)
+    out: dict[tuple, float] = {}
+    for keys in by_len.values():
+        medians = np.median(np.array([samples[k] for k in keys]), axis=1)
+        out.update(zip(keys, medians.tolist(), strict=True))
+    return {k: out[k] for k in samples}

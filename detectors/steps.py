@@ -21,8 +21,18 @@ from schemas.units import CommRole
 
 NodeKey = tuple[int, str, int]  # (stage, phase, micro-batch) of one pipeline replica
 _NEVER = 1 << 62
-#: the per-rank sums a part carries, in the rows of :attr:`StepPart.sealed`'s float matrix
+#: the per-rank sums a part carries, in the rows of :attr:`StepPart.sealed`
 _SUMS = ("lead_sum", "lead_n", "wait", "lateness", "blame")
+
+
+class _Sealed(dict):
+    """The per-rank dictionaries of a sealed part: empty, and read-only."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        raise TypeError("a sealed step part's per-rank figures are read-only")
+
+
+_SEALED: dict = _Sealed()
 
 
 @dataclass
@@ -74,6 +84,7 @@ class StepPart:
     step: int
     comm_hash: int = -1  # the communicator whose instances these are, or -1 for several
     job: str = ""
+    comms: tuple[int, ...] = ()  # the communicators of a part merged from several
     n: int = 0
     start: int = _NEVER
     end: int = 0
@@ -89,8 +100,10 @@ class StepPart:
     spans: dict[int, dict[NodeKey, list[int]]] = field(default_factory=dict)
     replica_end: dict[int, int] = field(default_factory=dict)
     transfer: dict[int, int] = field(default_factory=dict)
-    #: (ranks, sums as rows of _SUMS, [first, last_end]) once sealed
-    sealed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    #: the per-rank figures once sealed, one column per rank (see :meth:`seal`)
+    sealed: np.ndarray | None = None
+    #: replicas whose spans are another part's (merge_shape copies them before a change)
+    _borrowed: set[int] | None = field(default=None, compare=False, repr=False)
 
     def fold(
         self, inst: Instance, phase: str, mb: int | None, role: CommRole, topo: Topology
@@ -139,6 +152,9 @@ class StepPart:
         nodes = self.spans.get(replica)
         if nodes is None:
             nodes = self.spans[replica] = {}
+        elif self._borrowed and replica in self._borrowed:  # another part's: copy first
+            nodes = self.spans[replica] = {k: list(v) for k, v in nodes.items()}
+            self._borrowed.discard(replica)
         span = nodes.get(key)
         if span is None:
             nodes[key] = [a_max, e_max]
@@ -157,27 +173,53 @@ class StepPart:
         plain = all(
             getattr(self, f.name) == getattr(other, f.name)
             for f in fields(self)
-            if f.name != "sealed"
+            if f.compare and f.name != "sealed"
         )
         a, b = self.sealed, other.sealed
         if a is None or b is None:
             return plain and a is b
-        return plain and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+        return plain and np.array_equal(a, b)
 
     def seal(self) -> StepPart:
-        """Freeze the per-rank figures into arrays (a part about to be sent); returns self."""
+        """Freeze the per-rank figures into one array (a part about to be sent); returns self.
+
+        Rows: rank, the sums of ``_SUMS``, first arrival and last end as offsets from
+        the part's start (exact in a float up to 104 days). The per-rank dictionaries
+        are let go: a job frees thousands of parts a step, each object costs."""
         if self.sealed is None:
             ranks = list(self.first)
-            sums = [[getattr(self, name).get(r, 0.0) for r in ranks] for name in _SUMS]
-            times = [list(self.first.values()), [self.last_end.get(r, 0) for r in ranks]]
-            self.sealed = (
-                np.array(ranks, dtype=np.int64),
-                np.array(sums, dtype=np.float64).reshape(len(_SUMS), len(ranks)),
-                np.array(times, dtype=np.int64).reshape(2, len(ranks)),
-            )
+            base = self.start if self.start != _NEVER else 0
+            rows = [ranks]
+            rows += [[getattr(self, name).get(r, 0.0) for r in ranks] for name in _SUMS]
+            rows.append([t - base for t in self.first.values()])
+            rows.append([self.last_end.get(r, base) - base for r in ranks])
+            self.sealed = np.array(rows, dtype=np.float64).reshape(len(rows), len(ranks))
             for name in ("first", "last_end", *_SUMS):
-                setattr(self, name, {})
+                setattr(self, name, _SEALED)
         return self
+
+    @classmethod
+    def merged(cls, parts: list[StepPart]) -> StepPart:
+        """One sealed part that holds several parts of one step (merging commutes)."""
+        out = cls(parts[0].step, job=parts[0].job)
+        comms: list[int] = []
+        for p in parts:
+            out.merge_shape(p)
+            comms += p.comms or (p.comm_hash,)
+        out.comms = tuple(comms)
+        base = out.start if out.start != _NEVER else 0
+        cols = []
+        for p in parts:
+            col = p.sealed if p.sealed is not None else _sealed_copy(p)
+            shift = (p.start if p.start != _NEVER else 0) - base
+            if shift:  # times are offsets from the part's start: from the merged start now
+                col = col.copy()
+                col[-2:] += shift
+            cols.append(col)
+        out.sealed = np.concatenate(cols, axis=1)
+        for name in ("first", "last_end", *_SUMS):
+            setattr(out, name, _SEALED)
+        return out
 
     def merge_shape(self, other: StepPart) -> None:
         """Add another part's count, extent, transfers and node spans, leaving its
@@ -197,8 +239,14 @@ class StepPart:
         for replica, nodes in other.spans.items():
             mine = self.spans.get(replica)
             if mine is None:  # the usual case: one TP group's nodes, met here first
-                self.spans[replica] = {k: list(v) for k, v in nodes.items()}
+                self.spans[replica] = nodes  # borrowed: copied before it would change
+                if self._borrowed is None:
+                    self._borrowed = set()
+                self._borrowed.add(replica)
                 continue
+            if self._borrowed and replica in self._borrowed:
+                mine = self.spans[replica] = {k: list(v) for k, v in mine.items()}
+                self._borrowed.discard(replica)
             for key, (b, e) in nodes.items():
                 span = mine.get(key)
                 if span is None:
@@ -214,33 +262,37 @@ def dense_ranks(parts: list[StepPart], world: int) -> dict[str, np.ndarray]:
     """The per-rank figures of several parts of one step, merged, as arrays.
 
     >>> a, b = StepPart(0, lateness={1: 2.0}, first={1: 50}), StepPart(0, lateness={1: 1.0})
-    >>> b.first[1], b.first[2] = 40, 60
+    >>> b.first[1], b.first[2], b.start = 40, 60, 40
     >>> d = dense_ranks([a, b.seal()], 3)
     >>> d["lateness"].tolist(), d["first"].tolist()
     ([0.0, 3.0, 0.0], [-1, 40, 60])
     """
-    sealed = [(p.sealed or StepPart.seal(_copy_figures(p)).sealed) for p in parts]
-    ranks = np.concatenate([s[0] for s in sealed]) if sealed else np.zeros(0, np.int64)
-    sums = np.concatenate([s[1] for s in sealed], axis=1) if sealed else np.zeros((5, 0))
-    times = np.concatenate([s[2] for s in sealed], axis=1) if sealed else np.zeros((2, 0), int)
+    sealed = [(p.sealed if p.sealed is not None else _sealed_copy(p)) for p in parts]
+    cols = np.concatenate(sealed, axis=1) if sealed else np.zeros((3 + len(_SUMS), 0))
+    bases = np.repeat(
+        np.array([p.start if p.start != _NEVER else 0 for p in parts], dtype=np.int64),
+        [s.shape[1] for s in sealed],
+    )
+    ranks = cols[0].astype(np.int64)
     out = {
-        name: np.bincount(ranks, weights=sums[i], minlength=world)[:world].astype(np.float64)
+        name: np.bincount(ranks, weights=cols[1 + i], minlength=world)[:world]
         for i, name in enumerate(_SUMS)
     }
     first = np.full(world, _NEVER, dtype=np.int64)
-    np.minimum.at(first, ranks, times[0])
+    np.minimum.at(first, ranks, cols[-2].astype(np.int64) + bases)
     first[first == _NEVER] = -1
     out["first"] = first
     last_end = np.zeros(world, dtype=np.int64)
-    np.maximum.at(last_end, ranks, times[1])
+    np.maximum.at(last_end, ranks, cols[-1].astype(np.int64) + bases)
     out["last_end"] = last_end
     return out
 
 
-def _copy_figures(p: StepPart) -> StepPart:
-    """A part with ``p``'s per-rank figures, to seal without touching ``p``."""
-    return StepPart(
+def _sealed_copy(p: StepPart) -> np.ndarray:
+    """``p``'s per-rank figures as :meth:`StepPart.seal` makes them, leaving ``p`` as it is."""
+    copy = StepPart(
         p.step,
+        start=p.start,
         first=p.first,
         last_end=p.last_end,
         lead_sum=p.lead_sum,
@@ -249,6 +301,9 @@ def _copy_figures(p: StepPart) -> StepPart:
         lateness=p.lateness,
         blame=p.blame,
     )
+    sealed = copy.seal().sealed
+    assert sealed is not None
+    return sealed
 
 
 class StepAssembler:
@@ -295,10 +350,10 @@ class StepAssembler:
         if acc is None:
             acc = self._acc[pos.step] = StepPart(pos.step)
         acc.fold(inst, pos.phase, pos.microbatch, topo.role(inst.comm_hash), topo)
-        return self._after(acc, inst.comm_hash)
+        return self._after(acc, (inst.comm_hash,))
 
     def add_part(self, part: StepPart) -> list[StepReport]:
-        """Merge a communicator's part of a step (see :class:`StepPart`)."""
+        """Merge a communicator's part of a step, or several merged (see :class:`StepPart`)."""
         if part.step <= self._closed_upto:
             self.late_instances += part.n
             return []
@@ -307,18 +362,18 @@ class StepAssembler:
             acc = self._acc[part.step] = StepPart(part.step)
         acc.merge_shape(part)
         self._parts.setdefault(part.step, []).append(part)
-        return self._after(acc, part.comm_hash)
+        return self._after(acc, part.comms or (part.comm_hash,))
 
-    def _after(self, acc: StepPart, comm: int) -> list[StepReport]:
+    def _after(self, acc: StepPart, comms: tuple[int, ...]) -> list[StepReport]:
         out = []
         if acc.n >= self.expected_instances():
             out += self._close_through(acc.step)
-        out += self._advance(comm, acc.step)
+        out += self._advance(comms, acc.step)
         if len(self._acc) > self.max_open_steps:  # bounded state, whatever is missing
             out += self._close_through(min(self._acc))
         return out
 
-    def _advance(self, comm: int, step: int) -> list[StepReport]:
+    def _advance(self, comms: tuple[int, ...], step: int) -> list[StepReport]:
         """Per-communicator watermark over *every* communicator of the job.
 
         A step is given up on (closed incomplete) only when all communicators have
@@ -332,15 +387,20 @@ class StepAssembler:
                     self._comm_step[c] = -1
                     self._at[-1] = self._at.get(-1, 0) + 1
                     self._min_step = -1
-        prev = self._comm_step.get(comm)
-        if prev is not None and step <= prev:
+        moved = False
+        for comm in comms:
+            prev = self._comm_step.get(comm)
+            if prev is not None and step <= prev:
+                continue
+            moved = True
+            self._comm_step[comm] = step
+            self._at[step] = self._at.get(step, 0) + 1
+            if prev is not None:
+                self._at[prev] -= 1
+            elif len(self._comm_step) == 1:
+                self._min_step = step
+        if not moved:
             return []
-        self._comm_step[comm] = step
-        self._at[step] = self._at.get(step, 0) + 1
-        if prev is not None:
-            self._at[prev] -= 1
-        elif len(self._comm_step) == 1:
-            self._min_step = step
         while self._at.get(self._min_step, 0) == 0 and self._min_step < step:
             self._at.pop(self._min_step, None)
             self._min_step += 1

@@ -17,7 +17,9 @@ from bytewax.operators import StatefulBatchLogic
 
 from detectors.analyzer import JobAnalyzer
 from detectors.comm import CommAnalyzer
-from detectors.parts import CommSchedule, ScheduleBook
+from detectors.node import NodeAnalyzer, NodeDigest
+from detectors.parts import CommSchedule, PartMerger, ScheduleBook
+from detectors.steps import StepPart
 from schemas.config import DetectSettings
 from schemas.records import AlignedCollective, Collective
 
@@ -119,6 +121,40 @@ def schedules(
     for rec in meta:
         out += book.update(rec)
     return book, out
+
+
+class MergeLogic(StatefulBatchLogic[list[StepPart], list[StepPart], PartMerger]):
+    """Per (job, shard): communicators' step parts in, one merged part per step out."""
+
+    def __init__(self, resume: PartMerger | None) -> None:
+        self.merger = resume or PartMerger()
+
+    def on_batch(self, values: list[list[StepPart]]) -> tuple[list[list[StepPart]], bool]:
+        out: list[StepPart] = []
+        for batch in values:
+            for part in batch:
+                out += self.merger.update(part)
+        return _one(out), StatefulBatchLogic.RETAIN
+
+    def on_eof(self) -> tuple[list[list[StepPart]], bool]:
+        return _one(self.merger.flush()), StatefulBatchLogic.RETAIN
+
+    def snapshot(self) -> PartMerger:
+        return self.merger  # pickled at the epoch boundary, before the next batch (see above)
+
+
+class NodeLogic(StatefulBatchLogic[list[Any], list[NodeDigest], NodeAnalyzer]):
+    """Per (job, node): heartbeats and link samples in, one digest per batch out."""
+
+    def __init__(self, settings: DetectSettings, resume: NodeAnalyzer | None) -> None:
+        self.node = resume or NodeAnalyzer(settings.warmup_steps, settings.link_drop)
+
+    def on_batch(self, values: list[list[Any]]) -> tuple[list[list[NodeDigest]], bool]:
+        digest = self.node.update(x for batch in values for x in batch)
+        return ([[digest]] if digest is not None else []), StatefulBatchLogic.RETAIN
+
+    def snapshot(self) -> NodeAnalyzer:
+        return self.node  # pickled at the epoch boundary, before the next batch (see above)
 
 
 class AnalyzeLogic(StatefulBatchLogic[list[Any], list[msgspec.Struct], tuple[JobAnalyzer, int]]):

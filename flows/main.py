@@ -1,9 +1,11 @@
 """The megatrace dataflow, top to bottom.
 
 Kafka batches are decoded (bad records become dead letters), stored raw,
-aligned per communicator, analysed per job, and the results stored and
-announced. Items are batches (lists) of records: Bytewax's cost is per item,
-so one item per poll and per key keeps the flow fast. Started by
+aligned per communicator (collectives, proxy summaries; their step parts
+merged per shard of the job's communicators) and read per node (heartbeats,
+link samples), analysed per job, and the results stored and announced.
+Items are batches (lists) of records: Bytewax's cost is per item, so one
+item per poll and per key keeps the flow fast. Started by
 ``megatrace run`` (or ``megatrace demo``); every judgement lives in ``detectors``.
 
 A flow has a :class:`Role`. ``all`` (the default) does everything. A larger
@@ -18,6 +20,7 @@ dead-letter topic, so a record refused twice is announced once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import time
 from collections.abc import Callable
@@ -33,9 +36,11 @@ from bytewax.connectors.stdio import StdOutSink
 from bytewax.dataflow import Dataflow
 
 from detectors.alerting import AlertGate
+from detectors.node import NodeDigest
 from detectors.parts import CommSchedule
+from detectors.steps import StepPart
 from flows.kafka_source import RawBatch, RawKafkaSource
-from flows.logic import AlignLogic, AlignOut, AnalyzeLogic, schedules
+from flows.logic import AlignLogic, AlignOut, AnalyzeLogic, MergeLogic, NodeLogic, schedules
 from flows.sinks import ClickHouseSink
 from flows.webhooks import WebhookSink
 from schemas.codec import SchemaError, dead_letter, decode, encode
@@ -45,8 +50,10 @@ from schemas.records import (
     Collective,
     CommInfo,
     DeadLetter,
+    Heartbeat,
     JobInfo,
     Kernel,
+    LinkSample,
     ProxySummary,
     Verdict,
 )
@@ -163,6 +170,8 @@ def job_of(comm_key: str) -> str:
 _COMM_KINDS = frozenset({Collective, ProxySummary})
 _STORED_ONLY = frozenset({Collective, ProxySummary, Kernel})
 _META_KINDS = frozenset({JobInfo, CommInfo})
+_NODE_KINDS = frozenset({Heartbeat, LinkSample})
+_NOT_FOR_JOB = _STORED_ONLY | _NODE_KINDS
 
 
 def comm_records_by_comm(d: Decoded) -> list[tuple[str, list[Collective | ProxySummary]]]:
@@ -175,14 +184,26 @@ def comm_records_by_comm(d: Decoded) -> list[tuple[str, list[Collective | ProxyS
     return list(groups.items())
 
 
+def node_records_by_node(d: Decoded) -> list[tuple[str, list[Heartbeat | LinkSample]]]:
+    """Heartbeats and link samples, per (job, node): many, small, read per node."""
+    if d.kinds.isdisjoint(_NODE_KINDS):
+        return []
+    groups: dict[str, list[Heartbeat | LinkSample]] = {}
+    for r in d.records:
+        if isinstance(r, Heartbeat | LinkSample):
+            groups.setdefault(f"{r.job}:{r.node}", []).append(r)
+    return list(groups.items())
+
+
 def others_by_job(d: Decoded) -> list[tuple[str, list[msgspec.Struct]]]:
     """What the job analysis reads directly (kernels are only stored; collectives and
-    proxy summaries go through their communicator)."""
-    if d.kinds <= _STORED_ONLY:
+    proxy summaries go through their communicator, heartbeats and link samples
+    through their node)."""
+    if d.kinds <= _NOT_FOR_JOB:
         return []
     groups: dict[str, list[msgspec.Struct]] = {}
     for r in d.records:
-        if not isinstance(r, Collective | ProxySummary | Kernel):
+        if not isinstance(r, Collective | ProxySummary | Kernel | Heartbeat | LinkSample):
             groups.setdefault(r.job, []).append(r)  # type: ignore[attr-defined]
     return list(groups.items())
 
@@ -209,7 +230,24 @@ def aligned_rows(kv: tuple[str, AlignOut]) -> tuple[dict[str, list[bytes]], int]
 
 
 def forward_to_job(kv: tuple[str, AlignOut]) -> tuple[str, list[Any]]:
-    return job_of(kv[0]), kv[1].forward
+    """What a communicator tells its job directly (its step parts are merged first)."""
+    return job_of(kv[0]), [x for x in kv[1].forward if not isinstance(x, StepPart)]
+
+
+def parts_by_shard(shards: int, kv: tuple[str, AlignOut]) -> list[tuple[str, list[StepPart]]]:
+    """A communicator's step parts, keyed by (job, shard of the job's communicators)."""
+    parts = [x for x in kv[1].forward if isinstance(x, StepPart)]
+    if not parts:
+        return []
+    return [(f"{job_of(kv[0])}:{parts[0].comm_hash % shards}", parts)]
+
+
+def parts_to_job(kv: tuple[str, list[StepPart]]) -> tuple[str, list[StepPart]]:
+    return kv[1][0].job, kv[1]
+
+
+def digests_to_job(kv: tuple[str, list[NodeDigest]]) -> tuple[str, list[NodeDigest]]:
+    return kv[1][0].job, kv[1]
 
 
 def rows_of(d: Decoded) -> tuple[dict[str, list[bytes]], int]:
@@ -330,9 +368,23 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], ch: ClickHouseSink) ->
     aligned = op.stateful_batch("align", by_comm, lambda resume: AlignLogic(cfg.detect, resume))
     # AlignedCollective rows are stored by the communicator's worker
     op.output("aligned_to_clickhouse", op.map("aligned_rows", aligned, aligned_rows), ch)
-    # (job, list[StepPart | Instance | CommProgress | other record]) -> (job, list[result])
+    # (job:shard, list[StepPart]) -> (job:shard, list[StepPart]): one part per shard and step
+    shards = functools.partial(parts_by_shard, cfg.detect.part_shards)
+    parts = op.stateful_batch(
+        "merge_parts", op.flat_map("parts_by_shard", aligned, shards), lambda r: MergeLogic(r)
+    )
+    # (job:node, list[Heartbeat | LinkSample]) -> (job:node, [NodeDigest]): what changed
+    by_node = op.flat_map("node_records_by_node", decoded, node_records_by_node)
+    digests = op.stateful_batch("node", by_node, lambda resume: NodeLogic(cfg.detect, resume))
+    # (job, list[StepPart | Instance | CommProgress | NodeDigest | other]) -> (job, list[result])
     forward = op.filter("with_forward", op.map("forward_to_job", aligned, forward_to_job), _any)
-    to_job = op.merge("to_job", forward, op.flat_map("others_by_job", decoded, others_by_job))
+    to_job = op.merge(
+        "to_job",
+        forward,
+        op.map("parts_to_job", parts, parts_to_job),
+        op.map("digests_to_job", digests, digests_to_job),
+        op.flat_map("others_by_job", decoded, others_by_job),
+    )
     results = op.key_rm(
         "results",
         op.stateful_batch("analyze", to_job, lambda resume: AnalyzeLogic(cfg.detect, resume)),

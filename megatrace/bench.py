@@ -231,17 +231,23 @@ def simulate(scales: list[str], steps: int, say: Callable[[str], None]) -> None:
         )
 
 
-def analyze(scale: str, steps: int, say: Callable[[str], None], batch: int = 500) -> None:
+def analyze(
+    scale: str, steps: int, say: Callable[[str], None], batch: int = 500, node_batch: int = 32
+) -> None:
     """Cost of the detectors per training step at a scale, in one process, by stage.
 
-    Records go through the flow's two stages as the flow batches them: per
-    communicator (alignment and folding into step parts, parallel across
-    workers), then per job (merging parts, step analysis: one worker per job).
+    Records go through the flow's stages as the flow batches them: per
+    communicator (alignment and folding into step parts), per shard of the
+    communicators (merging their parts) and per node (link monitors, heartbeat
+    progress), all parallel across workers, then per job (merging parts and
+    digests, step analysis: one worker per job).
     """
     from detectors.analyzer import JobAnalyzer
     from detectors.comm import CommAnalyzer
-    from detectors.parts import ScheduleBook
-    from schemas.records import Collective, ProxySummary
+    from detectors.node import NodeAnalyzer
+    from detectors.parts import PartMerger, ScheduleBook
+    from detectors.steps import StepPart
+    from schemas.records import Collective, Heartbeat, LinkSample, ProxySummary
 
     run = build("slow-gpu", scale=scale, seed=0, steps=steps, kernels=False)
     records = list(run.records())
@@ -252,14 +258,23 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], batch: int = 500
     step_s: list[float] = []
     plain_step = job._step
 
+    warm = min(4, steps // 2)  # the first steps: every communicator heard from the first time
+    at_warm = [0.0, 0]  # the job's time and items when the warm-up steps closed
+
     def timed_step(rep):
         t0 = time.perf_counter()
         out = plain_step(rep)
         step_s.append(time.perf_counter() - t0)
+        if len(step_s) == warm:
+            at_warm[:] = [t_job, to_job]
         return out
 
     job._step = timed_step  # type: ignore[method-assign]
-    t_comm = t_job = 0.0
+    nodes: dict[str, NodeAnalyzer] = {}
+    node_pending: dict[str, list[Any]] = {}
+    shards = job.settings.part_shards
+    mergers: dict[int, PartMerger] = {}
+    t_comm = t_node = t_merge = t_job = 0.0
     to_job = 0
 
     def flush(comm_hash: int) -> None:
@@ -268,11 +283,38 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], batch: int = 500
         t0 = time.perf_counter()
         comm = comms.get(comm_hash) or comms.setdefault(comm_hash, CommAnalyzer())
         _, forward = comm.update(items)
-        t1 = time.perf_counter()
-        to_job += len(forward)
+        t_comm += time.perf_counter() - t0
+        to_job_now(forward)
+
+    def to_job_now(forward: list[Any]) -> None:
+        nonlocal t_merge, t_job, to_job
         for x in forward:
-            job.update(x)
-        t_comm += t1 - t0
+            if isinstance(x, StepPart):  # merged per shard of the communicators first
+                t0 = time.perf_counter()
+                key = x.comm_hash % shards
+                merged = (mergers.get(key) or mergers.setdefault(key, PartMerger())).update(x)
+                t_merge += time.perf_counter() - t0
+            else:
+                merged = [x]
+            t0 = time.perf_counter()
+            for y in merged:
+                job.update(y)
+            t_job += time.perf_counter() - t0
+            to_job += len(merged)
+
+    def flush_node(name: str) -> None:
+        nonlocal t_node, t_job, to_job
+        st = job.settings
+        t0 = time.perf_counter()
+        node = nodes.get(name) or nodes.setdefault(
+            name, NodeAnalyzer(st.warmup_steps, st.link_drop)
+        )
+        digest = node.update(node_pending.pop(name, []))
+        t1 = time.perf_counter()
+        if digest is not None:
+            to_job += 1
+            job.update(digest)
+        t_node += t1 - t0
         t_job += time.perf_counter() - t1
 
     for rec in records:
@@ -282,24 +324,37 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], batch: int = 500
             if len(buf) >= batch:
                 flush(rec.comm_hash)
             continue
+        if isinstance(rec, Heartbeat | LinkSample):  # read per node, a batch at a time
+            buf = node_pending.setdefault(rec.node, [])
+            buf.append(rec)
+            if len(buf) >= node_batch:
+                flush_node(rec.node)
+            continue
         t0 = time.perf_counter()
         job.update(rec)
         t_job += time.perf_counter() - t0
+        to_job += 1
         for sc in book.update(rec):  # the flow's schedule book: a step of its own
             pending.setdefault(sc.comm.comm_hash, []).append(sc)
     for comm_hash in list(pending):
         flush(comm_hash)
-    t0 = time.perf_counter()
+    for name in list(node_pending):
+        flush_node(name)
     for comm in comms.values():
-        for x in comm.flush():
+        to_job_now(comm.flush())
+    t0 = time.perf_counter()
+    for merger in mergers.values():
+        for x in merger.flush():
             job.update(x)
     job.finish()
     t_job += time.perf_counter() - t0
     n = run.steps
     med = sorted(step_s)[len(step_s) // 2] if step_s else 0.0
+    steady = max(1, n - warm)
     say(
         f"{scale}: {run.spec.world_size} ranks, {len(records) / n:,.0f} records per step, "
-        f"{len(comms):,} communicators; the job receives {to_job / n:,.0f} items per step"
+        f"{len(comms):,} communicators; after {warm} steps the job receives "
+        f"{(to_job - at_warm[1]) / steady:,.0f} items per step ({to_job / n:,.0f} over all)"
     )
     say(
         f"  per communicator: alignment + folding (all communicators,  "
@@ -307,7 +362,18 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], batch: int = 500
         f"    parallel across flow workers)"
     )
     say(
-        f"  per job: merging parts + step analysis + other records   {t_job / n * 1e3:9.1f} ms/step"
+        f"  per shard: merging the communicators' step parts         "
+        f"{t_merge / n * 1e3:9.1f} ms/step\n    ({shards} shards, parallel across flow workers)"
+    )
+    say(
+        f"  per node: link monitors + heartbeat progress (all nodes, "
+        f"{t_node / n * 1e3:9.1f} ms/step\n    parallel across flow workers)"
+    )
+    say(
+        f"  per job: merging parts + step analysis + other records   "
+        f"{(t_job - at_warm[0]) / steady * 1e3:9.1f} ms/step\n"
+        f"    after {warm} steps ({t_job / n * 1e3:.1f} over all: the first ones merge a part\n"
+        f"    per communicator, heard from for the first time)"
     )
     say(
         f"  step analysis alone (change points, critical path,       {med * 1e3:9.1f} ms median, "

@@ -104,6 +104,8 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     injected delays; we localise 10% slowdowns, guarded by the step-time gate).
     ``alpha``: expected durations follow values within this fraction (paper: 0.05).
     ``link_drop``: a link is degraded below (1 - link_drop) x its baseline (paper: 0.2).
+    ``part_shards``: the flow merges the communicators' step parts under this many
+    keys per job before the job's analysis (that step's parallelism).
     """
 
     warmup_steps: int = 5
@@ -116,6 +118,11 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     link_drop: float = 0.2
     host_lead_drop: float = 0.3
     partial_timeout_ms: float = 200.0
+    part_shards: int = 16
+
+    def __post_init__(self) -> None:
+        if self.part_shards < 1:
+            raise ValueError(f"part_shards must be at least 1, not {self.part_shards}")
 
 
 class WebhookSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

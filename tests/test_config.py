@@ -52,6 +52,7 @@ def test_secrets_never_print() -> None:
         ({"MEGATRACE_KAFKA__NOPE": "1"}, "unknown setting 'nope'"),
         ({"MEGATRACE_NOPE__X": "1"}, "unknown section 'nope'"),
         ({"MEGATRACE_KAFKA__PARTITIONS": "many"}, "expected int"),
+        ({"MEGATRACE_DETECT__PART_SHARDS": "0"}, "part_shards must be at least 1"),
     ],
 )
 def test_bad_environment_is_a_clear_error(env: dict[str, str], words: str) -> None:

@@ -24,11 +24,20 @@ from detectors.analyzer import JobAnalyzer
 from detectors.changepoint import ShiftDetector
 from detectors.comm import CommAnalyzer
 from detectors.links import LinkMonitor
-from detectors.parts import ScheduleBook
+from detectors.node import NodeAnalyzer
+from detectors.parts import PartMerger, ScheduleBook
 from detectors.replay import Replay
+from detectors.steps import StepPart
 from producers.sim.scenarios import build
 from schemas.config import AlertSettings
-from schemas.records import Collective, LinkSample, ProxySummary, StepSummary, Verdict
+from schemas.records import (
+    Collective,
+    Heartbeat,
+    LinkSample,
+    ProxySummary,
+    StepSummary,
+    Verdict,
+)
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,20 @@ def _job_items(steps: int) -> list[Any]:
     return out
 
 
+def _parts(steps: int) -> list[Any]:
+    """The step parts the communicators send (what a merger of all of them receives)."""
+    return [x for x in _job_items(steps) if isinstance(x, StepPart)]
+
+
+def _node_records(steps: int) -> list[Any]:
+    """One node's heartbeats and link samples (the slow link starts there)."""
+    return [
+        r
+        for r in _records("slow-link", steps)
+        if isinstance(r, Heartbeat | LinkSample) and r.node == "node-0"
+    ]
+
+
 def _listed(x: Any) -> list[Any]:
     if x is None:
         return []
@@ -111,6 +134,8 @@ REGISTRY: dict[str, Case] = {
         lambda d, r: _listed(d.update(r)),
         lambda n: [r for r in _records("slow-link", n) if isinstance(r, LinkSample)],
     ),
+    "NodeAnalyzer": Case(NodeAnalyzer, lambda d, r: _listed(d.update([r])), _node_records),
+    "PartMerger": Case(PartMerger, lambda d, p: d.update(p), _parts),
     "AlertGate": Case(lambda: AlertGate(AlertSettings()), lambda d, v: d.update(v), _verdicts),
     "JobAnalyzer": Case(
         lambda: JobAnalyzer(_records("story", 4)[0].job),
@@ -153,7 +178,15 @@ def test_a_fresh_instance_starts_from_nothing_and_input_is_untouched(name: str) 
 
 
 @pytest.mark.parametrize(
-    "name", ["CollectiveAligner", "CommAnalyzer", "JobAnalyzer", "LinkMonitor"]
+    "name",
+    [
+        "CollectiveAligner",
+        "CommAnalyzer",
+        "JobAnalyzer",
+        "LinkMonitor",
+        "NodeAnalyzer",
+        "PartMerger",
+    ],
 )
 def test_state_stays_bounded_on_a_long_stream(name: str) -> None:
     case = REGISTRY[name]

@@ -13,6 +13,7 @@ from detectors.changepoint import ShiftDetector
 from detectors.hang import diagnose_hang
 from detectors.replay import Replay
 from producers.sim.scenarios import build
+from schemas.config import DetectSettings
 from schemas.records import ProxySummary, Verdict
 from schemas.units import Cause, CollOp, Direction, VerdictKind
 
@@ -307,6 +308,9 @@ def test_folding_per_communicator_changes_nothing_the_job_concludes() -> None:
     # has no SendGPUWait evidence, the one thing the plain path cannot know
     assert sorted(encode(r) for r in plain) == [_without_gpu_wait(x) for x in folded]
     assert any(isinstance(r, Verdict) for r in plain)
+    # the flow merges the parts per shard of the communicators: any number of shards
+    one_shard = Replay(DetectSettings(part_shards=1)).run(records)
+    assert sorted(encode(r) for r in one_shard) == folded
 
 
 def _without_gpu_wait(raw: bytes) -> bytes:
