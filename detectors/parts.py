@@ -226,6 +226,10 @@ class StepFolder:
         return len(self._parts)
 
 
+#: a communicator silent for this many steps is forgotten
+_FORGET_STEPS = 64
+
+
 class PartMerger:
     """Merges the step parts of a share of a job's communicators into one part per step.
 
@@ -234,10 +238,11 @@ class PartMerger:
     so its single worker would otherwise merge as many parts a step. A step's
     merged part is sent once every communicator this merger heard from is at
     that step or past it: it sent its part (a communicator's parts come in step
-    order), or it has none (its instances went to the job as they were). What
-    arrives later is merged again and sent on; the job merges any number of
-    parts of a step. At most ``max_open_steps`` steps wait for a communicator
-    that went quiet.
+    order), or it has none (its instances went to the job as they were). A
+    communicator more than ``give_up_steps`` behind the newest step is not
+    waited for (it went quiet: a hang, a job restarted with new communicators,
+    or a partition read late). What arrives later is merged again and sent on;
+    the job merges any number of parts of a step.
 
     >>> from detectors.steps import StepPart
     >>> m = PartMerger()
@@ -251,10 +256,10 @@ class PartMerger:
     [(1, (2, 1), 2)]
     """
 
-    def __init__(self, max_open_steps: int = 8) -> None:
-        if max_open_steps < 1:
-            raise ValueError("max_open_steps must be at least 1")
-        self.max_open_steps = max_open_steps
+    def __init__(self, give_up_steps: int = 2) -> None:
+        if give_up_steps < 0:
+            raise ValueError(f"give_up_steps must be at least 0, not {give_up_steps}")
+        self.give_up_steps = give_up_steps
         self._reset()
 
     def _reset(self) -> None:
@@ -277,15 +282,27 @@ class PartMerger:
                     del self._at[prev]
                 else:
                     self._at[prev] -= 1
-        low = min(self._at)  # every communicator is at this step or past it
+        newest = max(self._at)
+        self._forget_before(newest - _FORGET_STEPS)
+        # every communicator still keeping up is at this step or past it (few distinct steps)
+        low = min(s for s in self._at if s >= newest - self.give_up_steps)
         ready = sorted(s for s in self._open if s <= low)
-        while len(self._open) - len(ready) > self.max_open_steps:
-            ready.append(min(s for s in self._open if s not in ready))
         return [StepPart.merged(self._open.pop(s)) for s in ready]
 
     def flush(self) -> list[StepPart]:
         """Every open step's merged part, oldest first (end of a bounded input)."""
         return [StepPart.merged(self._open.pop(s)) for s in sorted(self._open)]
+
+    def _forget_before(self, step: int) -> None:
+        """Communicators silent since before ``step`` are gone (bounded state)."""
+        if min(self._at) >= step:
+            return
+        for comm in [c for c, s in self._newest.items() if s < step]:
+            s = self._newest.pop(comm)
+            if self._at[s] == 1:
+                del self._at[s]
+            else:
+                self._at[s] -= 1
 
     @property
     def n_open(self) -> int:

@@ -434,3 +434,24 @@ def test_a_sealed_step_part_refuses_more_instances() -> None:
     with pytest.raises(ValueError, match="sealed"):
         part.fold(inst, "forward", 0, CommRole.TP, Topology.from_job(run.spec.job_info()))
     assert part.n == 0
+
+
+def test_a_communicator_that_goes_quiet_holds_merged_parts_back_two_steps_at_most() -> None:
+    """A job restarted with new communicators leaves the old ones silent for good:
+    the merger stops waiting for them instead of delaying every later step."""
+    from detectors.parts import PartMerger
+    from detectors.steps import StepPart
+
+    def part(step: int, comm: int) -> StepPart:
+        return StepPart(step, comm_hash=comm, n=1, start=step, first={comm: step}).seal()
+
+    m = PartMerger(give_up_steps=2)
+    assert [p.step for p in m.update(part(0, 1)) + m.update(part(0, 2))] == [0, 0]
+    sent = {}
+    for step in range(1, 7):  # communicator 2 never sends again
+        sent |= {p.step: (step, p.comms) for p in m.update(part(step, 1))}
+    # steps 1 and 2 waited for it until step 3; then it is no longer waited for
+    assert sent == {1: (3, (1,)), 2: (3, (1,)), 3: (3, (1,)), 4: (4, (1,)), 5: (5, (1,)),
+                    6: (6, (1,))}  # fmt: skip
+    late = m.update(part(1, 2))  # what comes after all is sent on
+    assert [(p.step, p.comms) for p in late] == [(1, (2,))]
