@@ -7,9 +7,14 @@ verdict book. It is pure: time comes from the records (and from
 :meth:`tick`, which the caller drives with event time), it does no I/O, and
 it pickles. The same object runs in the Bytewax flow and offline.
 
-Inputs: job metadata records, :class:`~detectors.align.Instance` (complete or
-partial), :class:`ProxySummary`, :class:`LinkSample`, :class:`Heartbeat`,
-:class:`Kernel`. Outputs: :class:`AlignedCollective`, :class:`StepSummary`,
+Inputs: job metadata records; from the communicators,
+:class:`~detectors.align.Instance` (complete or partial),
+:class:`~detectors.steps.StepPart` (one communicator's or several merged),
+:class:`~detectors.parts.CommProgress`, :class:`~detectors.parts.EdgeThroughput`
+and stuck :class:`ProxySummary`; from the nodes,
+:class:`~detectors.node.NodeDigest` (or the raw :class:`LinkSample` and
+:class:`Heartbeat`, which go through a node analyzer kept here); other records
+only move its clock. Outputs: :class:`AlignedCollective`, :class:`StepSummary`,
 :class:`RankStep` and :class:`Verdict` records.
 """
 

@@ -26,10 +26,12 @@ _SUMS = ("lead_sum", "lead_n", "wait", "lateness", "blame")
 
 
 class _Sealed(dict):
-    """The per-rank dictionaries of a sealed part: empty, and read-only."""
+    """The per-rank dictionaries of a sealed part: empty, and read-only (one is shared)."""
 
-    def __setitem__(self, key: object, value: object) -> None:
+    def _read_only(self, *_: object, **__: object) -> None:
         raise TypeError("a sealed step part's per-rank figures are read-only")
+
+    __setitem__ = __delitem__ = setdefault = update = pop = popitem = clear = _read_only  # type: ignore[assignment]
 
 
 _SEALED: dict = _Sealed()
@@ -78,7 +80,7 @@ class StepPart:
     sees one item per (communicator, step). Folding and merging commute.
 
     A folder seals a part (:meth:`seal`) before sending it: its per-rank figures become
-    three small arrays, which the job concatenates with thousands of others a step.
+    one small array, which the job concatenates with thousands of others a step.
     """
 
     step: int

@@ -231,12 +231,11 @@ def simulate(scales: list[str], steps: int, say: Callable[[str], None]) -> None:
         )
 
 
-def analyze(
-    scale: str, steps: int, say: Callable[[str], None], batch: int = 500, node_batch: int = 32
-) -> None:
+def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000) -> None:
     """Cost of the detectors per training step at a scale, in one process, by stage.
 
-    Records go through the flow's stages as the flow batches them: per
+    Records go through the flow's stages as the flow batches them (each key's
+    share of a poll of ``poll`` records is one batch): per
     communicator (alignment and folding into step parts), per shard of the
     communicators (merging their parts) and per node (link monitors, heartbeat
     progress), all parallel across workers, then per job (merging parts and
@@ -258,7 +257,7 @@ def analyze(
     step_s: list[float] = []
     plain_step = job._step
 
-    warm = min(4, steps // 2)  # the first steps: every communicator heard from the first time
+    warm = min(2, steps // 2)  # the first steps: every communicator heard from the first time
     at_warm = [0.0, 0]  # the job's time and items when the warm-up steps closed
 
     def timed_step(rep):
@@ -317,18 +316,20 @@ def analyze(
         t_node += t1 - t0
         t_job += time.perf_counter() - t1
 
-    for rec in records:
+    def poll_done() -> None:  # each key's share of a poll is one batch, as in the flow
+        for comm_hash in list(pending):
+            flush(comm_hash)
+        for name in list(node_pending):
+            flush_node(name)
+
+    for i, rec in enumerate(records):
+        if i % poll == poll - 1:
+            poll_done()
         if isinstance(rec, Collective | ProxySummary):
-            buf = pending.setdefault(rec.comm_hash, [])
-            buf.append(rec)
-            if len(buf) >= batch:
-                flush(rec.comm_hash)
+            pending.setdefault(rec.comm_hash, []).append(rec)
             continue
-        if isinstance(rec, Heartbeat | LinkSample):  # read per node, a batch at a time
-            buf = node_pending.setdefault(rec.node, [])
-            buf.append(rec)
-            if len(buf) >= node_batch:
-                flush_node(rec.node)
+        if isinstance(rec, Heartbeat | LinkSample):
+            node_pending.setdefault(rec.node, []).append(rec)
             continue
         t0 = time.perf_counter()
         job.update(rec)
@@ -336,10 +337,7 @@ def analyze(
         to_job += 1
         for sc in book.update(rec):  # the flow's schedule book: a step of its own
             pending.setdefault(sc.comm.comm_hash, []).append(sc)
-    for comm_hash in list(pending):
-        flush(comm_hash)
-    for name in list(node_pending):
-        flush_node(name)
+    poll_done()
     for comm in comms.values():
         to_job_now(comm.flush())
     t0 = time.perf_counter()
