@@ -167,7 +167,12 @@ class ShiftDetector:
         return None
 
     def _restart_test(self) -> None:
+        """A fresh Page-Hinkley test that knows the baseline: one started empty takes its
+        first values as normal, so a shift that begins right after a burst (a link
+        degrading, then a GPU slowing) would never be confirmed."""
         self._ph = self._new_ph()
+        for _ in range(self.warmup):
+            self._ph.update(1.0)
         self._drift = False
 
     def _mean(self) -> float:

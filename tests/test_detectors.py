@@ -455,3 +455,13 @@ def test_a_communicator_that_goes_quiet_holds_merged_parts_back_two_steps_at_mos
                     6: (6, (1,))}  # fmt: skip
     late = m.update(part(1, 2))  # what comes after all is sent on
     assert [(p.step, p.comms) for p in late] == [(1, (2,))]
+
+
+def test_a_shift_right_after_a_lone_high_step_is_still_a_shift() -> None:
+    """A link degrades (one step 8% slow), then a GPU slows the job by 39%: the lone
+    step restarts the change-point test, and a restarted test must still know the
+    baseline, or it takes the shift as the new normal and never reports it."""
+    det = ShiftDetector(warmup=5)
+    values = [100.0] * 10 + [108.0, 103.0] + [139.0] * 10
+    events = [(e.kind, e.onset) for i, x in enumerate(values) if (e := det.update(x, i))]
+    assert events == [("shift", 12)]
