@@ -310,8 +310,7 @@ class JobAnalyzer:
         topo = self.topo
         assert topo is not None
         link_ends = {r for edge in self.link_culprits for r in edge}
-        base = self.shift.baseline or 0.0
-        increase = float(np.mean([r.duration_ns for r in reps])) - base if reps else 0.0
+        increase = float(np.mean([r.duration_ns for r in reps])) - self._level_before(reps)
         for f in self.localizer.localize(reps, topo):
             if f.rank is not None and f.rank in link_ends:
                 continue
@@ -330,6 +329,20 @@ class JobAnalyzer:
                 return f"rank:{f.rank}", {"cause": f.cause, **fields}
             return f"node:{f.node}", {"cause": f.cause, **fields}
         return None
+
+    def _level_before(self, reps: list[StepReport], steps: int = 3) -> float:
+        """The step time a slowdown starting at ``reps[0]`` adds to: the baseline, or the
+        level of the steps just before it when those were slow already (a shift on top
+        of an earlier one, e.g. a degraded link: a culprit explains only what it added)."""
+        base = self.shift.baseline or 0.0
+        if not reps:
+            return base
+        onset = reps[0].step
+        before = [
+            r.duration_ns for r in self.recent if r.complete and onset - steps <= r.step < onset
+        ]
+        level = float(np.mean(before)) if before else base
+        return level if level > base * (1 + self.settings.min_shift) else base
 
     def _slowdown(
         self, rep: StepReport, ratio: float, onset: int | None = None

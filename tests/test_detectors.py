@@ -465,3 +465,15 @@ def test_a_shift_right_after_a_lone_high_step_is_still_a_shift() -> None:
     values = [100.0] * 10 + [108.0, 103.0] + [139.0] * 10
     events = [(e.kind, e.onset) for i, x in enumerate(values) if (e := det.update(x, i))]
     assert events == [("shift", 12)]
+
+
+def test_a_gpu_slowing_beside_a_degraded_link_is_named_for_what_it_added() -> None:
+    """A link costs 54% of the step, then a GPU 11% more: the GPU's own lateness explains
+    only what it added on top of the slow link's level, and it must still be named."""
+    run = build("mixed", scale="tiny", seed=101, cp=2)
+    found = {v.verdict_id: v for v in Replay().run(run.records()) if isinstance(v, Verdict)}
+    by_kind = {(v.kind, v.rank) for v in found.values()}
+    gpu = next(lab for lab in run.labels if lab.kind == VerdictKind.SLOWDOWN)
+    link = next(lab for lab in run.labels if lab.kind == VerdictKind.LINK_DEGRADATION)
+    assert (VerdictKind.SLOWDOWN, gpu.rank) in by_kind
+    assert (VerdictKind.LINK_DEGRADATION, link.rank) in by_kind
