@@ -100,6 +100,7 @@ class JobAnalyzer:
         self.slow_open: str | None = None
         self.bursts: dict[str, list[tuple[int, float, int]]] = {}
         self.link_culprits: dict[tuple[int, int], str] = {}  # degraded edge -> its incident
+        self.link_onset: dict[tuple[int, int], int] = {}  # degraded edge -> since when (ns)
         self.link_fields: dict[str, dict[str, Any]] = {}  # incident -> cause and culprit fields
         self.nic_counters = False  # the job's sources send link samples of their own
         # per sending rank: [baseline SendGPUWait per send (sum, windows), latest (EWMA)]
@@ -309,7 +310,15 @@ class JobAnalyzer:
         links first: a rank whose NIC is slow arrives late without computing slowly)."""
         topo = self.topo
         assert topo is not None
-        link_ends = {r for edge in self.link_culprits for r in edge}
+        # a link explains its ends' lateness only from when it degraded: a GPU that slowed
+        # before its own link did is still the culprit of what it began
+        first_end = reps[0].end_ns if reps else 0
+        link_ends = {
+            r
+            for edge in self.link_culprits
+            if self.link_onset.get(edge, 0) < first_end
+            for r in edge
+        }
         increase = float(np.mean([r.duration_ns for r in reps])) - self._level_before(reps)
         for f in self.localizer.localize(reps, topo):
             if f.rank is not None and f.rank in link_ends:
@@ -542,6 +551,7 @@ class JobAnalyzer:
         edge = (ev.src_rank, ev.dst_rank)
         if ev.kind == "recovered":
             culprit = self.link_culprits.pop(edge, f"link:{ev.src_rank}->{ev.dst_rank}")
+            self.link_onset.pop(edge, None)
             if culprit in self.link_culprits.values():
                 return []  # other links of that NIC are still slow
             self.link_fields.pop(culprit, None)
@@ -601,6 +611,7 @@ class JobAnalyzer:
                 f"{ev.drop:.0%} below its {ev.baseline_gbps:.0f} Gb/s baseline"
             )
         self.link_culprits[edge] = culprit
+        self.link_onset[edge] = ev.onset_ns
         self.link_fields[culprit] = fields
         report = dict(fields)
         cause = report.pop("cause")

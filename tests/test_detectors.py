@@ -467,10 +467,16 @@ def test_a_shift_right_after_a_lone_high_step_is_still_a_shift() -> None:
     assert events == [("shift", 12)]
 
 
-def test_a_gpu_slowing_beside_a_degraded_link_is_named_for_what_it_added() -> None:
+@pytest.mark.parametrize(
+    ("scale", "seed", "cp"),
+    [("tiny", 101, 2), ("demo", 103, 1)],
+    ids=["gpu-after-a-5x-slower-link", "gpu-slowing-before-its-own-link"],
+)
+def test_a_gpu_slowing_beside_a_degraded_link_is_named(scale: str, seed: int, cp: int) -> None:
     """A link costs 54% of the step, then a GPU 11% more: the GPU's own lateness explains
-    only what it added on top of the slow link's level, and it must still be named."""
-    run = build("mixed", scale="tiny", seed=101, cp=2)
+    only what it added on top of the slow link's level. Or the GPU slows a step before
+    its own link degrades: the link does not explain a slowdown that began before it."""
+    run = build("mixed", scale=scale, seed=seed, cp=cp)
     found = {v.verdict_id: v for v in Replay().run(run.records()) if isinstance(v, Verdict)}
     by_kind = {(v.kind, v.rank) for v in found.values()}
     gpu = next(lab for lab in run.labels if lab.kind == VerdictKind.SLOWDOWN)
