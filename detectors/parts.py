@@ -234,8 +234,9 @@ class PartMerger:
     """Merges the step parts of a share of a job's communicators into one part per step.
 
     The flow keys these by (job, shard of the communicators), between the
-    communicators and the job: at 4,096 ranks a job has some 4,000 communicators,
-    so its single worker would otherwise merge as many parts a step. A step's
+    communicators and the job (their progress reports go this way too): at
+    4,096 ranks a job has some 4,000 communicators, so its single worker would
+    otherwise merge as many parts a step. A step's
     merged part is sent once every communicator this merger heard from is at
     that step or past it: it sent its part (a communicator's parts come in step
     order), or it has none (its instances went to the job as they were). A
@@ -266,9 +267,22 @@ class PartMerger:
         self._open: dict[int, list[StepPart]] = {}  # step -> its parts so far
         self._newest: dict[int, int] = {}  # communicator -> its newest step
         self._at: dict[int, int] = {}  # newest step -> how many communicators are there
+        self._progress = CommProgress("", -1, 0, 0)  # the newest of its communicators'
+        self._reported = self._progress
 
-    def update(self, part: StepPart) -> list[StepPart]:
-        """Take a part; return the merged parts now complete, oldest first."""
+    def update(self, part: StepPart | CommProgress) -> list[StepPart]:
+        """Take a part; return the merged parts now complete, oldest first.
+
+        A communicator's progress is kept as the newest of all (see :meth:`progress`)."""
+        if isinstance(part, CommProgress):
+            now = self._progress
+            self._progress = CommProgress(
+                part.job,
+                -1,
+                max(now.last_arrival_ns, part.last_arrival_ns),
+                max(now.last_end_ns, part.last_end_ns),
+            )
+            return []
         step = part.step
         self._open.setdefault(step, []).append(part)
         for comm in part.comms or (part.comm_hash,):
@@ -292,6 +306,15 @@ class PartMerger:
     def flush(self) -> list[StepPart]:
         """Every open step's merged part, oldest first (end of a bounded input)."""
         return [StepPart.merged(self._open.pop(s)) for s in sorted(self._open)]
+
+    def progress(self) -> list[CommProgress]:
+        """Its communicators' newest arrival and completion, when they moved since the
+        last call: each communicator reports after every batch it reads, some 100,000
+        reports a step at 4,096 ranks; the job needs only the newest."""
+        if self._progress == self._reported:
+            return []
+        self._reported = self._progress
+        return [self._progress]
 
     def _forget_before(self, step: int) -> None:
         """Communicators silent since before ``step`` are gone (bounded state)."""

@@ -24,7 +24,7 @@ import msgspec
 
 from detectors.analyzer import JobAnalyzer
 from detectors.comm import CommAnalyzer
-from detectors.parts import PartMerger, ScheduleBook
+from detectors.parts import CommProgress, PartMerger, ScheduleBook
 from detectors.steps import StepPart
 from schemas.config import DetectSettings
 from schemas.records import Collective, ProxySummary
@@ -77,14 +77,15 @@ class Replay:
         return out
 
     def _to_job(self, job: str, items: Iterable[Any]) -> list[msgspec.Struct]:
-        """A communicator's items to its job; step parts merged per shard, as the flow does."""
+        """A communicator's items to its job; step parts and progress merged per shard, as
+        the flow does."""
         out: list[msgspec.Struct] = []
         analyzer = self.jobs[job]
         for x in items:
-            if isinstance(x, StepPart):
+            if isinstance(x, StepPart | CommProgress):
                 key = (job, x.comm_hash % self.settings.part_shards)
                 merger = self.mergers.get(key) or self.mergers.setdefault(key, PartMerger())
-                for merged in merger.update(x):
+                for merged in [*merger.update(x), *merger.progress()]:
                     out += analyzer.update(merged)
             else:
                 out += analyzer.update(x)

@@ -18,7 +18,7 @@ from bytewax.operators import StatefulBatchLogic
 from detectors.analyzer import JobAnalyzer
 from detectors.comm import CommAnalyzer
 from detectors.node import NodeAnalyzer, NodeDigest
-from detectors.parts import CommSchedule, PartMerger, ScheduleBook
+from detectors.parts import CommProgress, CommSchedule, PartMerger, ScheduleBook
 from detectors.steps import StepPart
 from schemas.config import DetectSettings
 from schemas.records import AlignedCollective, Collective
@@ -123,21 +123,26 @@ def schedules(
     return book, out
 
 
-class MergeLogic(StatefulBatchLogic[list[StepPart], list[StepPart], PartMerger]):
-    """Per (job, shard): communicators' step parts in, one merged part per step out."""
+Merged = StepPart | CommProgress
+
+
+class MergeLogic(StatefulBatchLogic[list[Merged], list[Merged], PartMerger]):
+    """Per (job, shard): communicators' step parts and progress in; one merged part per
+    step, and the newest progress once per batch, out."""
 
     def __init__(self, resume: PartMerger | None) -> None:
         self.merger = resume or PartMerger()
 
-    def on_batch(self, values: list[list[StepPart]]) -> tuple[list[list[StepPart]], bool]:
-        out: list[StepPart] = []
+    def on_batch(self, values: list[list[Merged]]) -> tuple[list[list[Merged]], bool]:
+        out: list[Merged] = []
         for batch in values:
             for part in batch:
                 out += self.merger.update(part)
+        out += self.merger.progress()
         return _one(out), StatefulBatchLogic.RETAIN
 
-    def on_eof(self) -> tuple[list[list[StepPart]], bool]:
-        return _one(self.merger.flush()), StatefulBatchLogic.RETAIN
+    def on_eof(self) -> tuple[list[list[Merged]], bool]:
+        return _one([*self.merger.flush(), *self.merger.progress()]), StatefulBatchLogic.RETAIN
 
     def snapshot(self) -> PartMerger:
         return self.merger  # pickled at the epoch boundary, before the next batch (see above)

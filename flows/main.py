@@ -37,7 +37,7 @@ from bytewax.dataflow import Dataflow
 
 from detectors.alerting import AlertGate
 from detectors.node import NodeDigest
-from detectors.parts import CommSchedule
+from detectors.parts import CommProgress, CommSchedule
 from detectors.steps import StepPart
 from flows.kafka_source import RawBatch, RawKafkaSource
 from flows.logic import AlignLogic, AlignOut, AnalyzeLogic, MergeLogic, NodeLogic, schedules
@@ -230,19 +230,23 @@ def aligned_rows(kv: tuple[str, AlignOut]) -> tuple[dict[str, list[bytes]], int]
 
 
 def forward_to_job(kv: tuple[str, AlignOut]) -> tuple[str, list[Any]]:
-    """What a communicator tells its job directly (its step parts are merged first)."""
-    return job_of(kv[0]), [x for x in kv[1].forward if not isinstance(x, StepPart)]
+    """What a communicator tells its job directly (step parts and progress are merged)."""
+    return job_of(kv[0]), [x for x in kv[1].forward if not isinstance(x, StepPart | CommProgress)]
 
 
-def parts_by_shard(shards: int, kv: tuple[str, AlignOut]) -> list[tuple[str, list[StepPart]]]:
-    """A communicator's step parts, keyed by (job, shard of the job's communicators)."""
-    parts = [x for x in kv[1].forward if isinstance(x, StepPart)]
+def parts_by_shard(
+    shards: int, kv: tuple[str, AlignOut]
+) -> list[tuple[str, list[StepPart | CommProgress]]]:
+    """A communicator's step parts and progress, keyed by (job, shard of its communicators)."""
+    parts = [x for x in kv[1].forward if isinstance(x, StepPart | CommProgress)]
     if not parts:
         return []
     return [(f"{job_of(kv[0])}:{parts[0].comm_hash % shards}", parts)]
 
 
-def parts_to_job(kv: tuple[str, list[StepPart]]) -> tuple[str, list[StepPart]]:
+def parts_to_job(
+    kv: tuple[str, list[StepPart | CommProgress]],
+) -> tuple[str, list[StepPart | CommProgress]]:
     return kv[1][0].job, kv[1]
 
 
@@ -368,7 +372,8 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], ch: ClickHouseSink) ->
     aligned = op.stateful_batch("align", by_comm, lambda resume: AlignLogic(cfg.detect, resume))
     # AlignedCollective rows are stored by the communicator's worker
     op.output("aligned_to_clickhouse", op.map("aligned_rows", aligned, aligned_rows), ch)
-    # (job:shard, list[StepPart]) -> (job:shard, list[StepPart]): one part per shard and step
+    # (job:shard, list[StepPart | CommProgress]) -> (job:shard, list[StepPart | CommProgress]):
+    # one part per shard and step, the newest progress of the shard's communicators
     shards = functools.partial(parts_by_shard, cfg.detect.part_shards)
     parts = op.stateful_batch(
         "merge_parts", op.flat_map("parts_by_shard", aligned, shards), lambda r: MergeLogic(r)

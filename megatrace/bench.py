@@ -244,7 +244,7 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
     from detectors.analyzer import JobAnalyzer
     from detectors.comm import CommAnalyzer
     from detectors.node import NodeAnalyzer
-    from detectors.parts import PartMerger, ScheduleBook
+    from detectors.parts import CommProgress, PartMerger, ScheduleBook
     from detectors.steps import StepPart
     from schemas.records import Collective, Heartbeat, LinkSample, ProxySummary
 
@@ -286,20 +286,25 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
         to_job_now(forward)
 
     def to_job_now(forward: list[Any]) -> None:
-        nonlocal t_merge, t_job, to_job
+        nonlocal t_merge
         for x in forward:
-            if isinstance(x, StepPart):  # merged per shard of the communicators first
+            if isinstance(x, StepPart | CommProgress):  # merged per shard first
                 t0 = time.perf_counter()
                 key = x.comm_hash % shards
-                merged = (mergers.get(key) or mergers.setdefault(key, PartMerger())).update(x)
+                merger = mergers.get(key) or mergers.setdefault(key, PartMerger())
+                merged = merger.update(x)
                 t_merge += time.perf_counter() - t0
             else:
                 merged = [x]
-            t0 = time.perf_counter()
-            for y in merged:
-                job.update(y)
-            t_job += time.perf_counter() - t0
-            to_job += len(merged)
+            deliver(merged)
+
+    def deliver(items: list[Any]) -> None:
+        nonlocal t_job, to_job
+        t0 = time.perf_counter()
+        for y in items:
+            job.update(y)
+        t_job += time.perf_counter() - t0
+        to_job += len(items)
 
     def flush_node(name: str) -> None:
         nonlocal t_node, t_job, to_job
@@ -317,10 +322,15 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
         t_job += time.perf_counter() - t1
 
     def poll_done() -> None:  # each key's share of a poll is one batch, as in the flow
+        nonlocal t_merge
         for comm_hash in list(pending):
             flush(comm_hash)
         for name in list(node_pending):
             flush_node(name)
+        t0 = time.perf_counter()
+        progress = [p for merger in mergers.values() for p in merger.progress()]
+        t_merge += time.perf_counter() - t0
+        deliver(progress)
 
     for i, rec in enumerate(records):
         if i % poll == poll - 1:
