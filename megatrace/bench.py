@@ -248,6 +248,7 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
     from detectors.steps import StepPart
     from schemas.records import Collective, Heartbeat, LinkSample, ProxySummary
 
+    tune_gc()  # as the flow does
     run = build("slow-gpu", scale=scale, seed=0, steps=steps, kernels=False)
     records = list(run.records())
     comms: dict[int, CommAnalyzer] = {}
@@ -296,7 +297,8 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
                 t_merge += time.perf_counter() - t0
             else:
                 merged = [x]
-            deliver(merged)
+            if merged:
+                deliver(merged)
 
     def deliver(items: list[Any]) -> None:
         nonlocal t_job, to_job
