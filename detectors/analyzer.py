@@ -151,14 +151,25 @@ class JobAnalyzer:
         self.stuck.update(p)
         return []
 
-    def _node_record(self, rec: LinkSample | Heartbeat) -> list[msgspec.Struct]:
-        """A raw link sample or heartbeat: through its node's analyzer, as the flow does."""
-        node = self.nodes.get(rec.node)
+    def _node(self, name: str) -> NodeAnalyzer:
+        node = self.nodes.get(name)
         if node is None:
             st = self.settings
-            node = self.nodes[rec.node] = NodeAnalyzer(st.warmup_steps, st.link_drop)
-        digest = node.update((rec,))
+            node = self.nodes[name] = NodeAnalyzer(st.warmup_steps, st.link_drop)
+        return node
+
+    def _link_in(self, s: LinkSample) -> list[msgspec.Struct]:
+        """A raw link sample: through its node's analyzer, as the flow does."""
+        digest = self._node(s.node).update((s,))
         return self._digest(digest) if digest is not None else []
+
+    def _heartbeat_in(self, hb: Heartbeat) -> list[msgspec.Struct]:
+        """A heartbeat (the flow sends them here, in order): liveness and progress."""
+        if hb.ts_ns > self.now_ns:
+            self.now_ns = hb.ts_ns
+        self.hb_latest[hb.rank] = hb
+        moved = self._node(hb.node).progressed(hb)
+        return self._beats(hb.ts_ns, hb.ts_ns if moved else 0)
 
     def _digest(self, d: NodeDigest) -> list[msgspec.Struct]:
         """A node's news: links that changed, its ranks' latest heartbeats, their progress."""
@@ -169,19 +180,25 @@ class JobAnalyzer:
             self.nic_counters = True
             for ev, ts in d.links:
                 out += self._link_event(ev, ts)
-        if not d.heartbeats:
-            return out
-        self.hb_latest.update(d.heartbeats)
-        if d.heartbeat_ns > self.hb_now_ns:
-            self.hb_now_ns = d.heartbeat_ns
-        if d.progress_ns > self.hb_progress_ns:
-            self.hb_progress_ns = d.progress_ns
-        if d.progress_ns and self.hang_open and d.progress_ns > self._hang_detected_ns:
-            v = self.book.resolve(VerdictKind.HANG.value, self.hang_open, d.progress_ns)
-            self.hang_open = None
-            if v:
-                out.append(v)
+        if d.heartbeats:
+            self.hb_latest.update(d.heartbeats)
+            out += self._beats(d.heartbeat_ns, d.progress_ns)
         return out
+
+    def _beats(self, newest_ns: int, progress_ns: int) -> list[msgspec.Struct]:
+        """Heartbeats up to ``newest_ns``, the newest showing progress at ``progress_ns``
+        (0: none did); progress after a hang was reported resolves it."""
+        if newest_ns > self.hb_now_ns:
+            self.hb_now_ns = newest_ns
+        if not progress_ns:
+            return []
+        if progress_ns > self.hb_progress_ns:
+            self.hb_progress_ns = progress_ns
+        if self.hang_open and progress_ns > self._hang_detected_ns:
+            v = self.book.resolve(VerdictKind.HANG.value, self.hang_open, progress_ns)
+            self.hang_open = None
+            return [v] if v else []
+        return []
 
     def _progress_in(self, p: CommProgress) -> list[msgspec.Struct]:
         return self._progress(p.last_arrival_ns, p.last_end_ns)
@@ -841,10 +858,10 @@ class JobAnalyzer:
 #: What the job does with each kind of item (anything else only moves its clock).
 _HANDLERS: dict[type, Callable[[JobAnalyzer, Any], list[msgspec.Struct]]] = {
     StepPart: JobAnalyzer._part,
-    LinkSample: JobAnalyzer._node_record,
+    LinkSample: JobAnalyzer._link_in,
     NodeDigest: JobAnalyzer._digest,
     EdgeThroughput: JobAnalyzer._edge_throughput,
-    Heartbeat: JobAnalyzer._node_record,
+    Heartbeat: JobAnalyzer._heartbeat_in,
     CommProgress: JobAnalyzer._progress_in,
     Instance: JobAnalyzer._instance,
     ProxySummary: JobAnalyzer._proxy_in,

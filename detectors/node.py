@@ -6,9 +6,12 @@ news. :class:`NodeAnalyzer` reads one node's records and tells the job, once
 per batch, only what it needs: the links that degraded or recovered (each
 link against its own baseline, :class:`~detectors.links.LinkMonitor`), each
 rank's latest heartbeat, and when the ranks last made progress (a completed
-sequence number that moved). The flow keeps one per (job, node) key, beside
-the communicators; a :class:`~detectors.analyzer.JobAnalyzer` given the raw
-records keeps one per node itself, so both routes reach the same conclusions.
+sequence number that moved). The flow keeps one per (job, node) key for the
+link samples, beside the communicators. Heartbeats reach the job itself, in
+order on their topic (keyed by job): the hang watchdog compares every rank's
+latest one, and one node's stream lagging another's would look like a rank
+that stopped. A :class:`~detectors.analyzer.JobAnalyzer` given raw records
+keeps one analyzer per node itself, so both routes reach the same conclusions.
 
 >>> from schemas.records import CommProgress, Heartbeat
 >>> node = NodeAnalyzer()
@@ -83,14 +86,14 @@ class NodeAnalyzer:
             beats[rec.rank] = rec
             if rec.ts_ns > beat:
                 beat = rec.ts_ns
-            if self._moved(rec) and rec.ts_ns > progress:
+            if self.progressed(rec) and rec.ts_ns > progress:
                 progress = rec.ts_ns
         if not job:
             return None
         return NodeDigest(job, node, max(ts, beat), samples, links, beats, beat, progress)
 
-    def _moved(self, hb: Heartbeat) -> bool:
-        """Whether a completed sequence number of the rank moved since its last heartbeat."""
+    def progressed(self, hb: Heartbeat) -> bool:
+        """Read one heartbeat: whether a completed sequence number of its rank moved."""
         done = self._done.get(hb.rank)
         if done is None:
             done = self._done[hb.rank] = {}

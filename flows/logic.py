@@ -149,7 +149,7 @@ class MergeLogic(StatefulBatchLogic[list[Merged], list[Merged], PartMerger]):
 
 
 class NodeLogic(StatefulBatchLogic[list[Any], list[NodeDigest], NodeAnalyzer]):
-    """Per (job, node): heartbeats and link samples in, one digest per batch out."""
+    """Per (job, node): link samples in, one digest per batch out."""
 
     def __init__(self, settings: DetectSettings, resume: NodeAnalyzer | None) -> None:
         self.node = resume or NodeAnalyzer(settings.warmup_steps, settings.link_drop)

@@ -2,8 +2,8 @@
 
 Kafka batches are decoded (bad records become dead letters), stored raw,
 aligned per communicator (collectives, proxy summaries; their step parts
-merged per shard of the job's communicators) and read per node (heartbeats,
-link samples), analysed per job, and the results stored and announced.
+merged per shard of the job's communicators), link samples read per node,
+everything analysed per job, and the results stored and announced.
 Items are batches (lists) of records: Bytewax's cost is per item, so one
 item per poll and per key keeps the flow fast. Started by
 ``megatrace run`` (or ``megatrace demo``); every judgement lives in ``detectors``.
@@ -50,7 +50,6 @@ from schemas.records import (
     Collective,
     CommInfo,
     DeadLetter,
-    Heartbeat,
     JobInfo,
     Kernel,
     LinkSample,
@@ -170,8 +169,7 @@ def job_of(comm_key: str) -> str:
 _COMM_KINDS = frozenset({Collective, ProxySummary})
 _STORED_ONLY = frozenset({Collective, ProxySummary, Kernel})
 _META_KINDS = frozenset({JobInfo, CommInfo})
-_NODE_KINDS = frozenset({Heartbeat, LinkSample})
-_NOT_FOR_JOB = _STORED_ONLY | _NODE_KINDS
+_NOT_FOR_JOB = _STORED_ONLY | {LinkSample}
 
 
 def comm_records_by_comm(d: Decoded) -> list[tuple[str, list[Collective | ProxySummary]]]:
@@ -184,26 +182,29 @@ def comm_records_by_comm(d: Decoded) -> list[tuple[str, list[Collective | ProxyS
     return list(groups.items())
 
 
-def node_records_by_node(d: Decoded) -> list[tuple[str, list[Heartbeat | LinkSample]]]:
-    """Heartbeats and link samples, per (job, node): many, small, read per node."""
-    if d.kinds.isdisjoint(_NODE_KINDS):
+def links_by_node(d: Decoded) -> list[tuple[str, list[LinkSample]]]:
+    """Link samples, per (job, node): many, small, and keyed by node on their topic.
+
+    Heartbeats stay on the job's path: their topic keys them by job, so they arrive in
+    order, and the hang watchdog compares every rank's latest one (re-keyed per node,
+    one node's could lag another's and look like a rank that stopped)."""
+    if LinkSample not in d.kinds:
         return []
-    groups: dict[str, list[Heartbeat | LinkSample]] = {}
+    groups: dict[str, list[LinkSample]] = {}
     for r in d.records:
-        if isinstance(r, Heartbeat | LinkSample):
+        if isinstance(r, LinkSample):
             groups.setdefault(f"{r.job}:{r.node}", []).append(r)
     return list(groups.items())
 
 
 def others_by_job(d: Decoded) -> list[tuple[str, list[msgspec.Struct]]]:
     """What the job analysis reads directly (kernels are only stored; collectives and
-    proxy summaries go through their communicator, heartbeats and link samples
-    through their node)."""
+    proxy summaries go through their communicator, link samples through their node)."""
     if d.kinds <= _NOT_FOR_JOB:
         return []
     groups: dict[str, list[msgspec.Struct]] = {}
     for r in d.records:
-        if not isinstance(r, Collective | ProxySummary | Kernel | Heartbeat | LinkSample):
+        if not isinstance(r, Collective | ProxySummary | Kernel | LinkSample):
             groups.setdefault(r.job, []).append(r)  # type: ignore[attr-defined]
     return list(groups.items())
 
@@ -378,8 +379,8 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], ch: ClickHouseSink) ->
     parts = op.stateful_batch(
         "merge_parts", op.flat_map("parts_by_shard", aligned, shards), lambda r: MergeLogic(r)
     )
-    # (job:node, list[Heartbeat | LinkSample]) -> (job:node, [NodeDigest]): what changed
-    by_node = op.flat_map("node_records_by_node", decoded, node_records_by_node)
+    # (job:node, list[LinkSample]) -> (job:node, [NodeDigest]): the links that changed
+    by_node = op.flat_map("links_by_node", decoded, links_by_node)
     digests = op.stateful_batch("node", by_node, lambda resume: NodeLogic(cfg.detect, resume))
     # (job, list[StepPart | Instance | CommProgress | NodeDigest | other]) -> (job, list[result])
     forward = op.filter("with_forward", op.map("forward_to_job", aligned, forward_to_job), _any)

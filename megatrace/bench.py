@@ -237,16 +237,16 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
     Records go through the flow's stages as the flow batches them (each key's
     share of a poll of ``poll`` records is one batch): per
     communicator (alignment and folding into step parts), per shard of the
-    communicators (merging their parts) and per node (link monitors, heartbeat
-    progress), all parallel across workers, then per job (merging parts and
-    digests, step analysis: one worker per job).
+    communicators (merging their parts) and per node (link monitors), all
+    parallel across workers, then per job (merging parts and digests,
+    heartbeats, step analysis: one worker per job).
     """
     from detectors.analyzer import JobAnalyzer
     from detectors.comm import CommAnalyzer
     from detectors.node import NodeAnalyzer
     from detectors.parts import CommProgress, PartMerger, ScheduleBook
     from detectors.steps import StepPart
-    from schemas.records import Collective, Heartbeat, LinkSample, ProxySummary
+    from schemas.records import Collective, LinkSample, ProxySummary
 
     tune_gc()  # as the flow does
     run = build("slow-gpu", scale=scale, seed=0, steps=steps, kernels=False)
@@ -340,7 +340,7 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
         if isinstance(rec, Collective | ProxySummary):
             pending.setdefault(rec.comm_hash, []).append(rec)
             continue
-        if isinstance(rec, Heartbeat | LinkSample):
+        if isinstance(rec, LinkSample):  # heartbeats stay on the job's path, in order
             node_pending.setdefault(rec.node, []).append(rec)
             continue
         t0 = time.perf_counter()
@@ -376,7 +376,7 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
         f"{t_merge / n * 1e3:9.1f} ms/step\n    ({shards} shards, parallel across flow workers)"
     )
     say(
-        f"  per node: link monitors + heartbeat progress (all nodes, "
+        f"  per node: link monitors (all nodes,                      "
         f"{t_node / n * 1e3:9.1f} ms/step\n    parallel across flow workers)"
     )
     say(
