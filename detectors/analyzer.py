@@ -12,9 +12,9 @@ Inputs: job metadata records; from the communicators,
 :class:`~detectors.steps.StepPart` (one communicator's or several merged),
 :class:`~detectors.parts.CommProgress`, :class:`~detectors.parts.EdgeThroughput`
 and stuck :class:`ProxySummary`; from the nodes,
-:class:`~detectors.node.NodeDigest` (or the raw :class:`LinkSample` and
-:class:`Heartbeat`, which go through a node analyzer kept here); other records
-only move its clock. Outputs: :class:`AlignedCollective`, :class:`StepSummary`,
+:class:`~detectors.node.NodeDigest` (or raw :class:`LinkSample`, which go
+through a node analyzer kept here); :class:`Heartbeat`; other records only
+move its clock. Outputs: :class:`AlignedCollective`, :class:`StepSummary`,
 :class:`RankStep` and :class:`Verdict` records.
 """
 
@@ -83,8 +83,8 @@ class JobAnalyzer:
             alpha=st.alpha,
             host_lead_drop=st.host_lead_drop,
         )
-        # per node: link samples against each link's baseline, heartbeat progress (the flow
-        # sends digests made per node; raw records given here go through the same analyzers)
+        # per node: link samples against each link's baseline (the flow sends digests made
+        # per node; raw samples given here go through the same analyzers)
         self.nodes: dict[str, NodeAnalyzer] = {}
         # link throughput measured from proxy summaries: its own baselines, never mixed
         self.proxy_links = LinkMonitor(warmup=st.warmup_steps, drop=st.link_drop)
@@ -106,6 +106,7 @@ class JobAnalyzer:
         # per sending rank: [baseline SendGPUWait per send (sum, windows), latest (EWMA)]
         self.gpu_wait: dict[int, list[float]] = {}
         self.hb_latest: dict[int, Heartbeat] = {}
+        self.hb_done: dict[int, dict[int, int]] = {}  # rank -> comm -> completed seq
         self.hb_progress_ns = 0
         self.hb_now_ns = 0
         self._hang_detected_ns = 0
@@ -163,39 +164,37 @@ class JobAnalyzer:
         digest = self._node(s.node).update((s,))
         return self._digest(digest) if digest is not None else []
 
-    def _heartbeat_in(self, hb: Heartbeat) -> list[msgspec.Struct]:
-        """A heartbeat (the flow sends them here, in order): liveness and progress."""
-        if hb.ts_ns > self.now_ns:
-            self.now_ns = hb.ts_ns
-        self.hb_latest[hb.rank] = hb
-        moved = self._node(hb.node).progressed(hb)
-        return self._beats(hb.ts_ns, hb.ts_ns if moved else 0)
-
     def _digest(self, d: NodeDigest) -> list[msgspec.Struct]:
-        """A node's news: links that changed, its ranks' latest heartbeats, their progress."""
+        """A node's links that changed."""
         if d.ts_ns > self.now_ns:
             self.now_ns = d.ts_ns
+        self.nic_counters = True
         out: list[msgspec.Struct] = []
-        if d.link_samples:
-            self.nic_counters = True
-            for ev, ts in d.links:
-                out += self._link_event(ev, ts)
-        if d.heartbeats:
-            self.hb_latest.update(d.heartbeats)
-            out += self._beats(d.heartbeat_ns, d.progress_ns)
+        for ev, ts in d.links:
+            out += self._link_event(ev, ts)
         return out
 
-    def _beats(self, newest_ns: int, progress_ns: int) -> list[msgspec.Struct]:
-        """Heartbeats up to ``newest_ns``, the newest showing progress at ``progress_ns``
-        (0: none did); progress after a hang was reported resolves it."""
-        if newest_ns > self.hb_now_ns:
-            self.hb_now_ns = newest_ns
-        if not progress_ns:
+    def _heartbeat_in(self, hb: Heartbeat) -> list[msgspec.Struct]:
+        """Liveness and progress: a completed sequence number that moved is progress."""
+        ts = hb.ts_ns
+        if ts > self.now_ns:
+            self.now_ns = ts
+        self.hb_latest[hb.rank] = hb
+        if ts > self.hb_now_ns:
+            self.hb_now_ns = ts
+        done = self.hb_done.get(hb.rank)
+        if done is None:
+            done = self.hb_done[hb.rank] = {}
+        moved = False
+        for cp in hb.comms:
+            if cp.completed_seq > done.get(cp.comm_hash, -1):
+                done[cp.comm_hash] = cp.completed_seq
+                moved = True
+        if not moved:
             return []
-        if progress_ns > self.hb_progress_ns:
-            self.hb_progress_ns = progress_ns
-        if self.hang_open and progress_ns > self._hang_detected_ns:
-            v = self.book.resolve(VerdictKind.HANG.value, self.hang_open, progress_ns)
+        self.hb_progress_ns = max(self.hb_progress_ns, ts)
+        if self.hang_open and ts > self._hang_detected_ns:
+            v = self.book.resolve(VerdictKind.HANG.value, self.hang_open, ts)
             self.hang_open = None
             return [v] if v else []
         return []

@@ -32,7 +32,6 @@ from producers.sim.scenarios import build
 from schemas.config import AlertSettings
 from schemas.records import (
     Collective,
-    Heartbeat,
     LinkSample,
     ProxySummary,
     StepSummary,
@@ -101,11 +100,9 @@ def _parts(steps: int) -> list[Any]:
 
 
 def _node_records(steps: int) -> list[Any]:
-    """One node's heartbeats and link samples (the slow link starts there)."""
+    """One node's link samples (the slow link starts there)."""
     return [
-        r
-        for r in _records("slow-link", steps)
-        if isinstance(r, Heartbeat | LinkSample) and r.node == "node-0"
+        r for r in _records("slow-link", steps) if isinstance(r, LinkSample) and r.node == "node-0"
     ]
 
 
