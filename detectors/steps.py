@@ -183,19 +183,11 @@ class StepPart:
         return plain and np.array_equal(a, b)
 
     def seal(self) -> StepPart:
-        """Freeze the per-rank figures into one array (a part about to be sent); returns self.
-
-        Rows: rank, the sums of ``_SUMS``, first arrival and last end as offsets from
-        the part's start (exact in a float up to 104 days). The per-rank dictionaries
-        are let go: a job frees thousands of parts a step, each object costs."""
+        """Freeze the per-rank figures into one array (:func:`_figures`; a part about to be
+        sent) and let the dictionaries go: a job frees thousands of parts a step, each
+        object costs. Returns self."""
         if self.sealed is None:
-            ranks = list(self.first)
-            base = self.start if self.start != _NEVER else 0
-            rows = [ranks]
-            rows += [[getattr(self, name).get(r, 0.0) for r in ranks] for name in _SUMS]
-            rows.append([t - base for t in self.first.values()])
-            rows.append([self.last_end.get(r, base) - base for r in ranks])
-            self.sealed = np.array(rows, dtype=np.float64).reshape(len(rows), len(ranks))
+            self.sealed = _figures(self)
             for name in ("first", "last_end", *_SUMS):
                 setattr(self, name, _SEALED)
         return self
@@ -212,7 +204,7 @@ class StepPart:
         base = out.start if out.start != _NEVER else 0
         cols = []
         for p in parts:
-            col = p.sealed if p.sealed is not None else _sealed_copy(p)
+            col = p.sealed if p.sealed is not None else _figures(p)
             shift = (p.start if p.start != _NEVER else 0) - base
             if shift:  # times are offsets from the part's start: from the merged start now
                 col = col.copy()
@@ -269,7 +261,7 @@ def dense_ranks(parts: list[StepPart], world: int) -> dict[str, np.ndarray]:
     >>> d["lateness"].tolist(), d["first"].tolist()
     ([0.0, 3.0, 0.0], [-1, 40, 60])
     """
-    sealed = [(p.sealed if p.sealed is not None else _sealed_copy(p)) for p in parts]
+    sealed = [(p.sealed if p.sealed is not None else _figures(p)) for p in parts]
     cols = np.concatenate(sealed, axis=1) if sealed else np.zeros((3 + len(_SUMS), 0))
     bases = np.repeat(
         np.array([p.start if p.start != _NEVER else 0 for p in parts], dtype=np.int64),
@@ -290,22 +282,17 @@ def dense_ranks(parts: list[StepPart], world: int) -> dict[str, np.ndarray]:
     return out
 
 
-def _sealed_copy(p: StepPart) -> np.ndarray:
-    """``p``'s per-rank figures as :meth:`StepPart.seal` makes them, leaving ``p`` as it is."""
-    copy = StepPart(
-        p.step,
-        start=p.start,
-        first=p.first,
-        last_end=p.last_end,
-        lead_sum=p.lead_sum,
-        lead_n=p.lead_n,
-        wait=p.wait,
-        lateness=p.lateness,
-        blame=p.blame,
-    )
-    sealed = copy.seal().sealed
-    assert sealed is not None
-    return sealed
+def _figures(p: StepPart) -> np.ndarray:
+    """``p``'s per-rank figures as one array, a column per rank. Rows: rank, the sums of
+    ``_SUMS``, first arrival and last end as offsets from the part's start (exact in a
+    float up to 104 days)."""
+    ranks = list(p.first)
+    base = p.start if p.start != _NEVER else 0
+    rows = [ranks]
+    rows += [[getattr(p, name).get(r, 0.0) for r in ranks] for name in _SUMS]
+    rows.append([t - base for t in p.first.values()])
+    rows.append([p.last_end.get(r, base) - base for r in ranks])
+    return np.array(rows, dtype=np.float64).reshape(len(rows), len(ranks))
 
 
 class StepAssembler:

@@ -36,7 +36,6 @@ from bytewax.connectors.stdio import StdOutSink
 from bytewax.dataflow import Dataflow
 
 from detectors.alerting import AlertGate
-from detectors.node import NodeDigest
 from detectors.parts import CommProgress, CommSchedule
 from detectors.steps import StepPart
 from flows.kafka_source import RawBatch, RawKafkaSource
@@ -245,13 +244,8 @@ def parts_by_shard(
     return [(f"{job_of(kv[0])}:{parts[0].comm_hash % shards}", parts)]
 
 
-def parts_to_job(
-    kv: tuple[str, list[StepPart | CommProgress]],
-) -> tuple[str, list[StepPart | CommProgress]]:
-    return kv[1][0].job, kv[1]
-
-
-def digests_to_job(kv: tuple[str, list[NodeDigest]]) -> tuple[str, list[NodeDigest]]:
+def rekey_by_job(kv: tuple[str, list[Any]]) -> tuple[str, list[Any]]:
+    """A keyed step's output (merged parts, node digests) to its job's analysis."""
     return kv[1][0].job, kv[1]
 
 
@@ -387,8 +381,8 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], ch: ClickHouseSink) ->
     to_job = op.merge(
         "to_job",
         forward,
-        op.map("parts_to_job", parts, parts_to_job),
-        op.map("digests_to_job", digests, digests_to_job),
+        op.map("parts_to_job", parts, rekey_by_job),
+        op.map("digests_to_job", digests, rekey_by_job),
         op.flat_map("others_by_job", decoded, others_by_job),
     )
     results = op.key_rm(
