@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from detectors.align import Instance, aligned_record
-from detectors.steps import StepPart
+from detectors.steps import StepPart, StepWatermark
 from detectors.topology import Topology
 from schemas.records import AlignedCollective, CommInfo, JobInfo, ProxySummary
 from schemas.units import CommRole
@@ -245,7 +245,7 @@ class PartMerger:
     or a partition read late). What arrives later is merged again and sent on;
     the job merges any number of parts of a step.
 
-    >>> from detectors.steps import StepPart
+    >>> from detectors.steps import StepPart, StepWatermark
     >>> m = PartMerger()
     >>> def part(step, comm):
     ...     return StepPart(step, comm_hash=comm, n=1, start=step, first={comm: step}).seal()
@@ -265,8 +265,7 @@ class PartMerger:
 
     def _reset(self) -> None:
         self._open: dict[int, list[StepPart]] = {}  # step -> its parts so far
-        self._newest: dict[int, int] = {}  # communicator -> its newest step
-        self._at: dict[int, int] = {}  # newest step -> how many communicators are there
+        self._seen = StepWatermark()  # the step each communicator reached
         self._progress = CommProgress("", -1, 0, 0)  # the newest of its communicators'
         self._reported = self._progress
 
@@ -285,21 +284,10 @@ class PartMerger:
             return []
         step = part.step
         self._open.setdefault(step, []).append(part)
-        for comm in part.comms or (part.comm_hash,):
-            prev = self._newest.get(comm)
-            if prev is not None and step <= prev:
-                continue
-            self._newest[comm] = step
-            self._at[step] = self._at.get(step, 0) + 1
-            if prev is not None:
-                if self._at[prev] == 1:
-                    del self._at[prev]
-                else:
-                    self._at[prev] -= 1
-        newest = max(self._at)
-        self._forget_before(newest - _FORGET_STEPS)
-        # every communicator still keeping up is at this step or past it (few distinct steps)
-        low = min(s for s in self._at if s >= newest - self.give_up_steps)
+        self._seen.advance(part.comms or (part.comm_hash,), step)
+        self._seen.forget_before(self._seen.high() - _FORGET_STEPS)
+        # every communicator still keeping up is at this step or past it
+        low = self._seen.low(within=self.give_up_steps)
         ready = sorted(s for s in self._open if s <= low)
         return [StepPart.merged(self._open.pop(s)) for s in ready]
 
@@ -315,21 +303,6 @@ class PartMerger:
             return []
         self._reported = self._progress
         return [self._progress]
-
-    def _forget_before(self, step: int) -> None:
-        """Communicators silent since before ``step`` are gone (bounded state)."""
-        if min(self._at) >= step:
-            return
-        for comm in [c for c, s in self._newest.items() if s < step]:
-            s = self._newest.pop(comm)
-            if self._at[s] == 1:
-                del self._at[s]
-            else:
-                self._at[s] -= 1
-
-    @property
-    def n_open(self) -> int:
-        return len(self._open)
 
 
 __all__ = [

@@ -11,6 +11,7 @@ when instances two steps later show it never will.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -295,6 +296,59 @@ def _figures(p: StepPart) -> np.ndarray:
     return np.array(rows, dtype=np.float64).reshape(len(rows), len(ranks))
 
 
+class StepWatermark:
+    """The newest step each communicator reached, and how many are at each step, so the
+    lowest is known at once (a job has thousands of communicators, a handful of steps).
+
+    >>> w = StepWatermark()
+    >>> w.advance((1, 2), 4), w.advance((1,), 5), w.advance((1,), 3), w.low()
+    (True, True, False, 4)
+    """
+
+    def __init__(self) -> None:
+        self.newest: dict[int, int] = {}  # communicator -> its newest step
+        self._at: dict[int, int] = {}  # step -> how many communicators have it as newest
+
+    def advance(self, comms: Iterable[int], step: int) -> bool:
+        """``comms`` reached ``step``; whether any of them moved."""
+        moved = False
+        for comm in comms:
+            prev = self.newest.get(comm)
+            if prev is not None and step <= prev:
+                continue
+            moved = True
+            self.newest[comm] = step
+            self._at[step] = self._at.get(step, 0) + 1
+            if prev is not None:
+                self._drop(prev)
+        return moved
+
+    def low(self, within: int | None = None) -> int:
+        """The lowest newest step; with ``within``, of the communicators at most that
+        many steps behind the highest (those further behind are not waited for)."""
+        if within is None:
+            return min(self._at)
+        high = self.high()
+        return min(s for s in self._at if s >= high - within)
+
+    def high(self) -> int:
+        """The highest step a communicator reached."""
+        return max(self._at)
+
+    def forget_before(self, step: int) -> None:
+        """Communicators whose newest step is older than ``step`` are gone."""
+        if not self._at or min(self._at) >= step:
+            return
+        for comm in [c for c, s in self.newest.items() if s < step]:
+            self._drop(self.newest.pop(comm))
+
+    def _drop(self, step: int) -> None:
+        if self._at[step] == 1:
+            del self._at[step]
+        else:
+            self._at[step] -= 1
+
+
 class StepAssembler:
     """Per-job: instances in, closed :class:`StepReport` out (in step order)."""
 
@@ -309,9 +363,7 @@ class StepAssembler:
         self._closed_upto = -1
         self._prev_end: int | None = None
         self.late_instances = 0
-        self._comm_step: dict[int, int] = {}  # highest step seen per communicator
-        self._at: dict[int, int] = {}  # how many communicators have that highest step
-        self._min_step = -1
+        self._seen = StepWatermark()  # the step each communicator reached
         self._expected = (-1, 0)
         self._known = -1
 
@@ -371,29 +423,11 @@ class StepAssembler:
         """
         if len(self.topo.comms) != self._known:
             self._known = len(self.topo.comms)
-            for c in self.topo.comms:
-                if c not in self._comm_step:  # not heard from yet: holds the watermark at -1
-                    self._comm_step[c] = -1
-                    self._at[-1] = self._at.get(-1, 0) + 1
-                    self._min_step = -1
-        moved = False
-        for comm in comms:
-            prev = self._comm_step.get(comm)
-            if prev is not None and step <= prev:
-                continue
-            moved = True
-            self._comm_step[comm] = step
-            self._at[step] = self._at.get(step, 0) + 1
-            if prev is not None:
-                self._at[prev] -= 1
-            elif len(self._comm_step) == 1:
-                self._min_step = step
-        if not moved:
+            # those not heard from yet hold the watermark at -1
+            self._seen.advance((c for c in self.topo.comms if c not in self._seen.newest), -1)
+        if not self._seen.advance(comms, step):
             return []
-        while self._at.get(self._min_step, 0) == 0 and self._min_step < step:
-            self._at.pop(self._min_step, None)
-            self._min_step += 1
-        watermark = self._min_step - 2
+        watermark = self._seen.low() - 2
         if watermark > self._closed_upto:
             return self._close_through(watermark)
         return []
