@@ -226,6 +226,11 @@ class StepFolder:
         return len(self._parts)
 
 
+def shard_of(comm_hash: int, shards: int) -> int:
+    """Which of a job's ``shards`` part mergers a communicator's parts and progress go to."""
+    return comm_hash % shards
+
+
 #: a communicator silent for this many steps is forgotten
 _FORGET_STEPS = 64
 
@@ -312,4 +317,5 @@ __all__ = [
     "PartMerger",
     "ScheduleBook",
     "StepFolder",
+    "shard_of",
 ]

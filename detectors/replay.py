@@ -24,7 +24,7 @@ import msgspec
 
 from detectors.analyzer import JobAnalyzer
 from detectors.comm import CommAnalyzer
-from detectors.parts import CommProgress, PartMerger, ScheduleBook
+from detectors.parts import CommProgress, PartMerger, ScheduleBook, shard_of
 from detectors.steps import StepPart
 from schemas.config import DetectSettings
 from schemas.records import Collective, ProxySummary
@@ -83,7 +83,7 @@ class Replay:
         analyzer = self.jobs[job]
         for x in items:
             if isinstance(x, StepPart | CommProgress):
-                key = (job, x.comm_hash % self.settings.part_shards)
+                key = (job, shard_of(x.comm_hash, self.settings.part_shards))
                 merger = self.mergers.get(key) or self.mergers.setdefault(key, PartMerger())
                 for merged in [*merger.update(x), *merger.progress()]:
                     out += analyzer.update(merged)

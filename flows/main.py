@@ -36,7 +36,7 @@ from bytewax.connectors.stdio import StdOutSink
 from bytewax.dataflow import Dataflow
 
 from detectors.alerting import AlertGate
-from detectors.parts import CommProgress, CommSchedule
+from detectors.parts import CommProgress, CommSchedule, shard_of
 from detectors.steps import StepPart
 from flows.kafka_source import RawBatch, RawKafkaSource
 from flows.logic import AlignLogic, AlignOut, AnalyzeLogic, MergeLogic, NodeLogic, schedules
@@ -241,7 +241,7 @@ def parts_by_shard(
     parts = [x for x in kv[1].forward if isinstance(x, StepPart | CommProgress)]
     if not parts:
         return []
-    return [(f"{job_of(kv[0])}:{parts[0].comm_hash % shards}", parts)]
+    return [(f"{job_of(kv[0])}:{shard_of(parts[0].comm_hash, shards)}", parts)]
 
 
 def rekey_by_job(kv: tuple[str, list[Any]]) -> tuple[str, list[Any]]:

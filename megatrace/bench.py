@@ -244,7 +244,7 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
     from detectors.analyzer import JobAnalyzer
     from detectors.comm import CommAnalyzer
     from detectors.node import NodeAnalyzer
-    from detectors.parts import CommProgress, PartMerger, ScheduleBook
+    from detectors.parts import CommProgress, PartMerger, ScheduleBook, shard_of
     from detectors.steps import StepPart
     from schemas.records import Collective, LinkSample, ProxySummary
 
@@ -291,7 +291,7 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
         for x in forward:
             if isinstance(x, StepPart | CommProgress):  # merged per shard first
                 t0 = time.perf_counter()
-                key = x.comm_hash % shards
+                key = shard_of(x.comm_hash, shards)
                 merger = mergers.get(key) or mergers.setdefault(key, PartMerger())
                 merged = merger.update(x)
                 t_merge += time.perf_counter() - t0
