@@ -280,6 +280,7 @@ def aligned_record(
         end_ns=end_ns,
         transfer_ns=x,
         busbw_gbps=bw,
+        sender=inst.sender,
         missing_ranks=[] if whole else sorted(set(expected) - set(inst.ranks)),
         unfinished_ranks=[] if complete else inst.unfinished(),
         step=pos.step if pos else None,

@@ -14,7 +14,8 @@ from infra.clickhouse import insert_records, read_records
 from megatrace.cli import cli
 from producers.sim.scenarios import build
 from schemas.config import Settings
-from schemas.units import VerdictKind
+from schemas.records import Collective
+from schemas.units import CollOp, VerdictKind
 from tests.helpers import flow_config, publisher
 
 pytestmark = pytest.mark.integration
@@ -46,6 +47,16 @@ def test_story_verdicts_reach_clickhouse_with_the_injected_culprits(
         f"'{run.spec.job}' AND has(missing_ranks, {hang.rank})"
     ).result_rows[0][0]
     assert missing >= 1
+    # every instance has its row: a pipeline pair's sends both ways share sequence numbers
+    instances = {
+        (r.comm_hash, r.seq, (r.rank if r.op is CollOp.SEND else r.peer) if r.op.is_p2p else -1)
+        for r in run.records()
+        if isinstance(r, Collective)
+    }
+    stored = ch.query(
+        f"SELECT count() FROM {db}.collectives FINAL WHERE job = '{run.spec.job}'"
+    ).result_rows[0][0]
+    assert stored == len(instances)
 
 
 def test_store_and_detect_roles_together_do_what_one_flow_does(settings: Settings, ch: Any) -> None:
