@@ -13,6 +13,7 @@ message for ``idle_stop_s``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -53,6 +54,7 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         batch_size: int,
         idle_stop_s: float,
         quiet: _Quiet,
+        on_read: Callable[[int], None] | None,
     ) -> None:
         from confluent_kafka import Consumer, TopicPartition
 
@@ -69,6 +71,7 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         self._eof = False
         self._idle_stop_ns = int(idle_stop_s * 1e9)
         self._quiet = quiet
+        self._on_read = on_read
         self._awake: datetime | None = None
         quiet.last_ns = time.monotonic_ns()  # the quiet period starts when reading starts
 
@@ -90,6 +93,8 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
             self._offset = batch.offsets[-1] + 1
             self._quiet.last_ns = now
             self._awake = None
+            if self._on_read is not None:
+                self._on_read(len(batch))
             return [batch]
         self._awake = datetime.now(UTC) + _BACKOFF
         # Bounded run: stop once the whole source stayed quiet for idle_stop_s (a partition
@@ -112,7 +117,10 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
 
 
 class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
-    """Every partition of ``topics``; ``config`` is a librdkafka consumer configuration."""
+    """Every partition of ``topics``; ``config`` is a librdkafka consumer configuration.
+
+    ``on_read``, if given, is called with the size of every poll that returned records.
+    """
 
     def __init__(
         self,
@@ -122,12 +130,14 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
         tail: bool = True,
         batch_size: int = 5000,
         idle_stop_s: float = 1.5,
+        on_read: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
         self.topics = topics
         self.tail = tail
         self.batch_size = batch_size
         self.idle_stop_s = idle_stop_s
+        self.on_read = on_read
         self._quiet = _Quiet()
 
     def list_parts(self) -> list[str]:
@@ -160,4 +170,5 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
             self.batch_size,
             self.idle_stop_s,
             self._quiet,
+            self.on_read,
         )

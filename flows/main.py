@@ -87,6 +87,8 @@ class FlowConfig:
     #: called with (records, oldest producer time ms, stored time ms) after raw rows are
     #: stored (roles ``all`` and ``store``)
     on_stored: Callable[[int, int, int], None] | None = None
+    #: called with the number of records of every poll that returned some
+    on_read: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -331,6 +333,7 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
             tail=cfg.tail,
             batch_size=cfg.batch_size,
             idle_stop_s=cfg.idle_stop_s,
+            on_read=cfg.on_read,
         ),
     )
     # RawBatch -> Decoded(records, dead letters)
