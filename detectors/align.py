@@ -34,6 +34,7 @@ from schemas.records import AlignedCollective, Collective
 from schemas.units import CollOp, Phase
 
 Key = tuple[int, int, int]  # (comm_hash, sender or -1, seq)
+_SEND, _RECV = CollOp.SEND, CollOp.RECV
 
 
 class Instance(NamedTuple):
@@ -150,28 +151,35 @@ class CollectiveAligner:
         return [inst for rec in records if (inst := add(rec)) is not None]
 
     def _add(self, rec: Collective) -> Instance | None:
+        # the hot path of the flow: one call per collective record, so plain and local
         op = rec.op
-        p2p = op.is_p2p
-        if p2p:
-            sender = rec.rank if op == CollOp.SEND else (rec.peer if rec.peer is not None else -2)
-            key = (rec.comm_hash, sender, rec.seq)
+        if op is _SEND:
+            sender = rec.rank
+        elif op is _RECV:
+            sender = rec.peer if rec.peer is not None else -2
         else:
-            key = (rec.comm_hash, -1, rec.seq)
+            sender = -1
+        seq = rec.seq
+        key = (rec.comm_hash, sender, seq)
         if key in self._done:
             self.late += 1
             return None
-        stream = (rec.rank, key[1])
-        prev = self._last_seq.get(stream)
-        if prev is None or rec.seq > prev:
-            self._last_seq[stream] = rec.seq
-        elif rec.seq < prev:
+        stream = (rec.rank, sender)
+        last_seq = self._last_seq
+        prev = last_seq.get(stream)
+        if prev is None or seq > prev:
+            last_seq[stream] = seq
+        elif seq < prev:
             self.out_of_order += 1
+        arrival = rec.start_ns
+        if arrival is None:
+            arrival = rec.enqueue_ns
         entry = self._open.get(key)
         if entry is None:
             entry = _Open(
-                first_seen_ns=rec.arrival_ns,
-                op=CollOp.SEND if p2p else op,
-                comm_size=2 if p2p else rec.comm_size,
+                first_seen_ns=arrival,
+                op=op if sender == -1 else _SEND,
+                comm_size=rec.comm_size if sender == -1 else 2,
                 size_bytes=rec.size_bytes,
                 job=rec.job,
             )
@@ -179,23 +187,26 @@ class CollectiveAligner:
             if len(self._open) > self.max_open:
                 self._open.popitem(last=False)
                 self.dropped += 1
-        end = rec.end_ns if rec.end_ns is not None else -1
+        end = rec.end_ns
+        if end is None:
+            end = -1
         members = entry.members
         before = members.get(rec.rank)
         if before is not None and before[2] >= 0:
             entry.finished -= 1
-        members[rec.rank] = (rec.enqueue_ns, rec.arrival_ns, end)
+        members[rec.rank] = (rec.enqueue_ns, arrival, end)
         if end >= 0:
             entry.finished += 1
         entry.reported = False  # changed: a partial report may be due again
-        if entry.finished < entry.comm_size or len(members) < entry.comm_size:
+        size = entry.comm_size
+        if entry.finished < size or len(members) < size:
             return None
         inst = self._instance(key, entry)
         del self._open[key]
         self._done[key] = None
         if len(self._done) > 4 * self.max_open:
             self._done.popitem(last=False)
-        self._recent.append(max(inst.end) - inst.first_arrival_ns)
+        self._recent.append(max(inst.end) - min(inst.arrival))
         if len(self._recent) > 64:
             del self._recent[:32]
         return inst

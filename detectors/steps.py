@@ -11,6 +11,7 @@ when instances two steps later show it never will.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
@@ -105,18 +106,24 @@ class StepPart:
     transfer: dict[int, int] = field(default_factory=dict)
     #: the per-rank figures once sealed, one column per rank (see :meth:`seal`)
     sealed: np.ndarray | None = None
+    #: instances folded since, with what they add (see :meth:`fold`), until :func:`_figures`
+    folded: list[tuple[Instance, int]] = field(default_factory=list, repr=False)
     #: replicas whose spans are another part's (merge_shape copies them before a change)
     _borrowed: set[int] | None = field(default=None, compare=False, repr=False)
 
     def fold(
         self, inst: Instance, phase: str, mb: int | None, role: CommRole, topo: Topology
     ) -> None:
-        """Add one complete instance placed at (phase, micro-batch) of this step."""
-        # plain Python: members are few (a TP group, a DP ring, a pair), numpy calls cost more
+        """Add one complete instance placed at (phase, micro-batch) of this step.
+
+        The step's extent, transfers and node spans are updated at once; the instance's
+        per-rank figures (arrivals, host lead, waits, the TP wait-time model) are
+        computed for all the part's instances together, as arrays, when they are read
+        (:func:`_figures`): a part folds hundreds of instances a step."""
         if self.sealed is not None:
             raise ValueError(f"step {self.step}'s part was sealed: it takes no more instances")
         self.n += 1
-        ranks, arr, end, enq = inst.ranks, inst.arrival, inst.end, inst.enqueue
+        arr, end = inst.arrival, inst.end
         a_min, a_max, e_max = min(arr), max(arr), max(end)
         if a_min < self.start:
             self.start = a_min
@@ -124,31 +131,16 @@ class StepPart:
             self.end = e_max
         if a_max > self.last_arrival:
             self.last_arrival = a_max
-        first, last_end, lead_sum, lead_n = self.first, self.last_end, self.lead_sum, self.lead_n
-        wait = self.wait if role is not CommRole.PP else None
-        for r, a, e, q in zip(ranks, arr, end, enq, strict=True):
-            if a < first.get(r, _NEVER):
-                first[r] = a
-            if e > last_end.get(r, 0):
-                last_end[r] = e
-            lead_sum[r] = lead_sum.get(r, 0.0) + (a - q)
-            lead_n[r] = lead_n.get(r, 0) + 1
-            if wait is not None:
-                wait[r] = wait.get(r, 0.0) + (a_max - a)
         if role is CommRole.DP:
             self.dp_end = max(self.dp_end, e_max)
         if role is CommRole.DP or role is CommRole.PP:
             x = max(0, e_max - a_max)  # complete: the transfer after the last arrival
             self.transfer[inst.comm_hash] = max(self.transfer.get(inst.comm_hash, 0), x)
-        if role is not CommRole.TP or len(ranks) < 2:
+        grouped = role is CommRole.TP and len(inst.ranks) >= 2
+        self.folded.append((inst, (role is not CommRole.PP) | (grouped << 1)))
+        if not grouped:
             return
-        mean = sum(arr) / len(arr)
-        order = sorted(range(len(arr)), key=arr.__getitem__)
-        late_rank = ranks[order[-1]]
-        self.blame[late_rank] = self.blame.get(late_rank, 0.0) + float(
-            arr[order[-1]] - arr[order[-2]]
-        )
-        stage, replica, _ = topo.coords(ranks[0])
+        stage, replica, _ = topo.coords(inst.ranks[0])
         key = (stage, phase, mb if mb is not None else -1)
         # the node runs from the moment its whole TP group met at a collective: a member
         # that came early (its peer was held up upstream) waited, it did not compute
@@ -166,9 +158,6 @@ class StepPart:
             span[1] = max(span[1], e_max)
         if e_max > self.replica_end.get(replica, 0):
             self.replica_end[replica] = e_max
-        lateness = self.lateness
-        for r, a in zip(ranks, arr, strict=True):
-            lateness[r] = lateness.get(r, 0.0) + (a - mean)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StepPart):
@@ -191,6 +180,7 @@ class StepPart:
             self.sealed = _figures(self)
             for name in ("first", "last_end", *_SUMS):
                 setattr(self, name, _SEALED)
+            self.folded = []
         return self
 
     @classmethod
@@ -214,6 +204,7 @@ class StepPart:
         out.sealed = np.concatenate(cols, axis=1)
         for name in ("first", "last_end", *_SUMS):
             setattr(out, name, _SEALED)
+        out.folded = []
         return out
 
     def merge_shape(self, other: StepPart) -> None:
@@ -284,16 +275,63 @@ def dense_ranks(parts: list[StepPart], world: int) -> dict[str, np.ndarray]:
 
 
 def _figures(p: StepPart) -> np.ndarray:
-    """``p``'s per-rank figures as one array, a column per rank. Rows: rank, the sums of
-    ``_SUMS``, first arrival and last end as offsets from the part's start (exact in a
-    float up to 104 days)."""
+    """``p``'s per-rank figures as one array, a column per rank (a rank may have several
+    columns: their sums, least first arrival and greatest last end are its figures).
+    Rows: rank, the sums of ``_SUMS``, first arrival and last end as offsets from the
+    part's start (exact in a float up to 104 days)."""
     ranks = list(p.first)
     base = p.start if p.start != _NEVER else 0
     rows = [ranks]
     rows += [[getattr(p, name).get(r, 0.0) for r in ranks] for name in _SUMS]
     rows.append([t - base for t in p.first.values()])
     rows.append([p.last_end.get(r, base) - base for r in ranks])
-    return np.array(rows, dtype=np.float64).reshape(len(rows), len(ranks))
+    given = np.array(rows, dtype=np.float64).reshape(len(rows), len(ranks))
+    if not p.folded:
+        return given
+    return np.concatenate((given, _folded_figures(p.folded, base)), axis=1)
+
+
+def _folded_figures(folded: list[tuple[Instance, int]], base: int) -> np.ndarray:
+    """The figures of folded instances (see :meth:`StepPart.fold`), per rank."""
+    insts = [i for i, _ in folded]
+    sizes = np.fromiter((len(i.ranks) for i in insts), np.int64, len(insts))
+    flags = np.repeat(np.fromiter((f for _, f in folded), np.int64, len(insts)), sizes)
+    m = int(sizes.sum())
+    col = lambda name: np.fromiter(  # noqa: E731
+        itertools.chain.from_iterable(getattr(i, name) for i in insts), np.int64, m
+    )
+    rank, arr, end, enq = col("ranks"), col("arrival"), col("end"), col("enqueue")
+    starts = np.cumsum(sizes) - sizes
+    inst = np.repeat(np.arange(len(insts)), sizes)
+    a_min = np.minimum.reduceat(arr, starts)
+    a_max = np.maximum.reduceat(arr, starts)
+    who, at = np.unique(rank, return_inverse=True)
+    k = len(who)
+    first = np.full(k, _NEVER, dtype=np.int64)
+    np.minimum.at(first, at, arr)
+    last = np.zeros(k, dtype=np.int64)
+    np.maximum.at(last, at, end)
+    waits = (flags & 1) > 0  # not a pipeline transfer: the wait for the last to arrive
+    tp = (flags & 2) > 0  # a TP group's collective: the wait-time model
+    rel = arr - a_min[inst]  # small: exact in a float
+    mean = np.add.reduceat(rel, starts) / sizes
+    lateness = np.where(tp, rel - mean[inst], 0.0)
+    # exclusive blame: the last to arrive (the highest rank among ties) for the time
+    # after the one before it
+    order = np.lexsort((np.arange(m), arr, inst))
+    tail = (starts + sizes)[(sizes >= 2) & tp[starts]]
+    late, before = order[tail - 1], order[tail - 2]
+    rows = [
+        who,
+        np.bincount(at, weights=arr - enq, minlength=k),
+        np.bincount(at, minlength=k),
+        np.bincount(at, weights=np.where(waits, a_max[inst] - arr, 0), minlength=k),
+        np.bincount(at, weights=lateness, minlength=k),
+        np.bincount(at[late], weights=arr[late] - arr[before], minlength=k),
+        first - base,
+        last - base,
+    ]
+    return np.array(rows, dtype=np.float64)
 
 
 class StepWatermark:

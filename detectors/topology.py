@@ -73,6 +73,7 @@ class Topology:
 
     # ------------------------------------------------------------------ updates
     def add(self, rec: JobInfo | RankInfo | CommInfo) -> None:
+        self.__dict__.pop("_placers", None)  # the schedule may change
         if isinstance(rec, JobInfo):
             self.job = rec
         elif isinstance(rec, RankInfo):
@@ -144,21 +145,51 @@ class Topology:
         self, comm_hash: int, seq: int, op: CollOp, sender_stage: int | None = None
     ) -> Position | None:
         """Where (comm, seq) sits in the schedule, or None for an unknown communicator."""
-        info = self.comms.get(comm_hash)
-        if info is None:
-            return None
-        stage = info.pp_stage
-        M = self.job.num_microbatches
-        per_layer = self.ops_per_layer(info.role)  # TP, EP and CP: in every node's layers
-        if per_layer:
-            step, i = divmod(seq, self.ops_per_step(info.role))
-            node, k = divmod(i, per_layer * (self.job.num_layers // self.job.pp))
-            phase, mb = self.stage_order(stage or 0)[node]
-            return Position(step, phase, mb, stage, k // per_layer)
-        if info.role == CommRole.PP:
-            step, mb = divmod(seq, M)
-            downward = sender_stage is None or sender_stage == stage
-            return Position(step, FWD if downward else BWD, mb, stage)
-        if info.role == CommRole.DP:
-            return Position(seq // self.ops_per_step(CommRole.DP), Phase.DP_SYNC.value, None, stage)
-        return Position(0, Phase.UNKNOWN.value, None, stage)
+        placer = self.placer(comm_hash)
+        return None if placer is None else placer.at(seq, sender_stage)
+
+    def placer(self, comm_hash: int) -> Placer | None:
+        """The communicator's :class:`Placer` (cached until the topology changes), or None
+        for an unknown communicator."""
+        cache = self.__dict__.setdefault("_placers", {})
+        placer = cache.get(comm_hash)
+        if placer is None and (info := self.comms.get(comm_hash)) is not None:
+            j, role = self.job, info.role
+            per_layer = self.ops_per_layer(role)  # TP, EP and CP: in every node's layers
+            placer = cache[comm_hash] = Placer(
+                role,
+                info.pp_stage,
+                self.ops_per_step(role),
+                per_layer * (j.num_layers // j.pp),
+                per_layer,
+                tuple(self.stage_order(info.pp_stage or 0)) if per_layer else (),
+                j.num_microbatches,
+            )
+        return placer
+
+
+class Placer(NamedTuple):
+    """Where one communicator's instances sit in the schedule (see the module docstring)."""
+
+    role: CommRole
+    stage: int | None
+    per_step: int  # instances a step
+    per_node: int  # instances a (phase, micro-batch) node, for TP, EP and CP
+    per_layer: int
+    order: tuple[tuple[str, int], ...]  # the stage's 1F1B nodes, for TP, EP and CP
+    microbatches: int
+
+    def at(self, seq: int, sender_stage: int | None = None) -> Position:
+        """The position of instance ``seq`` (``sender_stage``: a transfer's sender's)."""
+        if self.per_layer:
+            step, i = divmod(seq, self.per_step)
+            node, k = divmod(i, self.per_node)
+            phase, mb = self.order[node]
+            return Position(step, phase, mb, self.stage, k // self.per_layer)
+        if self.role is CommRole.PP:
+            step, mb = divmod(seq, self.microbatches)
+            downward = sender_stage is None or sender_stage == self.stage
+            return Position(step, FWD if downward else BWD, mb, self.stage)
+        if self.role is CommRole.DP:
+            return Position(seq // self.per_step, Phase.DP_SYNC.value, None, self.stage)
+        return Position(0, Phase.UNKNOWN.value, None, self.stage)

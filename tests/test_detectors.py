@@ -436,6 +436,29 @@ def test_a_sealed_step_part_refuses_more_instances() -> None:
     assert part.n == 0
 
 
+def test_lateness_is_exact_at_real_clock_readings() -> None:
+    """Arrivals are nanoseconds since 1970 (~1.8e18), where a float's step is 256 ns: the
+    wait-time model must measure a 1,000 ns spread as +-500 ns, not in 256 ns steps."""
+    from detectors.steps import StepPart, dense_ranks
+    from detectors.topology import Topology
+    from schemas.units import CommRole
+
+    topo = Topology.from_job(build("healthy", scale="tiny", seed=0, steps=1).spec.job_info())
+    t = 1_800_000_000_123_456_789
+    part = StepPart(0)
+    for seq in range(3):  # rank 1 is 1,000 ns late every time
+        a = t + seq * 10**6
+        part.fold(
+            Instance("j", 1, seq, CollOp.ALL_REDUCE, -1, 2, 8, (0, 1), (a, a), (a, a + 1000),
+                     (a + 5000, a + 5000)),
+            "forward", 0, CommRole.TP, topo,
+        )  # fmt: skip
+    ranks = dense_ranks([part.seal()], 2)
+    assert ranks["lateness"].tolist() == [-1500.0, 1500.0]
+    assert ranks["blame"].tolist() == [0.0, 3000.0]
+    assert ranks["wait"].tolist() == [3000.0, 0.0]
+
+
 def test_a_communicator_that_goes_quiet_holds_merged_parts_back_two_steps_at_most() -> None:
     """A job restarted with new communicators leaves the old ones silent for good:
     the merger stops waiting for them instead of delaying every later step."""
