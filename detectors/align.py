@@ -1,10 +1,12 @@
 """Gather every member's record of each collective instance of one communicator.
 
 An instance is ``(comm_hash, seq)`` for collectives and ``(comm_hash, sender,
-seq)`` for point-to-point transfers (the n-th Send from A to B meets the n-th
-Recv at B from A). :meth:`CollectiveAligner.update` returns the instances that
-became complete (every member arrived and finished); :meth:`expire` returns
-partial instances that have been open longer than a timeout derived from the
+receiver, seq)`` for point-to-point transfers (the n-th Send from A to B meets
+the n-th Recv at B from A; a communicator may carry transfers between more
+than two ranks, as a pipeline group does with batched sends).
+:meth:`CollectiveAligner.update` returns the instances that became complete
+(every member arrived and finished); :meth:`expire` returns partial instances
+that have been open longer than a timeout derived from the
 communicator's recent completion times, naming who is missing and who joined
 but did not finish. Completed instances are evicted at once, so state stays
 bounded by what is genuinely in flight.
@@ -26,6 +28,7 @@ bounded by what is genuinely in flight.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -33,7 +36,7 @@ from detectors.topology import Position, Topology
 from schemas.records import AlignedCollective, Collective
 from schemas.units import CollOp, Phase
 
-Key = tuple[int, int, int]  # (comm_hash, sender or -1, seq)
+Key = tuple[int, int, int, int]  # (comm_hash, sender, receiver, seq); -1, -1 for collectives
 _SEND, _RECV = CollOp.SEND, CollOp.RECV
 
 
@@ -54,6 +57,12 @@ class Instance(NamedTuple):
     enqueue: tuple[int, ...]
     arrival: tuple[int, ...]
     end: tuple[int, ...]
+    receiver: int = -1  # the receiving rank of a transfer; -1 for collectives
+
+    @property
+    def key(self) -> Key:
+        """What identifies the instance in its job: (comm, sender, receiver, seq)."""
+        return (self.comm_hash, self.sender, self.receiver, self.seq)
 
     @property
     def complete(self) -> bool:
@@ -153,18 +162,19 @@ class CollectiveAligner:
     def _add(self, rec: Collective) -> Instance | None:
         # the hot path of the flow: one call per collective record, so plain and local
         op = rec.op
+        peer = rec.peer if rec.peer is not None else -2
         if op is _SEND:
-            sender = rec.rank
+            sender, receiver = rec.rank, peer
         elif op is _RECV:
-            sender = rec.peer if rec.peer is not None else -2
+            sender, receiver = peer, rec.rank
         else:
-            sender = -1
+            sender = receiver = -1
         seq = rec.seq
-        key = (rec.comm_hash, sender, seq)
+        key = (rec.comm_hash, sender, receiver, seq)
         if key in self._done:
             self.late += 1
             return None
-        stream = (rec.rank, sender)
+        stream = (rec.rank, sender, receiver)
         last_seq = self._last_seq
         prev = last_seq.get(stream)
         if prev is None or seq > prev:
@@ -229,18 +239,20 @@ class CollectiveAligner:
         m = entry.members
         ranks = sorted(m)
         enqueue, arrival, end = zip(*[m[r] for r in ranks], strict=True)
+        comm, sender, receiver, seq = key
         return Instance(
             entry.job,
-            key[0],
-            key[2],
+            comm,
+            seq,
             entry.op,
-            key[1],
+            sender,
             entry.comm_size,
             entry.size_bytes,
             tuple(ranks),
             enqueue,
             arrival,
             end,
+            receiver,
         )
 
     @property
@@ -263,7 +275,10 @@ def aligned_record(
     convention), who is missing or unfinished, and where it sits in the schedule."""
     assert topo is not None
     members = topo.comms.get(inst.comm_hash)
-    expected = members.ranks if members else inst.ranks
+    if inst.op is CollOp.SEND:  # a transfer: its two ends, whatever the communicator's size
+        expected: Sequence[int] = [r for r in (inst.sender, inst.receiver) if r >= 0]
+    else:
+        expected = members.ranks if members else inst.ranks
     n = len(expected)
     arrival, end = inst.arrival, inst.end
     a_min, a_max = min(arrival), max(arrival)
@@ -292,6 +307,7 @@ def aligned_record(
         transfer_ns=x,
         busbw_gbps=bw,
         sender=inst.sender,
+        receiver=inst.receiver,
         missing_ranks=[] if whole else sorted(set(expected) - set(inst.ranks)),
         unfinished_ranks=[] if complete else inst.unfinished(),
         step=pos.step if pos else None,

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from detectors.align import Instance, aligned_record
+from detectors.align import Instance, Key, aligned_record
 from detectors.changepoint import ShiftDetector
 from detectors.fusion import VerdictBook
 from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang
@@ -90,7 +90,7 @@ class JobAnalyzer:
         self.proxy_links = LinkMonitor(warmup=st.warmup_steps, drop=st.link_drop)
         self.book = VerdictBook(self.job)
         self.recent: deque[StepReport] = deque(maxlen=16)
-        self.partials: dict[tuple[int, int, int], Instance] = {}
+        self.partials: dict[Key, Instance] = {}
         self.stuck = StuckProxies()
         self.last_progress_ns = 0
         self.now_ns = 0  # the newest time any input showed
@@ -215,8 +215,9 @@ class JobAnalyzer:
 
     def _instance(self, inst: Instance) -> list[msgspec.Struct]:
         assert self.assembler is not None
-        key = (inst.comm_hash, inst.sender, inst.seq)
-        pos = self.assembler.topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender)
+        key = inst.key
+        topo = self.assembler.topo
+        pos = topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender, inst.receiver)
         if not inst.complete:
             self.now_ns = max(self.now_ns, max(inst.arrival))
             self.coll_now_ns = max(self.coll_now_ns, max(inst.arrival))
@@ -687,14 +688,17 @@ class JobAnalyzer:
             fresh = sum(hb.ts_ns > self.hb_progress_ns for hb in self.hb_latest.values())
             if fresh < topo.job.world_size and silent <= 3 * limit:
                 return []  # wait until every rank reported after the freeze
-            prio = {
-                h: {"pp": 0, "tp": 1, "dp": 3}.get(c.role.value, 2) for h, c in topo.comms.items()
-            }
-            diag = diagnose_from_heartbeats(
-                self.hb_latest, self._members(), list(self.stuck.ops.values()), prio
-            )
-            if diag is not None and len(diag.alternatives) > 1:
-                diag = self._earliest_call(diag, prio)
+            diag = self._unfollowed_hang()
+            if diag is None:
+                prio = {
+                    h: {"pp": 0, "tp": 1, "dp": 3}.get(c.role.value, 2)
+                    for h, c in topo.comms.items()
+                }
+                diag = diagnose_from_heartbeats(
+                    self.hb_latest, self._members(), list(self.stuck.ops.values()), prio
+                )
+                if diag is not None and len(diag.alternatives) > 1:
+                    diag = self._earliest_call(diag, prio)
             detected = self.hb_now_ns
         else:
             now = max(self.coll_now_ns, now_ns)
@@ -708,6 +712,26 @@ class JobAnalyzer:
         if diag is None:
             return []
         return self._hang_verdict(diag, silent, exp, detected)
+
+    def _unfollowed_hang(self) -> HangDiagnosis | None:
+        """A hang that began on a communicator the heartbeats do not follow, from the
+        partial instances (those the aligners reported open too long).
+
+        Heartbeats report progress per communicator as a source counts it: NCCL's
+        profiler plugin counts collectives, not point-to-point transfers, whose
+        sequence numbers run per peer. When the earliest call still open is on such a
+        communicator, the heartbeats cannot say who never joined it (whoever is behind
+        on a collective is only held up); the partial instances can: the end that never
+        posted its side of the transfer, or a transfer both ends joined (the network)."""
+        if not self.partials:
+            return None
+        followed = {cp.comm_hash for hb in self.hb_latest.values() for cp in hb.comms}
+        first = min(self.partials.values(), key=lambda i: i.first_arrival_ns)
+        if first.comm_hash in followed:
+            return None
+        return diagnose_hang(
+            list(self.partials.values()), list(self.stuck.ops.values()), self._members()
+        )
 
     def _members(self) -> dict[int, tuple[int, ...]]:
         """Each communicator's ranks, built only when a hang is diagnosed (tick runs often)."""
@@ -740,6 +764,13 @@ class JobAnalyzer:
         comm, seq = min(diag.alternatives, key=when)
         return dataclasses.replace(diag, comm_hash=comm, seq=seq, sender=-1, op=None)
 
+    def _partial(self, comm_hash: int, sender: int, seq: int) -> Instance | None:
+        """The partial instance ``seq`` of ``comm_hash`` sent by ``sender`` (to any peer)."""
+        for (comm, by, _, q), inst in self.partials.items():
+            if comm == comm_hash and by == sender and q == seq:
+                return inst
+        return None
+
     def _hang_verdict(
         self, diag: HangDiagnosis, silent: int, exp: float, detected: int
     ) -> list[msgspec.Struct]:
@@ -752,15 +783,19 @@ class JobAnalyzer:
         members = tuple(topo.comms[diag.comm_hash].ranks) if diag.comm_hash in topo.comms else ()
         if role.value == "pp" and sender < 0:
             # which end sends: the partial instance knows; else the lower stage (forward)
-            found = [s for s in members if (diag.comm_hash, s, diag.seq) in self.partials]
+            found = [s for s in members if self._partial(diag.comm_hash, s, diag.seq)]
             sender = found[0] if found else (diag.link[0] if diag.link else members[0])
-        partial = self.partials.get((diag.comm_hash, sender, diag.seq))
+        partial = self._partial(diag.comm_hash, sender, diag.seq)
         if op is None and partial is not None:
             op = partial.op
         if role.value == "pp":
             op = CollOp.SEND if rank is not None and rank == sender else CollOp.RECV
         sender_stage = topo.coords(sender)[0] if sender >= 0 else None
-        pos = topo.position(diag.comm_hash, diag.seq, op or CollOp.ALL_REDUCE, sender_stage)
+        to = partial.receiver if partial is not None else -1
+        receiver_stage = topo.coords(to)[0] if to >= 0 else None
+        pos = topo.position(
+            diag.comm_hash, diag.seq, op or CollOp.ALL_REDUCE, sender_stage, receiver_stage
+        )
         onset = (
             diag.first_wait_ns
             or (partial.first_arrival_ns if partial else 0)

@@ -53,6 +53,8 @@ class HangDiagnosis:
 
 def _members(inst: Instance, member_of: dict[int, tuple[int, ...]] | None) -> tuple[int, ...]:
     if inst.sender >= 0:  # point-to-point: the two ends
+        if inst.receiver >= 0:  # (a pipeline group's communicator has more ranks)
+            return tuple(sorted({inst.sender, inst.receiver}))
         others = [r for r in inst.ranks if r != inst.sender]
         if member_of and inst.comm_hash in member_of:
             return member_of[inst.comm_hash]

@@ -34,13 +34,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from detectors.align import Instance, aligned_record
+from detectors.align import Instance, Key, aligned_record
 from detectors.steps import StepPart, StepWatermark
 from detectors.topology import Topology
 from schemas.records import AlignedCollective, CommInfo, JobInfo, ProxySummary
 from schemas.units import CommRole
-
-Key = tuple[int, int, int]  # (comm_hash, sender or -1, seq)
 
 
 class CommSchedule(NamedTuple):
@@ -157,17 +155,17 @@ class StepFolder:
         topo.add(schedule.comm)
         self.topo, self.role = topo, schedule.comm.role
         self.comm_hash, self.job = schedule.comm.comm_hash, schedule.comm.job
-        self.per_step = topo.ops_per_step(self.role)
+        self.per_step = topo.instances_per_step(self.comm_hash)
 
     def update(self, inst: Instance) -> tuple[list[AlignedCollective], list[Any]]:
         """A complete instance: (stored rows, items for the job)."""
         self._saw(inst)
-        key = (inst.comm_hash, inst.sender, inst.seq)
+        key = inst.key
         topo = self.topo
         if topo is None or not self.per_step or key in self._partial:
             self._partial.discard(key)
             return [], [inst]
-        pos = topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender)
+        pos = topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender, inst.receiver)
         if pos is None:
             return [], [inst]
         part = self._parts.get(pos.step)
@@ -189,7 +187,7 @@ class StepFolder:
         """A partial instance goes to the job as it is; so will its completion."""
         self._name(inst)
         self._last_arrival = max(self._last_arrival, max(inst.arrival))
-        self._partial.add((inst.comm_hash, inst.sender, inst.seq))
+        self._partial.add(inst.key)
         if len(self._partial) > 4096:
             self._partial.pop()
         return [inst]

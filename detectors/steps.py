@@ -410,10 +410,7 @@ class StepAssembler:
         t = self.topo
         if self._expected[0] == len(t.comms):
             return self._expected[1]
-        by_role = dict.fromkeys(CommRole, 0)
-        for c in t.comms.values():
-            by_role[c.role] += 1
-        n = sum(count * t.ops_per_step(role) for role, count in by_role.items())
+        n = sum(t.instances_per_step(h) for h in t.comms)
         self._expected = (len(t.comms), n)
         return n
 

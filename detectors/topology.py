@@ -136,17 +136,36 @@ class Topology:
             return 2 * j.num_microbatches
         return 2 * j.num_microbatches * self.ops_per_layer(role) * (j.num_layers // j.pp)
 
-    def place(self, comm_hash: int, seq: int, op: CollOp, sender: int) -> Position | None:
-        """:meth:`position` of a collective instance (``sender`` -1 for collectives)."""
+    def instances_per_step(self, comm_hash: int) -> int:
+        """Instances the communicator has in one step: :meth:`ops_per_step` of its role; a
+        pipeline communicator carries that for each pair of consecutive stages in it (two
+        ranks, or a whole pipeline group when transfers are batched over it)."""
+        info = self.comms.get(comm_hash)
+        if info is None:
+            return 0
+        per = self.ops_per_step(info.role)
+        return per * max(1, len(info.ranks) - 1) if info.role is CommRole.PP else per
+
+    def place(
+        self, comm_hash: int, seq: int, op: CollOp, sender: int, receiver: int = -1
+    ) -> Position | None:
+        """:meth:`position` of a collective instance (``sender`` and ``receiver`` -1 for
+        collectives)."""
         stage = self.coords(sender)[0] if sender >= 0 else None
-        return self.position(comm_hash, seq, op, stage)
+        to = self.coords(receiver)[0] if receiver >= 0 else None
+        return self.position(comm_hash, seq, op, stage, to)
 
     def position(
-        self, comm_hash: int, seq: int, op: CollOp, sender_stage: int | None = None
+        self,
+        comm_hash: int,
+        seq: int,
+        op: CollOp,
+        sender_stage: int | None = None,
+        receiver_stage: int | None = None,
     ) -> Position | None:
         """Where (comm, seq) sits in the schedule, or None for an unknown communicator."""
         placer = self.placer(comm_hash)
-        return None if placer is None else placer.at(seq, sender_stage)
+        return None if placer is None else placer.at(seq, sender_stage, receiver_stage)
 
     def placer(self, comm_hash: int) -> Placer | None:
         """The communicator's :class:`Placer` (cached until the topology changes), or None
@@ -179,8 +198,11 @@ class Placer(NamedTuple):
     order: tuple[tuple[str, int], ...]  # the stage's 1F1B nodes, for TP, EP and CP
     microbatches: int
 
-    def at(self, seq: int, sender_stage: int | None = None) -> Position:
-        """The position of instance ``seq`` (``sender_stage``: a transfer's sender's)."""
+    def at(
+        self, seq: int, sender_stage: int | None = None, receiver_stage: int | None = None
+    ) -> Position:
+        """The position of instance ``seq`` (a transfer's: ``seq`` counts the transfers
+        from its sender to its receiver, whose stages say which way it goes)."""
         if self.per_layer:
             step, i = divmod(seq, self.per_step)
             node, k = divmod(i, self.per_node)
@@ -188,7 +210,10 @@ class Placer(NamedTuple):
             return Position(step, phase, mb, self.stage, k // self.per_layer)
         if self.role is CommRole.PP:
             step, mb = divmod(seq, self.microbatches)
-            downward = sender_stage is None or sender_stage == self.stage
+            if sender_stage is not None and receiver_stage is not None:
+                downward = sender_stage < receiver_stage  # activations go down the pipeline
+            else:  # a pair's communicator: its stage is the upper one's
+                downward = sender_stage is None or sender_stage == self.stage
             return Position(step, FWD if downward else BWD, mb, self.stage)
         if self.role is CommRole.DP:
             return Position(seq // self.per_step, Phase.DP_SYNC.value, None, self.stage)

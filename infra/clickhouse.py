@@ -73,8 +73,9 @@ def init_db(client: Any, database: str, retention_days: int) -> list[str]:
     """Create the database, every table and the query model's views (idempotent);
     return the table names.
 
-    A table that already exists with other columns (made by an older megatrace)
-    is an error that says so, rather than inserts failing later.
+    A table that already exists with other columns or another key (made by an older
+    megatrace) is an error that says so, rather than inserts failing or rows replacing
+    each other later.
     """
     client.command(f"CREATE DATABASE IF NOT EXISTS {database}")
     for table in TABLES.values():
@@ -87,6 +88,21 @@ def init_db(client: Any, database: str, retention_days: int) -> list[str]:
             raise ClickHouseError(
                 f"table {database}.{table.name} exists with a different schema ({diff[:4]}...): "
                 f"it was made by another megatrace version; drop it or use another database"
+            )
+        key = client.query(
+            "SELECT sorting_key FROM system.tables WHERE database = {db:String} "
+            "AND name = {name:String}",
+            parameters={"db": database, "name": table.name},
+        ).result_rows[0][0]
+        key = _squash(key)
+        if key.startswith("(") and key.endswith(")"):  # one column: ClickHouse says "(job)"
+            key = key[1:-1]
+        if key != _squash(",".join(table.order_by)):
+            raise ClickHouseError(
+                f"table {database}.{table.name} exists with another key ({key}: this version "
+                f"orders rows by {', '.join(table.order_by)}, and rows with equal keys replace "
+                f"each other): it was made by another megatrace version; drop it or use "
+                f"another database"
             )
     for view in VIEWS:
         client.command(view.ddl(database, retention_days))

@@ -805,10 +805,31 @@ def report(obj: _Ctx, job: str, out: str | None) -> None:
 )
 @click.option("--ep", default=1, show_default=True, help="Expert parallelism of every job.")
 @click.option("--cp", default=1, show_default=True, help="Context parallelism of every job.")
+@click.option(
+    "--heartbeat-p2p/--no-heartbeat-p2p",
+    default=True,
+    show_default=True,
+    help="Heartbeats count transfers too (the PyTorch collector's); without, they count "
+    "collectives only (the NCCL plugin's).",
+)
+@click.option(
+    "--pp-group-comm",
+    is_flag=True,
+    help="Pipeline transfers on the pipeline group's communicator (batched sends), not on a "
+    "communicator per pair of stages.",
+)
 def evaluate(
-    scales: tuple[str, ...], seeds: int, names: tuple[str, ...], baselines: bool, ep: int, cp: int
+    scales: tuple[str, ...],
+    seeds: int,
+    names: tuple[str, ...],
+    baselines: bool,
+    ep: int,
+    cp: int,
+    heartbeat_p2p: bool,
+    pp_group_comm: bool,
 ) -> None:
     """Detection quality on the labelled scenario catalogue, megatrace beside its peers."""
+    shape = {"ep": ep, "cp": cp, "heartbeat_p2p": heartbeat_p2p, "pp_group_comm": pp_group_comm}
     from detectors.baselines import BASELINES
     from detectors.replay import Replay
     from detectors.scoring import Score
@@ -821,7 +842,7 @@ def evaluate(
             if n == "story":
                 continue
             try:
-                build(n, scale=sc, seed=100, ep=ep, cp=cp)
+                build(n, scale=sc, seed=100, **shape)
             except NotApplicable as e:
                 click.echo(f"skipping {n} at {sc}: {e}")
                 continue
@@ -834,7 +855,7 @@ def evaluate(
     ) as bar:
         done = 0
         for name, scale, seed in bar:
-            run = build(name, scale=scale, seed=seed + 100, ep=ep, cp=cp)
+            run = build(name, scale=scale, seed=seed + 100, **shape)
             records = list(run.records(emit_kernels=baselines))
             replay = Replay()
             t0 = time.perf_counter()

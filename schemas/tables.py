@@ -172,7 +172,13 @@ _TABLE_LIST: Sequence[Table] = (
     Table("jobs", JobInfo, ("job",), "ts_ns"),
     Table("ranks", RankInfo, ("job", "rank"), "ts_ns"),
     Table("comms", CommInfo, ("job", "comm_hash"), "ts_ns"),
-    Table("collective_events", Collective, ("job", "comm_hash", "seq", "rank", "op"), "enqueue_ns"),
+    # a rank's n-th call on a communicator; point-to-point calls count per peer
+    Table(
+        "collective_events",
+        Collective,
+        ("job", "comm_hash", "seq", "rank", "op", "ifNull(peer, -1)"),
+        "enqueue_ns",
+    ),
     Table(
         "proxy_events",
         ProxySummary,
@@ -188,7 +194,10 @@ _TABLE_LIST: Sequence[Table] = (
     Table("heartbeats", Heartbeat, ("job", "rank", "ts_ns"), "ts_ns"),
     Table("link_samples", LinkSample, ("job", "src_rank", "dst_rank", "nic", "ts_ns"), "ts_ns"),
     Table(
-        "collectives", AlignedCollective, ("job", "comm_hash", "seq", "sender"), "first_arrival_ns"
+        "collectives",
+        AlignedCollective,
+        ("job", "comm_hash", "seq", "sender", "receiver"),
+        "first_arrival_ns",
     ),
     Table("rank_steps", RankStep, ("job", "step", "rank"), "start_ns"),
     Table("steps", StepSummary, ("job", "step"), "start_ns"),

@@ -73,3 +73,16 @@ def test_a_table_with_an_old_schema_is_a_clear_error(ch: Any, database: str) -> 
     )
     with pytest.raises(ClickHouseError, match="heartbeats exists with a different schema"):
         init_db(ch, database, retention_days=0)
+
+
+def test_a_table_with_an_old_key_is_a_clear_error(ch: Any, database: str) -> None:
+    """Same columns, another key: rows this version keeps apart would replace each other."""
+    from schemas.tables import TABLES
+
+    t = TABLES["collectives"]
+    ch.command(f"DROP TABLE {database}.collectives")
+    ddl = t.ddl(database, 0).replace(", receiver)", ")")
+    assert "ORDER BY (job, comm_hash, seq, sender)" in ddl
+    ch.command(ddl)
+    with pytest.raises(ClickHouseError, match="collectives exists with another key"):
+        init_db(ch, database, retention_days=0)

@@ -325,20 +325,35 @@ def _without_gpu_wait(raw: bytes) -> bytes:
     return encode(msgspec.structs.replace(rec, evidence=ev, confidence=conf))
 
 
-@pytest.mark.parametrize("parallel", [{"ep": 2}, {"cp": 2}], ids=["ep2", "cp2"])
+@pytest.mark.parametrize(
+    "shape",
+    [{"ep": 2}, {"cp": 2}, {"heartbeat_p2p": False}, {"pp_group_comm": True}],
+    ids=["ep2", "cp2", "collective-heartbeats", "pp-group-comm"],
+)
 @pytest.mark.parametrize(
     ("scenario", "kind"),
-    [("missing-recv", VerdictKind.HANG), ("mixed", VerdictKind.SLOWDOWN), ("healthy", None)],
+    [
+        ("missing-recv", VerdictKind.HANG),
+        ("network-hang", VerdictKind.HANG),
+        ("mixed", VerdictKind.SLOWDOWN),
+        ("healthy", None),
+    ],
 )
-def test_expert_and_context_parallel_jobs_are_analysed_like_any_other(
-    scenario: str, kind: VerdictKind | None, parallel: dict[str, int]
+def test_other_job_and_source_shapes_are_analysed_like_any_other(
+    scenario: str, kind: VerdictKind | None, shape: dict[str, int]
 ) -> None:
-    """With MoE AllToAll on expert-parallel communicators, or keys and values gathered on
-    context-parallel ones every layer, steps still close complete and the culprit is
-    still the injected rank (not a peer of its group waiting on it)."""
-    run = build(scenario, scale="demo", seed=1, steps=30, **parallel)
+    """With MoE AllToAll on expert-parallel communicators, keys and values gathered on
+    context-parallel ones every layer, heartbeats that count collectives only (NCCL's
+    profiler plugin: transfers' sequence numbers run per peer), or pipeline transfers
+    batched over the pipeline group's communicator (a rank sends both ways on one
+    communicator), steps still close complete, every instance has its own row, and the
+    culprit is still the injected one (not a rank held up by it)."""
+    from schemas.records import AlignedCollective
+
+    run = build(scenario, scale="demo", seed=1, steps=30, **shape)
     replay = Replay()
-    verdicts = [v for v in replay.run(run.records()) if isinstance(v, Verdict)]
+    out = list(replay.run(run.records()))
+    verdicts = [v for v in out if isinstance(v, Verdict)]
     (job,) = replay.jobs.values()
     hung_at = min(
         (lab.onset_step for lab in run.labels if lab.kind == VerdictKind.HANG), default=99
@@ -347,11 +362,18 @@ def test_expert_and_context_parallel_jobs_are_analysed_like_any_other(
     assert job.assembler is not None and job.assembler.late_instances == 0
     # every communicator folds its own instances: the job gets parts, not instances
     assert all(comm.folder.per_step > 0 for comm in replay.comms.values())
+    rows = [
+        (r.comm_hash, r.seq, r.sender, r.receiver) for r in out if isinstance(r, AlignedCollective)
+    ]
+    assert len(set(rows)) == len(rows)  # the table's key: no row replaces another
     if kind is None:
         assert verdicts == []
         return
     (label,) = [lab for lab in run.labels if lab.kind == kind]
-    assert [v.rank for v in verdicts if v.kind == kind][:1] == [label.rank]
+    mine = [v for v in verdicts if v.kind == kind][:1]
+    assert [(v.rank, v.link) for v in mine] == [(label.rank, label.link)]
+    if label.phase is not None and label.cause == Cause.COMPUTE:  # where it stopped
+        assert [(v.phase, v.microbatch) for v in mine] == [(label.phase, label.microbatch)]
 
 
 def test_a_senders_wait_on_its_own_data_is_evidence_against_its_baseline() -> None:
@@ -506,3 +528,33 @@ def test_a_gpu_slowing_beside_a_degraded_link_is_named(scale: str, seed: int, cp
     link = next(lab for lab in run.labels if lab.kind == VerdictKind.LINK_DEGRADATION)
     assert (VerdictKind.SLOWDOWN, gpu.rank) in by_kind
     assert (VerdictKind.LINK_DEGRADATION, link.rank) in by_kind
+
+
+def test_a_rank_sending_both_ways_on_one_communicator_makes_two_transfers() -> None:
+    """A pipeline group's communicator (batched sends) carries a middle stage's
+    activations down and gradients up with per-peer sequence numbers: both are seq 0,
+    and each meets its own receiver's Recv."""
+    from detectors.align import CollectiveAligner
+    from schemas.records import Collective
+    from schemas.units import DType
+
+    def call(rank: int, op: CollOp, peer: int, t: int) -> Collective:
+        return Collective(job="j", node="n", rank=rank, comm_hash=9, comm_size=3,
+                          rank_in_comm=rank, op=op, seq=0, count=1, size_bytes=2,
+                          dtype=DType.BFLOAT16, enqueue_ns=t, start_ns=t, end_ns=t + 50,
+                          peer=peer)  # fmt: skip
+
+    al = CollectiveAligner()
+    done = al.update_many(
+        [
+            call(1, CollOp.SEND, 2, 100),  # activations to stage 2
+            call(1, CollOp.SEND, 0, 110),  # gradients to stage 0
+            call(0, CollOp.RECV, 1, 120),
+            call(2, CollOp.RECV, 1, 130),
+        ]
+    )
+    assert sorted((i.sender, i.receiver, i.ranks) for i in done) == [
+        (1, 0, (0, 1)),
+        (1, 2, (1, 2)),
+    ]
+    assert (al.late, al.out_of_order, al.n_open) == (0, 0, 0)

@@ -71,6 +71,8 @@ class Emitter:
                     if group > 1:
                         self.slot_comm[r, 4] = group_comm[p, d, t]
         self.group = group
+        # transfers over a pipeline group count per peer: no one progress to report
+        self.p2p_progress = sp.heartbeat_p2p and not (sp.pp_group_comm and sp.pp > 2)
         self.issued = np.full(self.slot_comm.shape, -1, dtype=np.int64)
         self.completed = np.full(self.slot_comm.shape, -1, dtype=np.int64)
         self.last_ns = int(sp.t0_ns)
@@ -352,7 +354,7 @@ class Emitter:
                     completed_seq=int(self.completed[r, k]),
                 )
                 for k, cm in enumerate(self.slot_comm[r].tolist())
-                if cm >= 0
+                if cm >= 0 and (k not in (2, 3) or self.p2p_progress)
             ]
             out.append(
                 Heartbeat(

@@ -70,6 +70,12 @@ class JobSpec:
     gpus_per_node: int = 8
     sequence_parallel: bool = False
     distributed_optimizer: bool = True
+    #: pipeline transfers batched over the pipeline group's communicator (Megatron's
+    #: batch_isend_irecv), not over one communicator per pair of stages (single sends)
+    pp_group_comm: bool = False
+    #: heartbeats report the transfers' progress too (the PyTorch collector's do; the NCCL
+    #: plugin's count collectives only, and a pipeline group's transfers have no one count)
+    heartbeat_p2p: bool = True
     # timing model
     fwd_ms_per_layer: float = 1.0
     bwd_ratio: float = 2.0
@@ -233,9 +239,13 @@ class Layout:
                 self.dp_comm[p, t] = self._add(
                     CommRole.DP, list(self.ranks[p, :, t]), f"dp.{p}.{t}", p
                 )
-        for p in range(s.pp - 1):
-            for d in range(D):
-                for t in range(s.tp):
+        for d in range(D):
+            for t in range(s.tp):
+                if s.pp_group_comm and s.pp > 2:  # one communicator: the whole pipeline
+                    group = [int(r) for r in self.ranks[:, d, t]]
+                    self.pp_comm[:, d, t] = self._add(CommRole.PP, group, f"pp.{d}.{t}", 0)
+                    continue
+                for p in range(s.pp - 1):
                     pair = [int(self.ranks[p, d, t]), int(self.ranks[p + 1, d, t])]
                     self.pp_comm[p, d, t] = self._add(CommRole.PP, pair, f"pp.{p}.{d}.{t}", p)
         for role, size, table in (
@@ -296,7 +306,8 @@ class Layout:
                     role=c.role,
                     ranks=c.ranks,
                     name=c.name,
-                    pp_stage=c.pp_stage,
+                    # a pipeline group's communicator spans every stage
+                    pp_stage=None if len(c.ranks) > 2 and c.role is CommRole.PP else c.pp_stage,
                 )
             )
         return out
