@@ -176,11 +176,11 @@ _NOT_FOR_JOB = _STORED_ONLY | {LinkSample}
 def comm_records_by_comm(d: Decoded) -> list[tuple[str, list[Collective | ProxySummary]]]:
     if d.kinds.isdisjoint(_COMM_KINDS):  # another topic's batch: nothing to look at
         return []
-    groups: dict[str, list[Collective | ProxySummary]] = {}
+    groups: dict[tuple[str, int], list[Collective | ProxySummary]] = {}
     for r in d.records:
         if isinstance(r, Collective | ProxySummary):
-            groups.setdefault(comm_key(r.job, r.comm_hash), []).append(r)
-    return list(groups.items())
+            groups.setdefault((r.job, r.comm_hash), []).append(r)
+    return [(comm_key(*k), g) for k, g in groups.items()]
 
 
 def links_by_node(d: Decoded) -> list[tuple[str, list[LinkSample]]]:
