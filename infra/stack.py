@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.broker import BrokerInfo, LocalBroker
-from infra.clickhouse import connect, init_db
+from infra.clickhouse import ClickHouseError, connect, init_db
 from infra.kafka import ensure_topics
 from schemas.config import Settings
 from schemas.topics import Topics
@@ -68,12 +68,26 @@ class Stack:
                 timeout_s=self.settings.stack.start_timeout_s,
             )
         ensure_topics(self.settings.kafka, self.bootstrap(), self.topics.all)
-        init_db(
-            self.clickhouse(),
-            self.settings.clickhouse.database,
-            self.settings.clickhouse.retention_days,
-        )
+        self.init_db()
         return self.status(), started
+
+    def init_db(self) -> list[str]:
+        """The database and its tables (:func:`~infra.clickhouse.init_db`); for the
+        embedded engine, an error says where its data is."""
+        try:
+            return init_db(
+                self.clickhouse(),
+                self.settings.clickhouse.database,
+                self.settings.clickhouse.retention_days,
+            )
+        except ClickHouseError as err:
+            if self.settings.clickhouse.url.get():
+                raise
+            raise ClickHouseError(
+                f"{err}. The embedded ClickHouse keeps its data in "
+                f"{self.state_dir / 'clickhouse'}: remove that folder to start afresh, or "
+                f"set MEGATRACE_CLICKHOUSE__DATABASE to another database"
+            ) from None
 
     def down(self) -> bool:
         return self.broker.down()

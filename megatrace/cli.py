@@ -171,12 +171,8 @@ def db() -> None:
 @click.pass_obj
 def db_init(obj: _Ctx) -> None:
     """Create the database and tables (idempotent)."""
-    from infra.clickhouse import init_db
-
     s = obj.stack()
-    tables = init_db(
-        s.clickhouse(), obj.settings.clickhouse.database, obj.settings.clickhouse.retention_days
-    )
+    tables = s.init_db()
     click.echo(
         f"{_redact(s.clickhouse_url())}: {obj.settings.clickhouse.database} with "
         f"{len(tables)} tables ({', '.join(tables)})"
@@ -950,7 +946,13 @@ def bench_analyze(scale: str, steps: int) -> None:
 
 
 def main() -> None:
+    from infra.clickhouse import ClickHouseError
+    from infra.stack import StackNotRunning
+
     try:
         cli(standalone_mode=True)
     except KeyboardInterrupt:
         sys.exit(130)
+    except (ClickHouseError, StackNotRunning) as e:  # what to do about it, not a traceback
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)

@@ -69,3 +69,34 @@ def test_the_readme_demo_names_every_injected_culprit_and_runs_again_cleanly(tmp
             assert (tmp_path / "stack" / "reports").is_dir() and report.endswith(".html")
     finally:
         subprocess.run([sys.executable, "-m", "megatrace", *state, "stack", "down"], timeout=60)
+
+
+def test_tables_from_an_older_version_are_an_error_that_says_what_to_do(tmp_path) -> None:
+    """An embedded database whose table keys rows differently (an older megatrace): the
+    command stops with a message naming the data folder, not a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from schemas.tables import TABLES
+
+    env = {**os.environ, "MEGATRACE_STACK__STATE_DIR": str(tmp_path)}
+    old = TABLES["collectives"].ddl("megatrace", 0).replace(", receiver)", ")")
+    make_old = (
+        "from infra.clickhouse import connect\n"
+        f"c = connect('chdb://{tmp_path}/clickhouse')\n"
+        "c.command('CREATE DATABASE megatrace')\n"
+        f"c.command({old!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", make_old], env=env, check=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "megatrace", "db", "init"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 1
+    assert "collectives exists with another key" in res.stderr
+    assert f"{tmp_path}/clickhouse: remove that folder" in res.stderr
+    assert "Traceback" not in res.stderr
