@@ -81,8 +81,8 @@ def _flow(
 
     Busy is from its first record read to the end, less the final quiet wait: the
     steady rate, as the raw rate is counted from its first message. Start-up (building
-    a consumer per topic partition, the broker's first fetch: about 0.5 s here) is
-    paid once per process and reported apart."""
+    a consumer per topic partition, their first fetch: about 0.1 s here) is paid once
+    per process and reported apart."""
     from bytewax.testing import run_main
 
     first = [0.0]
