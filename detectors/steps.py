@@ -25,6 +25,9 @@ NodeKey = tuple[int, str, int]  # (stage, phase, micro-batch) of one pipeline re
 _NEVER = 1 << 62
 #: the per-rank sums a part carries, in the rows of :attr:`StepPart.sealed`
 _SUMS = ("lead_sum", "lead_n", "wait", "lateness", "blame")
+#: what a folded instance adds besides arrivals and host lead: its members' wait for the
+#: last to arrive (not a pipeline transfer), the TP wait-time model (lateness, blame)
+_WAITS, _WAIT_MODEL = 1, 2
 
 
 class _Sealed(dict):
@@ -137,7 +140,8 @@ class StepPart:
             x = max(0, e_max - a_max)  # complete: the transfer after the last arrival
             self.transfer[inst.comm_hash] = max(self.transfer.get(inst.comm_hash, 0), x)
         grouped = role is CommRole.TP and len(inst.ranks) >= 2
-        self.folded.append((inst, (role is not CommRole.PP) | (grouped << 1)))
+        adds = (_WAITS if role is not CommRole.PP else 0) | (_WAIT_MODEL if grouped else 0)
+        self.folded.append((inst, adds))
         if not grouped:
             return
         stage, replica, _ = topo.coords(inst.ranks[0])
@@ -311,8 +315,8 @@ def _folded_figures(folded: list[tuple[Instance, int]], base: int) -> np.ndarray
     np.minimum.at(first, at, arr)
     last = np.zeros(k, dtype=np.int64)
     np.maximum.at(last, at, end)
-    waits = (flags & 1) > 0  # not a pipeline transfer: the wait for the last to arrive
-    tp = (flags & 2) > 0  # a TP group's collective: the wait-time model
+    waits = (flags & _WAITS) > 0
+    tp = (flags & _WAIT_MODEL) > 0
     rel = arr - a_min[inst]  # small: exact in a float
     mean = np.add.reduceat(rel, starts) / sizes
     lateness = np.where(tp, rel - mean[inst], 0.0)
