@@ -6,9 +6,8 @@ Tansu broker and a production Kafka cluster (SASL/TLS included).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from schemas.config import KafkaSettings
+from schemas.topics import Topics
 
 
 class KafkaSetupError(RuntimeError):
@@ -56,9 +55,11 @@ def consumer_config(kafka: KafkaSettings, bootstrap: str) -> dict[str, str]:
 
 
 def ensure_topics(
-    kafka: KafkaSettings, bootstrap: str, topics: Iterable[str], timeout_s: float = 15.0
+    kafka: KafkaSettings, bootstrap: str, topics: Topics, timeout_s: float = 15.0
 ) -> list[str]:
-    """Create missing topics with the configured partitions; return those created."""
+    """Create the missing ones of ``topics.all`` with the configured partitions and each
+    topic's settings (:meth:`Topics.config`); return those created. Existing topics are
+    left as they are."""
     from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -67,13 +68,16 @@ def ensure_topics(
         existing = set(admin.list_topics(timeout=timeout_s).topics)
     except KafkaException as e:
         raise KafkaSetupError(f"cannot reach Kafka at {bootstrap}: {e}") from None
-    wanted = [t for t in topics if t not in existing]
+    wanted = [t for t in topics.all if t not in existing]
     if not wanted:
         return []
     futures = admin.create_topics(
         [
             NewTopic(
-                t, num_partitions=kafka.partitions, replication_factor=kafka.replication_factor
+                t,
+                num_partitions=kafka.partitions,
+                replication_factor=kafka.replication_factor,
+                config=topics.config(t),
             )
             for t in wanted
         ],

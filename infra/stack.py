@@ -67,7 +67,7 @@ class Stack:
                 port=self.settings.stack.broker_port,
                 timeout_s=self.settings.stack.start_timeout_s,
             )
-        ensure_topics(self.settings.kafka, self.bootstrap(), self.topics.all)
+        ensure_topics(self.settings.kafka, self.bootstrap(), self.topics)
         self.init_db()
         return self.status(), started
 

@@ -128,7 +128,7 @@ def pipeline(
     init_db(stack.clickhouse(), database, 1)
     prefix = f"bench{time.time_ns() % 10**9}."
     topics = Topics(prefix=prefix)
-    ensure_topics(settings.kafka, boot, topics.all)
+    ensure_topics(settings.kafka, boot, topics)
     run = build("healthy", scale=scale, seed=0, steps=steps, now=True)
     recs = list(run.records())
     n = len(recs)
@@ -168,7 +168,7 @@ def pipeline(
     rss1 = _rss_mb()
     # latency: a paced producer while the flow (role all) runs
     topics2 = Topics(prefix=f"{prefix}lat.")
-    ensure_topics(settings.kafka, boot, topics2.all)
+    ensure_topics(settings.kafka, boot, topics2)
     paced = list(build("healthy", scale=scale, seed=1, steps=max(2, steps), now=True).records())
     total = min(len(paced), int(rate * seconds))
     pub2 = KafkaPublisher(producer_config(settings.kafka, boot), topics2)

@@ -2,7 +2,11 @@
 
 Collective and proxy records of one communicator share a topic and a key, so
 one communicator's records meet in one partition and one flow worker; kernel
-and link samples are keyed by node; heartbeats, metadata and verdicts by job.
+and link samples are keyed by node; heartbeats and verdicts by job. The
+metadata topic is compacted and keyed by what each record describes (the job,
+a rank, a communicator): Kafka keeps the latest of each for as long as the
+topic exists, so a flow started long after a job began (past any time-based
+retention) still learns its layout.
 
 >>> t = Topics()
 >>> t.for_record(Heartbeat(job="j", node="n", rank=0, ts_ns=1))
@@ -79,6 +83,10 @@ class Topics(Struct, frozen=True, kw_only=True):
     def all(self) -> tuple[str, ...]:
         return (*self.inputs, self.aligned, self.verdict, self.deadletter)
 
+    def config(self, topic: str) -> dict[str, str]:
+        """The topic's settings when it is created (see the module docstring)."""
+        return {"cleanup.policy": "compact"} if topic == self.meta else {}
+
     def for_record(self, record: Struct) -> str:
         """The topic a record is published to."""
         match record:
@@ -108,6 +116,10 @@ def message_key(record: Struct) -> bytes:
             return f"{record.job}:{record.comm_hash:016x}".encode()
         case Kernel() | LinkSample():
             return f"{record.job}:{record.node}".encode()
+        case RankInfo():  # metadata: the compaction key is the entity described
+            return f"{record.job}:rank:{record.rank}".encode()
+        case CommInfo():
+            return f"{record.job}:comm:{record.comm_hash:016x}".encode()
         case DeadLetter():
             return record.key or b""
     job = getattr(record, "job", None)

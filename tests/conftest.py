@@ -62,7 +62,7 @@ def settings(broker: BrokerInfo, clickhouse_url: str, database: str, tmp_path: P
             "stack": {"state_dir": str(tmp_path / "state")},
         }
     )
-    ensure_topics(s.kafka, broker.bootstrap, Topics(prefix=s.kafka.topic_prefix).all)
+    ensure_topics(s.kafka, broker.bootstrap, Topics(prefix=s.kafka.topic_prefix))
     return s
 
 

@@ -155,7 +155,7 @@ def test_killing_the_broker_loses_nothing_the_agent_accepted(tmp_path: Path) -> 
         }
     )
     topics = Topics(prefix="o.")
-    ensure_topics(settings.kafka, info.bootstrap, topics.all)
+    ensure_topics(settings.kafka, info.bootstrap, topics)
     sock, health = tmp_path / "agent.sock", tmp_path / "health.json"
     cmd = [sys.executable, "-m", "megatrace", "--bootstrap-servers", info.bootstrap]
     cmd += ["--topic-prefix", "o.", "--state-dir", str(tmp_path / "state"), "agent"]
@@ -181,7 +181,7 @@ def test_killing_the_broker_loses_nothing_the_agent_accepted(tmp_path: Path) -> 
         assert h["delivered"] == 2000 and h["pending_bytes"] > 0
         broker._forget()
         broker.up(port=info.port)
-        ensure_topics(settings.kafka, info.bootstrap, topics.all)  # an empty broker again
+        ensure_topics(settings.kafka, info.bootstrap, topics)  # an empty broker again
         _wait(lambda: _health(health).get("delivered", 0) >= 5000, 120, "the spool to drain")
         msgs = consume_all(settings, topics.heartbeat, 3000, timeout_s=30)
         seen = [decode(m.value()).ts_ns - 1_000_000 for m in msgs]

@@ -84,3 +84,26 @@ def test_every_event_type_reaches_clickhouse_and_bad_input_is_dead_lettered(
     on_topic = [decode(m.value()) for m in msgs]
     assert all(isinstance(d, DeadLetter) for d in on_topic)
     assert sorted(d.raw for d in on_topic) == sorted(raw for raw, _ in BAD)
+
+
+def test_job_metadata_is_kept_by_compaction_one_record_per_entity(settings: Settings) -> None:
+    """Metadata is published once, when a job starts; a flow started after any
+    time-based retention must still learn the layout: the metadata topic is compacted,
+    and each job, rank and communicator record has its own key (compaction keeps the
+    latest record per key)."""
+    from confluent_kafka.admin import AdminClient, ConfigResource
+
+    from schemas.records import CommInfo, JobInfo, RankInfo
+    from schemas.topics import message_key
+
+    topics = Topics(prefix=settings.kafka.topic_prefix)
+    admin = AdminClient({"bootstrap.servers": settings.kafka.bootstrap_servers})
+    (fut,) = admin.describe_configs([ConfigResource("topic", topics.meta)]).values()
+    assert fut.result()["cleanup.policy"].value == "compact"
+    (other,) = admin.describe_configs([ConfigResource("topic", topics.comm)]).values()
+    policy = other.result().get("cleanup.policy")  # the broker's default: time-based
+    assert policy is None or policy.value != "compact"
+    meta = [r for r in build("healthy", scale="tiny", seed=0, steps=1).records()
+            if isinstance(r, JobInfo | RankInfo | CommInfo)]  # fmt: skip
+    assert {topics.for_record(r) for r in meta} == {topics.meta}
+    assert len({message_key(r) for r in meta}) == len(meta)
