@@ -3,7 +3,8 @@
 Kafka batches are decoded (bad records become dead letters), stored raw,
 aligned per communicator (collectives, proxy summaries; their step parts
 merged per shard of the job's communicators), link samples read per node,
-everything analysed per job, and the results stored and announced.
+everything analysed per job, and the results stored (gathered per table into
+large inserts) and announced.
 Items are batches (lists) of records: Bytewax's cost is per item, so one
 item per poll and per key keeps the flow fast. Started by
 ``megatrace run`` (or ``megatrace demo``); every judgement lives in ``detectors``.
@@ -39,7 +40,16 @@ from detectors.alerting import AlertGate
 from detectors.parts import CommProgress, CommSchedule, shard_of
 from detectors.steps import StepPart
 from flows.kafka_source import RawBatch, RawKafkaSource
-from flows.logic import AlignLogic, AlignOut, AnalyzeLogic, MergeLogic, NodeLogic, schedules
+from flows.logic import (
+    AlignLogic,
+    AlignOut,
+    AnalyzeLogic,
+    MergeLogic,
+    NodeLogic,
+    RowBatchLogic,
+    Rows,
+    schedules,
+)
 from flows.sinks import ClickHouseSink
 from flows.webhooks import WebhookSink
 from schemas.codec import SchemaError, dead_letter, decode, encode
@@ -89,6 +99,9 @@ class FlowConfig:
     on_stored: Callable[[int, int, int], None] | None = None
     #: called with the number of records of every poll that returned some
     on_read: Callable[[int], None] | None = None
+    #: the flow's own rows are inserted per table by this many, or after this long
+    batch_rows: int = 20_000
+    batch_ms: int = 1_000
 
 
 @dataclass
@@ -123,6 +136,8 @@ def flow_config(
         database=settings.clickhouse.database,
         detect=settings.detect,
         alerts=settings.alerts,
+        batch_rows=settings.clickhouse.batch_rows,
+        batch_ms=settings.clickhouse.batch_ms,
     )
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
@@ -227,8 +242,19 @@ def schedules_by_comm(
     return [(comm_key(s.comm.job, s.comm.comm_hash), [s]) for s in kv[1]]
 
 
-def aligned_rows(kv: tuple[str, AlignOut]) -> tuple[dict[str, list[bytes]], int]:
-    return as_rows(kv[1].rows)
+def aligned_by_table(kv: tuple[str, AlignOut]) -> list[tuple[str, Rows]]:
+    return by_table(kv[1].rows)
+
+
+def by_table(records: list[msgspec.Struct]) -> list[tuple[str, Rows]]:
+    """Records produced here, as JSON rows keyed by their table."""
+    return [(table, (rows, 0)) for table, rows in as_rows(records)[0].items()]
+
+
+def table_rows(kv: tuple[str, Rows]) -> tuple[dict[str, list[bytes]], int]:
+    """A table's gathered rows, as the ClickHouse sink takes them."""
+    table, (rows, produced_ms) = kv
+    return {table: rows}, produced_ms
 
 
 def forward_to_job(kv: tuple[str, AlignOut]) -> tuple[str, list[Any]]:
@@ -368,8 +394,6 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], ch: ClickHouseSink) ->
         "to_comm", op.flat_map("comm_records_by_comm", decoded, comm_records_by_comm), scheds
     )
     aligned = op.stateful_batch("align", by_comm, lambda resume: AlignLogic(cfg.detect, resume))
-    # AlignedCollective rows are stored by the communicator's worker
-    op.output("aligned_to_clickhouse", op.map("aligned_rows", aligned, aligned_rows), ch)
     # (job:shard, list[StepPart | CommProgress]) -> (job:shard, list[StepPart | CommProgress]):
     # one part per shard and step, the newest progress of the shard's communicators
     shards = functools.partial(parts_by_shard, cfg.detect.part_shards)
@@ -392,8 +416,17 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], ch: ClickHouseSink) ->
         "results",
         op.stateful_batch("analyze", to_job, lambda resume: AnalyzeLogic(cfg.detect, resume)),
     )
-    # list[AlignedCollective | StepSummary | RankStep | Verdict] -> tables; verdicts announced
-    op.output("results_to_clickhouse", op.map("result_rows", results, as_rows), ch)
+    # (table, rows) of aligned collectives and results -> gathered per table -> ClickHouse
+    own = op.merge(
+        "own_rows",
+        op.flat_map("aligned_by_table", aligned, aligned_by_table),
+        op.flat_map("results_by_table", results, by_table),
+    )
+    batched = op.stateful_batch(
+        "batch_rows", own, lambda resume: RowBatchLogic(cfg.batch_rows, cfg.batch_ms, resume)
+    )
+    op.output("own_rows_to_clickhouse", op.map("table_rows", batched, table_rows), ch)
+    # list[AlignedCollective | StepSummary | RankStep | Verdict] -> verdicts announced
     verdicts = op.flat_map("verdicts", results, verdicts_of)
     kop.output(
         "verdicts_to_kafka",

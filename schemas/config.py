@@ -84,6 +84,18 @@ class ClickHouseSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     url: Secret = Secret("")
     database: str = "megatrace"
     retention_days: int = 30
+    #: the flow's own rows (aligned collectives, steps, verdicts) are inserted per table
+    #: once this many are gathered or the oldest waited ``batch_ms``: ClickHouse wants few,
+    #: large inserts (each makes a part), and a job's step makes one row of some tables
+    batch_rows: int = 20_000
+    batch_ms: int = 1_000
+
+    def __post_init__(self) -> None:
+        if self.batch_rows < 1 or self.batch_ms < 1:
+            raise ValueError(
+                f"batch_rows and batch_ms must be at least 1, not {self.batch_rows} and "
+                f"{self.batch_ms}"
+            )
 
 
 class StackSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
