@@ -57,7 +57,9 @@ class Instance(NamedTuple):
     enqueue: tuple[int, ...]
     arrival: tuple[int, ...]
     end: tuple[int, ...]
-    receiver: int = -1  # the receiving rank of a transfer; -1 for collectives
+    #: the receiving rank of a transfer on a communicator of more than two ranks (on a
+    #: pair's, the sender implies it); -1 otherwise
+    receiver: int = -1
 
     @property
     def key(self) -> Key:
@@ -169,6 +171,8 @@ class CollectiveAligner:
             sender, receiver = peer, rec.rank
         else:
             sender = receiver = -1
+        if rec.comm_size <= 2:  # a pair's communicator: the sender implies the receiver (a
+            receiver = -1  # Send that names no peer still meets its Recv)
         seq = rec.seq
         key = (rec.comm_hash, sender, receiver, seq)
         if key in self._done:
@@ -275,7 +279,7 @@ def aligned_record(
     convention), who is missing or unfinished, and where it sits in the schedule."""
     assert topo is not None
     members = topo.comms.get(inst.comm_hash)
-    if inst.op is CollOp.SEND:  # a transfer: its two ends, whatever the communicator's size
+    if inst.receiver >= 0:  # a transfer on a larger communicator: its two ends
         expected: Sequence[int] = [r for r in (inst.sender, inst.receiver) if r >= 0]
     else:
         expected = members.ranks if members else inst.ranks

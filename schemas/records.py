@@ -293,7 +293,7 @@ class AlignedCollective(Record, frozen=True, kw_only=True, tag="aligned"):
     transfer_ns: DurationNs | None = None
     busbw_gbps: float | None = None
     sender: int = -1  # the sending rank of a Send/Recv pair; -1 for collectives
-    receiver: int = -1  # its receiving rank; -1 for collectives
+    receiver: int = -1  # its receiving rank where the communicator has more; else -1
     missing_ranks: list[Rank] = field(default_factory=list)
     unfinished_ranks: list[Rank] = field(default_factory=list)
     step: Count | None = None

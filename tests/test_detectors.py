@@ -558,3 +558,21 @@ def test_a_rank_sending_both_ways_on_one_communicator_makes_two_transfers() -> N
         (1, 2, (1, 2)),
     ]
     assert (al.late, al.out_of_order, al.n_open) == (0, 0, 0)
+
+
+def test_a_send_that_names_no_peer_still_meets_its_recv_on_a_pair() -> None:
+    """A source may leave a Send's peer out (the schema allows it): on a pair's
+    communicator the sender implies the receiver, and the Recv names the sender."""
+    from detectors.align import CollectiveAligner
+    from schemas.records import Collective
+    from schemas.units import DType
+
+    def call(rank: int, op: CollOp, peer: int | None) -> Collective:
+        return Collective(job="j", node="n", rank=rank, comm_hash=9, comm_size=2,
+                          rank_in_comm=rank, op=op, seq=4, count=1, size_bytes=2,
+                          dtype=DType.BFLOAT16, enqueue_ns=100, start_ns=100, end_ns=150,
+                          peer=peer)  # fmt: skip
+
+    al = CollectiveAligner()
+    (inst,) = al.update_many([call(0, CollOp.SEND, None), call(1, CollOp.RECV, 0)])
+    assert (inst.sender, inst.ranks, al.n_open) == (0, (0, 1), 0)
