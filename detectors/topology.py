@@ -212,7 +212,7 @@ class Placer(NamedTuple):
             step, mb = divmod(seq, self.microbatches)
             if sender_stage is not None and receiver_stage is not None:
                 downward = sender_stage < receiver_stage  # activations go down the pipeline
-            else:  # a pair's communicator: its stage is the upper one's
+            else:  # a pair's communicator: its stage is the lower one's, which sends down
                 downward = sender_stage is None or sender_stage == self.stage
             return Position(step, FWD if downward else BWD, mb, self.stage)
         if self.role is CommRole.DP:

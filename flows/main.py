@@ -53,7 +53,7 @@ from flows.logic import (
 from flows.sinks import ClickHouseSink
 from flows.webhooks import WebhookSink
 from schemas.codec import SchemaError, dead_letter, decode, encode
-from schemas.config import AlertSettings, DetectSettings, Settings
+from schemas.config import AlertSettings, ClickHouseSettings, DetectSettings, Settings
 from schemas.records import (
     Alert,
     Collective,
@@ -67,6 +67,8 @@ from schemas.records import (
 )
 from schemas.tables import TABLE_FOR
 from schemas.topics import Topics
+
+_CLICKHOUSE = ClickHouseSettings()  # the defaults' one home
 
 
 class Role(StrEnum):
@@ -100,8 +102,8 @@ class FlowConfig:
     #: called with the number of records of every poll that returned some
     on_read: Callable[[int], None] | None = None
     #: the flow's own rows are inserted per table by this many, or after this long
-    batch_rows: int = 20_000
-    batch_ms: int = 1_000
+    batch_rows: int = _CLICKHOUSE.batch_rows
+    batch_ms: int = _CLICKHOUSE.batch_ms
 
 
 @dataclass

@@ -72,7 +72,7 @@ class Emitter:
                         self.slot_comm[r, 4] = group_comm[p, d, t]
         self.group = group
         # transfers over a pipeline group count per peer: no one progress to report
-        self.p2p_progress = sp.heartbeat_p2p and not (sp.pp_group_comm and sp.pp > 2)
+        self.p2p_progress = sp.heartbeat_p2p and not sp.pp_groups
         self.issued = np.full(self.slot_comm.shape, -1, dtype=np.int64)
         self.completed = np.full(self.slot_comm.shape, -1, dtype=np.int64)
         self.last_ns = int(sp.t0_ns)

@@ -94,6 +94,11 @@ class JobSpec:
     t0_ns: int = 1_790_000_000_000_000_000
     seed: int = 0
 
+    @property
+    def pp_groups(self) -> bool:
+        """Whether pipeline transfers go over pipeline-group communicators (more than a pair)."""
+        return self.pp_group_comm and self.pp > 2
+
     def __post_init__(self) -> None:
         for name in (
             "tp",
@@ -241,7 +246,7 @@ class Layout:
                 )
         for d in range(D):
             for t in range(s.tp):
-                if s.pp_group_comm and s.pp > 2:  # one communicator: the whole pipeline
+                if s.pp_groups:  # one communicator: the whole pipeline
                     group = [int(r) for r in self.ranks[:, d, t]]
                     self.pp_comm[:, d, t] = self._add(CommRole.PP, group, f"pp.{d}.{t}", 0)
                     continue
