@@ -251,7 +251,7 @@ class PartMerger:
     >>> from detectors.steps import StepPart, StepWatermark
     >>> m = PartMerger()
     >>> def part(step, comm):
-    ...     return StepPart(step, comm_hash=comm, n=1, start=step, first={comm: step}).seal()
+    ...     return StepPart(step, comm_hash=comm, n=1, start=step).seal()
     >>> [(p.step, p.comms) for p in m.update(part(0, comm=1))]  # the only one heard from
     [(0, (1,))]
     >>> m.update(part(1, comm=2))  # waits for communicator 1's part of step 1

@@ -30,18 +30,6 @@ _SUMS = ("lead_sum", "lead_n", "wait", "lateness", "blame")
 _WAITS, _WAIT_MODEL = 1, 2
 
 
-class _Sealed(dict):
-    """The per-rank dictionaries of a sealed part: empty, and read-only (one is shared)."""
-
-    def _read_only(self, *_: object, **__: object) -> None:
-        raise TypeError("a sealed step part's per-rank figures are read-only")
-
-    __setitem__ = __delitem__ = setdefault = update = pop = popitem = clear = _read_only  # type: ignore[assignment]
-
-
-_SEALED: dict = _Sealed()
-
-
 @dataclass
 class StepReport:
     """One iteration's cross-rank account (times in ns, arrays indexed by global rank).
@@ -97,13 +85,6 @@ class StepPart:
     end: int = 0
     dp_end: int = 0
     last_arrival: int = 0
-    first: dict[int, int] = field(default_factory=dict)
-    last_end: dict[int, int] = field(default_factory=dict)
-    lead_sum: dict[int, float] = field(default_factory=dict)
-    lead_n: dict[int, int] = field(default_factory=dict)
-    wait: dict[int, float] = field(default_factory=dict)
-    lateness: dict[int, float] = field(default_factory=dict)
-    blame: dict[int, float] = field(default_factory=dict)
     spans: dict[int, dict[NodeKey, list[int]]] = field(default_factory=dict)
     replica_end: dict[int, int] = field(default_factory=dict)
     transfer: dict[int, int] = field(default_factory=dict)
@@ -177,13 +158,10 @@ class StepPart:
         return plain and np.array_equal(a, b)
 
     def seal(self) -> StepPart:
-        """Freeze the per-rank figures into one array (:func:`_figures`; a part about to be
-        sent) and let the dictionaries go: a job frees thousands of parts a step, each
-        object costs. Returns self."""
+        """Compute the per-rank figures of the folded instances into one array
+        (:func:`_figures`; a part about to be sent) and let the instances go. Returns self."""
         if self.sealed is None:
             self.sealed = _figures(self)
-            for name in ("first", "last_end", *_SUMS):
-                setattr(self, name, _SEALED)
             self.folded = []
         return self
 
@@ -206,9 +184,6 @@ class StepPart:
                 col[-2:] += shift
             cols.append(col)
         out.sealed = np.concatenate(cols, axis=1)
-        for name in ("first", "last_end", *_SUMS):
-            setattr(out, name, _SEALED)
-        out.folded = []
         return out
 
     def merge_shape(self, other: StepPart) -> None:
@@ -251,11 +226,18 @@ class StepPart:
 def dense_ranks(parts: list[StepPart], world: int) -> dict[str, np.ndarray]:
     """The per-rank figures of several parts of one step, merged, as arrays.
 
-    >>> a, b = StepPart(0, lateness={1: 2.0}, first={1: 50}), StepPart(0, lateness={1: 1.0})
-    >>> b.first[1], b.first[2], b.start = 40, 60, 40
+    >>> from detectors.align import Instance
+    >>> from schemas.units import CollOp, CommRole
+    >>> def dp(ranks, arrivals):  # a data-parallel all-reduce that ends at 70
+    ...     n = len(ranks)
+    ...     return Instance("j", 5, 0, CollOp.ALL_REDUCE, -1, n, 8, ranks, arrivals,
+    ...                     arrivals, (70,) * n)
+    >>> a, b = StepPart(0), StepPart(0)
+    >>> a.fold(dp((1, 2), (50, 60)), "dp_sync", None, CommRole.DP, None)
+    >>> b.fold(dp((1,), (40,)), "dp_sync", None, CommRole.DP, None)
     >>> d = dense_ranks([a, b.seal()], 3)
-    >>> d["lateness"].tolist(), d["first"].tolist()
-    ([0.0, 3.0, 0.0], [-1, 40, 60])
+    >>> d["wait"].tolist(), d["first"].tolist()
+    ([0.0, 10.0, 0.0], [-1, 40, 60])
     """
     sealed = [(p.sealed if p.sealed is not None else _figures(p)) for p in parts]
     cols = np.concatenate(sealed, axis=1) if sealed else np.zeros((3 + len(_SUMS), 0))
@@ -279,24 +261,15 @@ def dense_ranks(parts: list[StepPart], world: int) -> dict[str, np.ndarray]:
 
 
 def _figures(p: StepPart) -> np.ndarray:
-    """``p``'s per-rank figures as one array, a column per rank (a rank may have several
-    columns: their sums, least first arrival and greatest last end are its figures).
+    """``p``'s per-rank figures, computed from its folded instances (:meth:`StepPart.fold`)
+    as one array, a column per rank (several parts' columns are concatenated: a rank's
+    sums, least first arrival and greatest last end over its columns are its figures).
     Rows: rank, the sums of ``_SUMS``, first arrival and last end as offsets from the
     part's start (exact in a float up to 104 days)."""
-    ranks = list(p.first)
+    folded = p.folded
+    if not folded:
+        return np.zeros((3 + len(_SUMS), 0))
     base = p.start if p.start != _NEVER else 0
-    rows = [ranks]
-    rows += [[getattr(p, name).get(r, 0.0) for r in ranks] for name in _SUMS]
-    rows.append([t - base for t in p.first.values()])
-    rows.append([p.last_end.get(r, base) - base for r in ranks])
-    given = np.array(rows, dtype=np.float64).reshape(len(rows), len(ranks))
-    if not p.folded:
-        return given
-    return np.concatenate((given, _folded_figures(p.folded, base)), axis=1)
-
-
-def _folded_figures(folded: list[tuple[Instance, int]], base: int) -> np.ndarray:
-    """The figures of folded instances (see :meth:`StepPart.fold`), per rank."""
     insts = [i for i, _ in folded]
     sizes = np.fromiter((len(i.ranks) for i in insts), np.int64, len(insts))
     flags = np.repeat(np.fromiter((f for _, f in folded), np.int64, len(insts)), sizes)

@@ -450,12 +450,15 @@ def test_a_sealed_step_part_refuses_more_instances() -> None:
     from schemas.units import CommRole
 
     run = build("healthy", scale="tiny", seed=0, steps=2, kernels=False)
-    part = StepPart(0, first={3: 10}, last_end={3: 20}, lateness={3: 1.5}).seal()
+    topo = Topology.from_job(run.spec.job_info())
+    part = StepPart(0)
+    part.fold(_inst(2, 0, (3,), (10,), (20,), size=1), "dp_sync", None, CommRole.DP, topo)
+    part.seal()
     assert part.sealed is not None and part.sealed[0].tolist() == [3]
     inst = Instance("j", 1, 0, CollOp.ALL_REDUCE, 0, 2, 8, (0, 1), (0, 0), (1, 2), (3, 4))
     with pytest.raises(ValueError, match="sealed"):
-        part.fold(inst, "forward", 0, CommRole.TP, Topology.from_job(run.spec.job_info()))
-    assert part.n == 0
+        part.fold(inst, "forward", 0, CommRole.TP, topo)
+    assert part.n == 1  # the refused instance is not counted
 
 
 def test_lateness_is_exact_at_real_clock_readings() -> None:
@@ -488,7 +491,7 @@ def test_a_communicator_that_goes_quiet_holds_merged_parts_back_two_steps_at_mos
     from detectors.steps import StepPart
 
     def part(step: int, comm: int) -> StepPart:
-        return StepPart(step, comm_hash=comm, n=1, start=step, first={comm: step}).seal()
+        return StepPart(step, comm_hash=comm, n=1, start=step).seal()
 
     m = PartMerger(give_up_steps=2)
     assert [p.step for p in m.update(part(0, 1)) + m.update(part(0, 2))] == [0, 0]
