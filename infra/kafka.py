@@ -57,9 +57,9 @@ def consumer_config(kafka: KafkaSettings, bootstrap: str) -> dict[str, str]:
 def ensure_topics(
     kafka: KafkaSettings, bootstrap: str, topics: Topics, timeout_s: float = 15.0
 ) -> list[str]:
-    """Create the missing ones of ``topics.all`` with the configured partitions and each
-    topic's settings (:meth:`Topics.config`); return those created. Existing topics are
-    left as they are."""
+    """Create the missing ones of ``topics.all`` with their partitions
+    (:meth:`Topics.partitions` of the configured number) and settings
+    (:meth:`Topics.config`); return those created. Existing topics are left as they are."""
     from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -75,7 +75,7 @@ def ensure_topics(
         [
             NewTopic(
                 t,
-                num_partitions=kafka.partitions,
+                num_partitions=topics.partitions(t, kafka.partitions),
                 replication_factor=kafka.replication_factor,
                 config=topics.config(t),
             )

@@ -6,7 +6,12 @@ and link samples are keyed by node; heartbeats and verdicts by job. The
 metadata topic is compacted and keyed by what each record describes (the job,
 a rank, a communicator): Kafka keeps the latest of each for as long as the
 topic exists, so a flow started long after a job began (past any time-based
-retention) still learns its layout.
+retention) still learns its layout. It has one partition, so a job's records
+are read in the order they were written (its job record, then its ranks and
+communicators) whatever their keys; keyed per entity over several partitions,
+a rank's record could be read after a backlog of the job's samples that the
+analysis names by it. Kafka's own compacted configuration topics are made the
+same way.
 
 >>> t = Topics()
 >>> t.for_record(Heartbeat(job="j", node="n", rank=0, ts_ns=1))
@@ -86,6 +91,15 @@ class Topics(Struct, frozen=True, kw_only=True):
     def config(self, topic: str) -> dict[str, str]:
         """The topic's settings when it is created (see the module docstring)."""
         return {"cleanup.policy": "compact"} if topic == self.meta else {}
+
+    def partitions(self, topic: str, configured: int) -> int:
+        """The topic's partitions when it is created: ``configured``, but one for the
+        metadata topic (see the module docstring).
+
+        >>> Topics().partitions("megatrace.comm", 8), Topics().partitions("megatrace.meta", 8)
+        (8, 1)
+        """
+        return 1 if topic == self.meta else configured
 
     def for_record(self, record: Struct) -> str:
         """The topic a record is published to."""

@@ -34,7 +34,8 @@ def consume_all(settings: Settings, topic: str, expect: int, timeout_s: float = 
     conf = consumer_config(settings.kafka, settings.kafka.bootstrap_servers)
     c = Consumer(conf)
     try:
-        c.assign([TopicPartition(topic, p, 0) for p in range(settings.kafka.partitions)])
+        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+        c.assign([TopicPartition(topic, p, 0) for p in parts])
         out: list = []
         deadline = time.monotonic() + timeout_s
         while len(out) < expect and time.monotonic() < deadline:

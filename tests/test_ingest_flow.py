@@ -90,7 +90,10 @@ def test_job_metadata_is_kept_by_compaction_one_record_per_entity(settings: Sett
     """Metadata is published once, when a job starts; a flow started after any
     time-based retention must still learn the layout: the metadata topic is compacted,
     and each job, rank and communicator record has its own key (compaction keeps the
-    latest record per key)."""
+    latest record per key). It has one partition, so a job's records are read in the
+    order they were written, whatever their keys: the analysis names links by the ranks'
+    NICs, and a rank's record read after a backlog of samples left a verdict naming
+    'gpu2' instead of the NIC."""
     from confluent_kafka.admin import AdminClient, ConfigResource
 
     from schemas.records import CommInfo, JobInfo, RankInfo
@@ -107,3 +110,10 @@ def test_job_metadata_is_kept_by_compaction_one_record_per_entity(settings: Sett
             if isinstance(r, JobInfo | RankInfo | CommInfo)]  # fmt: skip
     assert {topics.for_record(r) for r in meta} == {topics.meta}
     assert len({message_key(r) for r in meta}) == len(meta)
+    assert len(admin.list_topics(topics.meta).topics[topics.meta].partitions) == 1
+    assert len(admin.list_topics(topics.comm).topics[topics.comm].partitions) == 2
+    pub = publisher(settings)
+    pub.publish_all(meta)
+    pub.flush()
+    msgs = consume_all(settings, topics.meta, expect=len(meta))
+    assert [decode(m.value()) for m in msgs] == meta
