@@ -97,11 +97,14 @@ class JobAnalyzer:
         self.coll_now_ns = 0  # the newest time the collective records showed
         self.durations: deque[int] = deque(maxlen=20)
         self.hang_open: str | None = None
-        self.slow_open: str | None = None
+        # open slowdown incidents, oldest first: culprit -> onset step
+        self.slow_open: dict[str, int] = {}
         self.bursts: dict[str, list[tuple[int, float, int]]] = {}
         self.link_culprits: dict[tuple[int, int], str] = {}  # degraded edge -> its incident
         self.link_onset: dict[tuple[int, int], int] = {}  # degraded edge -> since when (ns)
         self.link_fields: dict[str, dict[str, Any]] = {}  # incident -> cause and culprit fields
+        # open step-time incident (link or slowdown culprit) -> the step time before it (ns)
+        self.onset_level: dict[str, float] = {}
         self.nic_counters = False  # the job's sources send link samples of their own
         # per sending rank: [baseline SendGPUWait per send (sum, windows), latest (EWMA)]
         self.gpu_wait: dict[int, list[float]] = {}
@@ -300,7 +303,7 @@ class JobAnalyzer:
         if ev is not None:
             out += self._shift_event(ev.kind, ev.onset, ev.ratio, ev.length, rep)
         elif self.shift.shifted and self.slow_open:
-            out += self._slowdown(rep, self.recent[-1].duration_ns / self.shift.baseline)
+            out += self._slowdown_update(rep, self.recent[-1].duration_ns / self.shift.baseline)
         return out
 
     def _since(self, onset: int) -> list[StepReport]:
@@ -313,11 +316,11 @@ class JobAnalyzer:
             return self._slowdown(rep, ratio, onset)
         if kind == "recovered":
             out = []
-            if self.slow_open and (
-                v := self.book.resolve(VerdictKind.SLOWDOWN.value, self.slow_open, rep.end_ns)
-            ):
-                out.append(v)
-            self.slow_open = None
+            for culprit in self.slow_open:
+                if v := self.book.resolve(VerdictKind.SLOWDOWN.value, culprit, rep.end_ns):
+                    out.append(v)
+                self.onset_level.pop(culprit, None)
+            self.slow_open = {}
             out += self._link_severity(0.0, rep)
             return out
         return self._burst(onset, ratio, length, rep)
@@ -370,37 +373,57 @@ class JobAnalyzer:
         level = float(np.mean(before)) if before else base
         return level if level > base * (1 + self.settings.min_shift) else base
 
-    def _slowdown(
-        self, rep: StepReport, ratio: float, onset: int | None = None
+    def _slowdown_update(self, rep: StepReport, ratio: float) -> list[msgspec.Struct]:
+        """The open incidents' severities at a step ``ratio`` x the baseline (each keeps its
+        cause, culprit and onset; the book announces only material changes)."""
+        duration = ratio * (self.shift.baseline or 0.0)
+        return self._link_severity(duration, rep) + self._reprice(duration, rep)
+
+    def _reprice(
+        self, duration: float, rep: StepReport, skip: str | None = None
     ) -> list[msgspec.Struct]:
-        severity = max(0.0, 1.0 - 1.0 / ratio)
-        if onset is None:  # an update of the open incident
-            v = (
-                self.book.report(
-                    VerdictKind.SLOWDOWN,
-                    Cause.COMPUTE,
-                    self.slow_open or "job",
-                    onset_step=None,
-                    onset_ns=0,
-                    detected_ns=rep.end_ns,
-                    severity=severity,
-                    confidence=0.9,
-                )
-                if self.slow_open
-                and (self.book.is_open(VerdictKind.SLOWDOWN.value, self.slow_open))
-                else None
-            )
-            return self._link_severity(severity, rep) + ([v] if v else [])
+        """Open slowdowns (but ``skip``) at their shares of a step of ``duration`` ns."""
+        out: list[msgspec.Struct] = []
+        for culprit in self.slow_open:
+            current = self.book.current(VerdictKind.SLOWDOWN.value, culprit)
+            if culprit == skip or current is None:
+                continue
+            if v := self.book.report(
+                VerdictKind.SLOWDOWN,
+                current.cause,
+                culprit,
+                onset_step=current.onset_step,
+                onset_ns=current.onset_ns,
+                detected_ns=rep.end_ns,
+                severity=self._share(culprit, duration),
+                confidence=current.confidence,
+            ):
+                out.append(v)
+        return out
+
+    def _slowdown(self, rep: StepReport, ratio: float, onset: int) -> list[msgspec.Struct]:
+        """A confirmed shift of step time since step ``onset``: localise what it added.
+
+        A culprit already open (its slowdown grew) keeps its incident, onset and the
+        level it began at; another culprit opens an incident of its own beside it."""
+        duration = ratio * (self.shift.baseline or 0.0)
         reps = self._since(onset)
-        onset_rep = reps[0] if reps else rep
         found = self._culprit(reps)
-        out = self._link_severity(severity, rep)
         if found is None:
             if self.link_culprits:  # the link verdict carries this slowdown
-                return out
+                return self._slowdown_update(rep, ratio)
             culprit, fields = "job", {"cause": Cause.UNKNOWN}
         else:
             culprit, fields = found
+        if culprit in self.slow_open:
+            onset = self.slow_open[culprit]
+            reps = self._since(onset) or reps
+        else:
+            self.slow_open[culprit] = onset
+            self.onset_level[culprit] = self._level_before(reps)
+        onset_rep = reps[0] if reps else rep
+        severity = self._share(culprit, duration)
+        out = self._link_severity(duration, rep)
         cause = fields.pop("cause")
         who = (
             f"rank {fields['rank']} (GPU {fields['gpu']}) on {fields['node']}"
@@ -416,7 +439,7 @@ class JobAnalyzer:
         )
         fields["summary"] = (
             f"slowdown: {who} - iteration {ratio:.2f}x slower since step "
-            f"{onset} ({severity:.0%} throughput lost), cause {cause.value}"
+            f"{onset} ({severity:.0%} throughput lost to it), cause {cause.value}"
             f"{where}, PP stage {fields.get('pp_stage')}"
         )
         fields["evidence"] = {
@@ -446,12 +469,28 @@ class JobAnalyzer:
             step=onset,
             **fields,
         )
-        self.slow_open = culprit
+        out += self._reprice(duration, rep, skip=culprit)  # the others' shares moved too
         return [*out, v] if v else out
 
-    def _link_severity(self, severity: float, rep: StepReport) -> list[msgspec.Struct]:
+    def _share(self, culprit: str, duration: float) -> float:
+        """The fraction of a step of ``duration`` ns that open incident ``culprit`` costs:
+        the step time it added, from the level before it to the level before the next
+        incident (or ``duration``). Incidents that began at one level share what was
+        added; the shares of all open incidents sum to ``1 - baseline / duration``."""
+        if duration <= 0:
+            return 0.0
+        own = self.onset_level.get(culprit, self.shift.baseline or duration)
+        levels = self.onset_level.values()
+        top = min([lv for lv in levels if lv > own] + [duration])
+        tied = sum(1 for lv in levels if lv == own) or 1
+        return max(0.0, top - own) / duration / tied
+
+    def _link_severity(self, duration: float, rep: StepReport) -> list[msgspec.Struct]:
+        """Update the open link incidents' severities to their shares of a step of
+        ``duration`` ns (0: the job recovered)."""
         out = []
         for culprit in dict.fromkeys(self.link_culprits.values()):
+            severity = self._share(culprit, duration) if duration > 0 else 0.0
             fields = dict(self.link_fields[culprit])
             cause = fields.pop("cause")
             if v := self.book.report(
@@ -572,6 +611,7 @@ class JobAnalyzer:
             if culprit in self.link_culprits.values():
                 return []  # other links of that NIC are still slow
             self.link_fields.pop(culprit, None)
+            self.onset_level.pop(culprit, None)
             v = self.book.resolve(VerdictKind.LINK_DEGRADATION.value, culprit, ts_ns)
             return [v] if v else []
         step = next((r.step for r in self.recent if r.end_ns >= ev.onset_ns), None)
@@ -579,12 +619,6 @@ class JobAnalyzer:
             last = self.recent[-1]
             per_step = max(self.expected_step_ns() or last.duration_ns, 1)
             step = last.step + 1 + int(max(0, ev.onset_ns - last.end_ns) // per_step)
-        shifted = self.shift.shifted and self.shift.baseline
-        severity = (
-            1 - self.shift.baseline / self.recent[-1].duration_ns
-            if shifted and self.recent
-            else 0.0
-        )
         # method.md's decision table, last row: several slow links leaving one NIC are that NIC
         siblings = sorted(
             {d for (u, d) in self.link_culprits if u == ev.src_rank and d != ev.dst_rank}
@@ -630,6 +664,11 @@ class JobAnalyzer:
         self.link_culprits[edge] = culprit
         self.link_onset[edge] = ev.onset_ns
         self.link_fields[culprit] = fields
+        self.onset_level.setdefault(
+            culprit, self._level_before([r for r in self.recent if r.end_ns > ev.onset_ns])
+        )
+        shifted = self.shift.shifted and self.shift.baseline and self.recent
+        severity = self._share(culprit, self.recent[-1].duration_ns) if shifted else 0.0
         report = dict(fields)
         cause = report.pop("cause")
         v = self.book.report(

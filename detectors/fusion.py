@@ -112,8 +112,9 @@ class VerdictBook:
         self.history.append(v)
         return v
 
-    def is_open(self, kind: str, culprit: str) -> bool:
-        return (kind, culprit) in self._open
+    def current(self, kind: str, culprit: str) -> Verdict | None:
+        """The latest revision of an open incident (None if none is open)."""
+        return self._open.get((kind, culprit))
 
     def open_incidents(self) -> list[Verdict]:
         return list(self._open.values())

@@ -579,3 +579,34 @@ def test_a_send_that_names_no_peer_still_meets_its_recv_on_a_pair() -> None:
     al = CollectiveAligner()
     (inst,) = al.update_many([call(0, CollOp.SEND, None), call(1, CollOp.RECV, 0)])
     assert (inst.sender, inst.ranks, al.n_open) == (0, (0, 1), 0)
+
+
+def test_two_gpus_slowing_one_after_the_other_are_two_incidents_sharing_the_loss() -> None:
+    """Rank 1 slows the job from step 8, rank 6 slows it further from step 20: two
+    incidents, each keeping its onset, both open, and what each costs is the step time
+    it added, so the two severities add up to the throughput lost (not twice it)."""
+    from producers.sim.faults import SlowGPU
+    from producers.sim.scenarios import Run, scale_spec
+    from schemas.records import StepSummary
+
+    faults = [SlowGPU(onset_step=8, rank=1, factor=1.5), SlowGPU(onset_step=20, rank=6, factor=2.0)]
+    run = Run("two-gpus", scale_spec("tiny"), faults, steps=34)
+    out = list(Replay().run(run.records()))
+    latest = {v.verdict_id: v for v in out if isinstance(v, Verdict)}
+    slow = sorted(latest.values(), key=lambda v: v.onset_step or 0)
+    assert [(v.kind, v.rank, v.onset_step, v.status.value) for v in slow] == [
+        (VerdictKind.SLOWDOWN, 1, 8, "update"),
+        (VerdictKind.SLOWDOWN, 6, 20, "open"),
+    ]
+    steps = [s for s in out if isinstance(s, StepSummary) and s.expected_ns]
+    lost = 1 - float(np.mean([s.expected_ns / s.duration_ns for s in steps[-5:]]))
+    assert all(v.severity > 0.05 for v in slow)
+    assert abs(sum(v.severity for v in slow) - lost) < 0.05
+
+
+def test_an_open_slowdown_keeps_its_cause_when_its_severity_moves() -> None:
+    """A starved host's incident is a host/CPU one in every revision (its updates were
+    once announced with cause compute)."""
+    run = build("host-cpu", scale="tiny", seed=0)
+    slow = [v for v in Replay().run(run.records()) if isinstance(v, Verdict)]
+    assert slow and {v.cause for v in slow} == {Cause.HOST_CPU}
