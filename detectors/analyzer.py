@@ -103,8 +103,10 @@ class JobAnalyzer:
         self.link_culprits: dict[tuple[int, int], str] = {}  # degraded edge -> its incident
         self.link_onset: dict[tuple[int, int], int] = {}  # degraded edge -> since when (ns)
         self.link_fields: dict[str, dict[str, Any]] = {}  # incident -> cause and culprit fields
-        # open step-time incident (link or slowdown culprit) -> the step time before it (ns)
-        self.onset_level: dict[str, float] = {}
+        # open step-time incident (link or slowdown culprit) -> when it began: its onset
+        # step once a step reached it (None before), and its onset time (ns)
+        self.onset_at: dict[str, tuple[int | None, int]] = {}
+        self.onset_level: dict[str, float] = {}  # -> the step time before it (ns), once known
         self.nic_counters = False  # the job's sources send link samples of their own
         # per sending rank: [baseline SendGPUWait per send (sum, windows), latest (EWMA)]
         self.gpu_wait: dict[int, list[float]] = {}
@@ -319,7 +321,7 @@ class JobAnalyzer:
             for culprit in self.slow_open:
                 if v := self.book.resolve(VerdictKind.SLOWDOWN.value, culprit, rep.end_ns):
                     out.append(v)
-                self.onset_level.pop(culprit, None)
+                self._forget_onset(culprit)
             self.slow_open = {}
             out += self._link_severity(0.0, rep)
             return out
@@ -359,14 +361,16 @@ class JobAnalyzer:
             return f"node:{f.node}", {"cause": f.cause, **fields}
         return None
 
-    def _level_before(self, reps: list[StepReport], steps: int = 3) -> float:
-        """The step time a slowdown starting at ``reps[0]`` adds to: the baseline, or the
-        level of the steps just before it when those were slow already (a shift on top
-        of an earlier one, e.g. a degraded link: a culprit explains only what it added)."""
+    def _level_before(self, reps: list[StepReport]) -> float:
+        """The step time a slowdown starting at ``reps[0]`` adds to (see
+        :meth:`_level_before_step`)."""
+        return self._level_before_step(reps[0].step) if reps else self.shift.baseline or 0.0
+
+    def _level_before_step(self, onset: int, steps: int = 3) -> float:
+        """The step time an incident beginning at step ``onset`` adds to: the baseline, or
+        the level of the steps just before it when those were slow already (a shift on
+        top of an earlier one, e.g. a degraded link: a culprit explains only what it added)."""
         base = self.shift.baseline or 0.0
-        if not reps:
-            return base
-        onset = reps[0].step
         before = [
             r.duration_ns for r in self.recent if r.complete and onset - steps <= r.step < onset
         ]
@@ -418,10 +422,10 @@ class JobAnalyzer:
         if culprit in self.slow_open:
             onset = self.slow_open[culprit]
             reps = self._since(onset) or reps
-        else:
-            self.slow_open[culprit] = onset
-            self.onset_level[culprit] = self._level_before(reps)
         onset_rep = reps[0] if reps else rep
+        if culprit not in self.slow_open:
+            self.slow_open[culprit] = onset
+            self.onset_at[culprit] = (onset, onset_rep.start_ns)
         severity = self._share(culprit, duration)
         out = self._link_severity(duration, rep)
         cause = fields.pop("cause")
@@ -477,13 +481,37 @@ class JobAnalyzer:
         the step time it added, from the level before it to the level before the next
         incident (or ``duration``). Incidents that began at one level share what was
         added; the shares of all open incidents sum to ``1 - baseline / duration``."""
-        if duration <= 0:
+        base = self.shift.baseline
+        if duration <= 0 or not base:
             return 0.0
-        own = self.onset_level.get(culprit, self.shift.baseline or duration)
-        levels = self.onset_level.values()
+        own = self._onset_level(culprit) or base
+        levels = [self._onset_level(c) or base for c in self.onset_at]
         top = min([lv for lv in levels if lv > own] + [duration])
         tied = sum(1 for lv in levels if lv == own) or 1
         return max(0.0, top - own) / duration / tied
+
+    def _onset_level(self, culprit: str) -> float | None:
+        """The step time before incident ``culprit`` began (None: not known yet).
+
+        Final once a step reached its onset and the baseline is known: the steps before
+        it are then all assembled, however late the incident itself was seen (a link's
+        samples may be read before or after the steps around its onset)."""
+        level = self.onset_level.get(culprit)
+        at = self.onset_at.get(culprit)
+        if level is not None or at is None or not self.shift.baseline:
+            return level
+        step, onset_ns = at
+        if step is None:
+            step = next((r.step for r in self.recent if r.end_ns >= onset_ns), None)
+            if step is None:  # no step reached its onset yet: the level so far
+                return self._level_before_step(self.recent[-1].step + 1) if self.recent else None
+            self.onset_at[culprit] = (step, onset_ns)
+        level = self.onset_level[culprit] = self._level_before_step(step)
+        return level
+
+    def _forget_onset(self, culprit: str) -> None:
+        self.onset_at.pop(culprit, None)
+        self.onset_level.pop(culprit, None)
 
     def _link_severity(self, duration: float, rep: StepReport) -> list[msgspec.Struct]:
         """Update the open link incidents' severities to their shares of a step of
@@ -611,7 +639,7 @@ class JobAnalyzer:
             if culprit in self.link_culprits.values():
                 return []  # other links of that NIC are still slow
             self.link_fields.pop(culprit, None)
-            self.onset_level.pop(culprit, None)
+            self._forget_onset(culprit)
             v = self.book.resolve(VerdictKind.LINK_DEGRADATION.value, culprit, ts_ns)
             return [v] if v else []
         step = next((r.step for r in self.recent if r.end_ns >= ev.onset_ns), None)
@@ -664,9 +692,7 @@ class JobAnalyzer:
         self.link_culprits[edge] = culprit
         self.link_onset[edge] = ev.onset_ns
         self.link_fields[culprit] = fields
-        self.onset_level.setdefault(
-            culprit, self._level_before([r for r in self.recent if r.end_ns > ev.onset_ns])
-        )
+        self.onset_at.setdefault(culprit, (None, ev.onset_ns))
         shifted = self.shift.shifted and self.shift.baseline and self.recent
         severity = self._share(culprit, self.recent[-1].duration_ns) if shifted else 0.0
         report = dict(fields)

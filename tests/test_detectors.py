@@ -610,3 +610,28 @@ def test_an_open_slowdown_keeps_its_cause_when_its_severity_moves() -> None:
     run = build("host-cpu", scale="tiny", seed=0)
     slow = [v for v in Replay().run(run.records()) if isinstance(v, Verdict)]
     assert slow and {v.cause for v in slow} == {Cause.HOST_CPU}
+
+
+def test_a_link_read_before_any_step_costs_what_it_costs_when_read_in_time() -> None:
+    """A flow that reads the link samples' topic ahead of the collectives (a backlog, a
+    kernel-heavy partition) sees the degraded link before any step: its share of the
+    loss is then the same as when read in time (it was once 100%, the level before it
+    taken as zero), and so are its revisions."""
+    from schemas.records import LinkSample
+
+    run = build("story", scale="tiny", seed=1, steps=30)
+    recs = list(run.records())
+    n_meta = sum(type(r).__name__ in ("JobInfo", "RankInfo", "CommInfo") for r in recs)
+    links = [r for r in recs if isinstance(r, LinkSample)]
+    rest = [r for r in recs[n_meta:] if not isinstance(r, LinkSample)]
+
+    def link_revisions(records: list) -> list[tuple[int, float]]:
+        return [
+            (v.revision, round(v.severity, 3))
+            for v in Replay().run(records)
+            if isinstance(v, Verdict) and v.kind == VerdictKind.LINK_DEGRADATION
+        ]
+
+    in_time = link_revisions(recs)
+    assert in_time and max(s for _, s in in_time) < 0.3
+    assert link_revisions(recs[:n_meta] + links + rest) == in_time
