@@ -36,6 +36,11 @@ class RawBatch:
 _BACKOFF = timedelta(milliseconds=5)
 
 
+def part_name(topic: str, partition: int) -> str:
+    """The Bytewax partition of a Kafka topic partition (the raw sink's partitions too)."""
+    return f"{partition}-{topic}"
+
+
 class _Quiet:
     """When any partition of one source (in this process) last saw a message."""
 
@@ -155,7 +160,7 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
         for t in self.topics:
             if t not in meta.topics:
                 raise RuntimeError(f"topic {t} does not exist: run `megatrace stack up`")
-            parts += [f"{p}-{t}" for p in meta.topics[t].partitions]
+            parts += [part_name(t, p) for p in meta.topics[t].partitions]
         return parts
 
     def build_part(self, step_id: str, for_part: str, resume_state: int | None) -> _Partition:

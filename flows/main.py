@@ -39,7 +39,7 @@ from bytewax.dataflow import Dataflow
 from detectors.alerting import AlertGate
 from detectors.parts import CommProgress, CommSchedule, shard_of
 from detectors.steps import StepPart
-from flows.kafka_source import RawBatch, RawKafkaSource
+from flows.kafka_source import RawBatch, RawKafkaSource, part_name
 from flows.logic import (
     AlignLogic,
     AlignOut,
@@ -50,7 +50,7 @@ from flows.logic import (
     Rows,
     schedules,
 )
-from flows.sinks import ClickHouseSink
+from flows.sinks import ClickHouseSink, RawClickHouseSink
 from flows.webhooks import WebhookSink
 from schemas.codec import SchemaError, dead_letter, decode, encode
 from schemas.config import AlertSettings, ClickHouseSettings, DetectSettings, Settings
@@ -118,6 +118,7 @@ class Decoded:
     dead: list[DeadLetter]
     produced_ms: int
     kinds: frozenset[type] = frozenset()  # the record types present (a topic holds few)
+    part: str = ""  # the source partition they were read from
 
 
 def flow_config(
@@ -173,7 +174,8 @@ def decode_batch(batch: RawBatch) -> Decoded:
         records.append(rec)
         kept.append(raw)
     kinds = frozenset(map(type, records))
-    return Decoded(records, kept, dead, min(batch.produced_ms, default=0), kinds)
+    produced_ms = min(batch.produced_ms, default=0)
+    return Decoded(records, kept, dead, produced_ms, kinds, part_name(batch.topic, batch.partition))
 
 
 def comm_key(job: str, comm_hash: int) -> str:
@@ -279,15 +281,15 @@ def rekey_by_job(kv: tuple[str, list[Any]]) -> tuple[str, list[Any]]:
     return kv[1][0].job, kv[1]
 
 
-def rows_of(d: Decoded) -> tuple[dict[str, list[bytes]], int]:
-    """The records' original JSON per ClickHouse table."""
+def rows_of(d: Decoded) -> tuple[str, tuple[dict[str, list[bytes]], int]]:
+    """The records' original JSON per ClickHouse table, keyed by the partition read."""
     if len(d.kinds) == 1:  # one kind of record, as most topics hold: one table
         (kind,) = d.kinds
-        return {TABLE_FOR[kind].name: d.raw}, d.produced_ms
+        return d.part, ({TABLE_FOR[kind].name: d.raw}, d.produced_ms)
     rows: dict[str, list[bytes]] = {}
     for rec, raw in zip(d.records, d.raw, strict=True):
         rows.setdefault(TABLE_FOR[type(rec)].name, []).append(raw)
-    return rows, d.produced_ms
+    return d.part, (rows, d.produced_ms)
 
 
 def dead_of(d: Decoded) -> list[DeadLetter]:
@@ -352,18 +354,15 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
     flow = Dataflow("megatrace")
     ch = ClickHouseSink(cfg.clickhouse_url, cfg.database)
     consumer = {"bootstrap.servers": ",".join(cfg.brokers), **cfg.consumer_options}
-    raw = op.input(
-        "kafka_in",
-        flow,
-        RawKafkaSource(
-            consumer,
-            input_topics(cfg),
-            tail=cfg.tail,
-            batch_size=cfg.batch_size,
-            idle_stop_s=cfg.idle_stop_s,
-            on_read=cfg.on_read,
-        ),
+    source = RawKafkaSource(
+        consumer,
+        input_topics(cfg),
+        tail=cfg.tail,
+        batch_size=cfg.batch_size,
+        idle_stop_s=cfg.idle_stop_s,
+        on_read=cfg.on_read,
     )
+    raw = op.input("kafka_in", flow, source)
     # RawBatch -> Decoded(records, dead letters)
     decoded = op.map("decode", raw, decode_batch)
     # list[DeadLetter] -> dead_letters table (and the dead-letter topic)
@@ -377,8 +376,11 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
             topic=cfg.topics.deadletter,
             add_config=cfg.producer_options,
         )
-        # list[Record] -> raw tables
-        raw_sink = ClickHouseSink(cfg.clickhouse_url, cfg.database, on_write=cfg.on_stored)
+        # (source partition, rows per table) -> raw tables, inserted while the next poll is
+        # decoded; a partition's snapshot waits for its rows
+        raw_sink = RawClickHouseSink(
+            cfg.clickhouse_url, cfg.database, source.list_parts, on_write=cfg.on_stored
+        )
         op.output("records_to_clickhouse", op.map("rows", decoded, rows_of), raw_sink)
     if cfg.role != Role.STORE:
         _detect(cfg, decoded, ch)

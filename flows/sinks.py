@@ -1,57 +1,250 @@
 """Bytewax sinks: ClickHouse (embedded or server) for batches of schema records.
 
-Each worker's partition inserts everything Bytewax hands it, one insert per
-table, before returning: nothing is held back between batches, so a crash
-loses nothing that Bytewax considers written. Tables are ReplacingMergeTree on
-natural keys, so an at-least-once replay after recovery does not duplicate.
-Items are ``(rows_by_table, produced_ms)``: each row is a record's JSON, as it
-came from Kafka (ClickHouse parses it itself); the producer time of the oldest
-record, or 0, lets a caller measure end-to-end latency through ``on_write``.
+Items carry each row as a record's JSON, as it came from Kafka or as the flow
+encoded it (ClickHouse parses it itself), with the producer time of the oldest
+record (or 0), which lets a caller measure end-to-end latency through
+``on_write``. Tables are ReplacingMergeTree on natural keys, so an at-least-once
+replay after recovery does not duplicate.
+
+Two sinks, one guarantee: nothing Bytewax considers written is lost.
+
+* :class:`ClickHouseSink` (the flow's own rows, dead letters) inserts what it is
+  handed, one insert per table, before returning.
+* :class:`RawClickHouseSink` (every input record, the largest volume) hands its
+  rows to an insert thread and returns at once, so ClickHouse parses one poll
+  while the flow decodes the next: the embedded engine parses in the flow's own
+  process and releases the GIL meanwhile, and its parsing costs about what
+  consuming and decoding a record does. Its partitions are the source's (one per
+  Kafka topic partition, keyed as :func:`~flows.kafka_source.part_name` names
+  them), so rows stay on the worker that read them, and each partition's
+  snapshot waits for its rows' inserts: an epoch, and the offsets it holds, is
+  committed only once everything it read is stored. The thread holds at most
+  ``max_pending_rows`` rows; beyond that a write waits (backpressure). An insert
+  that fails is raised again by the partitions' next write, snapshot or close,
+  so the flow stops and resumes from its last committed epoch.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from bytewax.outputs import DynamicSink, StatelessSinkPartition
+from bytewax.outputs import (
+    DynamicSink,
+    FixedPartitionedSink,
+    StatefulSinkPartition,
+    StatelessSinkPartition,
+)
 
 from infra.clickhouse import connect, insert_json
 
 Timed = tuple[dict[str, list[bytes]], int]
+OnWrite = Callable[[int, int, int], None]  # (records, oldest producer ms, stored ms)
+
+
+class SinkError(RuntimeError):
+    """An insert into ClickHouse failed; the flow must stop and resume from its recovery."""
+
+
+def _insert(client: Any, database: str, items: list[Timed], on_write: OnWrite | None) -> None:
+    """One insert per table for ``items``, then ``on_write`` per item."""
+    merged: dict[str, list[bytes]] = {}
+    for rows, _ in items:
+        for table, batch in rows.items():
+            merged.setdefault(table, []).extend(batch)
+    for table, batch in merged.items():
+        insert_json(client, database, table, batch)
+    if on_write is not None:
+        now_ms = time.time_ns() // 1_000_000
+        for rows, produced_ms in items:
+            on_write(sum(map(len, rows.values())), produced_ms, now_ms)
 
 
 class _ClickHousePartition(StatelessSinkPartition[Timed]):
-    def __init__(
-        self, url: str, database: str, on_write: Callable[[int, int, int], None] | None
-    ) -> None:
+    def __init__(self, url: str, database: str, on_write: OnWrite | None) -> None:
         self._client: Any = connect(url)
         self._database = database
         self._on_write = on_write
 
     def write_batch(self, items: list[Timed]) -> None:
-        merged: dict[str, list[bytes]] = {}
-        for rows, _ in items:
-            for table, batch in rows.items():
-                merged.setdefault(table, []).extend(batch)
-        for table, batch in merged.items():
-            insert_json(self._client, self._database, table, batch)
-        if self._on_write is not None:
-            now_ms = time.time_ns() // 1_000_000
-            for rows, produced_ms in items:
-                self._on_write(sum(map(len, rows.values())), produced_ms, now_ms)
+        _insert(self._client, self._database, items, self._on_write)
 
 
 class ClickHouseSink(DynamicSink[Timed]):
-    """Writes batches of schema records, each record into its table."""
+    """Writes batches of schema records, each record into its table, before returning."""
 
-    def __init__(
-        self, url: str, database: str, on_write: Callable[[int, int, int], None] | None = None
-    ) -> None:
+    def __init__(self, url: str, database: str, on_write: OnWrite | None = None) -> None:
         self.url = url
         self.database = database
         self.on_write = on_write
 
     def build(self, step_id: str, worker_index: int, worker_count: int) -> _ClickHousePartition:
         return _ClickHousePartition(self.url, self.database, self.on_write)
+
+
+class InsertThread:
+    """Inserts handed over by :meth:`submit`, in order, on a thread of its own.
+
+    What is queued when the thread is free goes in one insert per table (a thread
+    that fell behind catches up with larger, fewer inserts). :meth:`wait` returns
+    once a submission is stored; both raise :class:`SinkError` after a failed insert.
+    The thread has a client of its own (a server's client must not be shared
+    between threads) and stops when :meth:`release` has been called as often as
+    :meth:`acquire`.
+    """
+
+    def __init__(
+        self, url: str, database: str, on_write: OnWrite | None, max_pending_rows: int
+    ) -> None:
+        if max_pending_rows < 1:
+            raise ValueError("max_pending_rows must be at least 1")
+        self.url = url
+        self.database = database
+        self.on_write = on_write
+        self.max_pending_rows = max_pending_rows
+        self._cond = threading.Condition()
+        self._queue: list[tuple[int, Timed, int]] = []  # (ticket, item, rows)
+        self._pending_rows = 0
+        self._submitted = 0
+        self._stored = 0
+        self._error: BaseException | None = None
+        self._users = 0
+        self._thread: threading.Thread | None = None
+        self.waited_s = 0.0  # time writers spent waiting for room (backpressure)
+
+    def acquire(self) -> None:
+        with self._cond:
+            self._users += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="megatrace-clickhouse-insert", daemon=True
+                )
+                self._thread.start()
+
+    def release(self) -> None:
+        with self._cond:
+            self._users -= 1
+            self._cond.notify_all()
+            thread = self._thread if self._users <= 0 else None
+        if thread is not None:
+            thread.join()
+            with self._cond:
+                if self._users <= 0 and self._thread is thread:
+                    self._thread = None
+        self._raise()
+
+    def submit(self, item: Timed) -> int:
+        """Queue ``item``; return its ticket for :meth:`wait`."""
+        n = sum(map(len, item[0].values()))
+        with self._cond:
+            self._raise()
+            if self._pending_rows + n > self.max_pending_rows and self._queue:
+                t0 = time.perf_counter()
+                while self._pending_rows + n > self.max_pending_rows and self._queue:
+                    self._cond.wait()
+                    self._raise()
+                self.waited_s += time.perf_counter() - t0
+            self._submitted += 1
+            self._queue.append((self._submitted, item, n))
+            self._pending_rows += n
+            self._cond.notify_all()
+            return self._submitted
+
+    def wait(self, ticket: int) -> None:
+        """Block until submission ``ticket`` (and every earlier one) is stored."""
+        with self._cond:
+            while self._stored < ticket:
+                self._raise()
+                self._cond.wait()
+            self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise SinkError(f"an insert into ClickHouse failed: {self._error}") from self._error
+
+    def _run(self) -> None:
+        client: Any = None
+        while True:
+            with self._cond:
+                while not self._queue and self._users > 0:
+                    self._cond.wait()
+                if not self._queue:
+                    return  # released by everyone and drained
+                batch, self._queue = self._queue, []
+            try:
+                client = client or connect(self.url)
+                _insert(client, self.database, [item for _, item, _ in batch], self.on_write)
+            except BaseException as exc:  # kept and raised in the flow's own thread
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._stored = batch[-1][0]
+                self._pending_rows -= sum(n for _, _, n in batch)
+                self._cond.notify_all()
+
+
+class _RawPartition(StatefulSinkPartition[Timed, None]):
+    def __init__(self, inserts: InsertThread) -> None:
+        self._inserts = inserts
+        self._last = 0
+        inserts.acquire()
+
+    def write_batch(self, items: list[Timed]) -> None:
+        if len(items) == 1:
+            self._last = self._inserts.submit(items[0])
+            return
+        merged: dict[str, list[bytes]] = {}
+        for rows, _ in items:
+            for table, batch in rows.items():
+                merged.setdefault(table, []).extend(batch)
+        oldest = min((p for _, p in items if p > 0), default=0)
+        self._last = self._inserts.submit((merged, oldest))
+
+    def snapshot(self) -> None:
+        # the epoch's offsets are committed with this snapshot: its rows must be stored
+        self._inserts.wait(self._last)
+
+    def close(self) -> None:
+        try:
+            self._inserts.wait(self._last)
+        finally:
+            self._inserts.release()
+
+
+class RawClickHouseSink(FixedPartitionedSink[Timed, None]):
+    """Every input record into its raw table, inserted off the flow's thread (see the
+    module docstring). ``list_parts`` lists the source's partitions; items are keyed by
+    the partition they were read from."""
+
+    def __init__(
+        self,
+        url: str,
+        database: str,
+        list_parts: Callable[[], list[str]],
+        *,
+        on_write: OnWrite | None = None,
+        max_pending_rows: int = 50_000,
+    ) -> None:
+        self._list_parts = list_parts
+        self._parts: dict[str, int] | None = None  # partition -> its place in the sorted list
+        self._inserts = InsertThread(url, database, on_write, max_pending_rows)
+
+    def list_parts(self) -> list[str]:
+        if self._parts is None:
+            self._parts = {p: i for i, p in enumerate(sorted(self._list_parts()))}
+        return list(self._parts)
+
+    def part_fn(self, item_key: str) -> int:
+        # the sink partition named like the source partition the rows came from: Bytewax
+        # makes the same worker primary for both (the same names listed on every worker)
+        if self._parts is None:
+            self.list_parts()
+        assert self._parts is not None
+        return self._parts[item_key]
+
+    def build_part(self, step_id: str, for_part: str, resume_state: None) -> _RawPartition:
+        return _RawPartition(self._inserts)

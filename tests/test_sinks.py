@@ -1,0 +1,69 @@
+"""The raw-row sink on the real embedded ClickHouse engine: inserts run off the flow's
+thread, and a partition's snapshot (the moment its epoch's offsets are committed)
+returns only once its rows are stored; a failed insert stops the flow with its cause."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from flows.sinks import RawClickHouseSink, SinkError
+from schemas.codec import encode
+from tests.examples import every_record
+
+pytestmark = pytest.mark.integration
+
+PARTS = ["0-megatrace.kernel", "1-megatrace.kernel", "0-megatrace.comm"]
+
+
+def _rows(n: int, start: int = 0) -> dict[str, list[bytes]]:
+    """``n`` distinct heartbeats as the Kafka source would hand them on."""
+    hb = next(r for r in every_record() if type(r).__name__ == "Heartbeat")
+    return {"heartbeats": [encode(msgspec.structs.replace(hb, ts_ns=start + i)) for i in range(n)]}
+
+
+def _count(ch: Any, database: str) -> int:
+    return ch.query(f"SELECT count() FROM {database}.heartbeats").result_rows[0][0]
+
+
+def test_a_snapshot_returns_once_its_rows_are_stored(
+    ch: Any, database: str, clickhouse_url: str
+) -> None:
+    stored: list[int] = []
+    sink = RawClickHouseSink(
+        clickhouse_url, database, lambda: list(PARTS), on_write=lambda n, p, s: stored.append(n)
+    )
+    assert sink.list_parts() == sorted(PARTS)
+    # rows are written by the partition they were read from, named as the source names it
+    assert [sink.part_fn(p) for p in sorted(PARTS)] == [0, 1, 2]
+    part = sink.build_part("raw", "0-megatrace.kernel", None)
+    for i in range(20):
+        part.write_batch([(_rows(500, start=i * 500), 0)])
+    part.write_batch([(_rows(3, start=10_000), 7), (_rows(2, start=20_000), 5)])
+    part.snapshot()
+    assert _count(ch, database) == 20 * 500 + 5
+    assert sum(stored) == 20 * 500 + 5
+    part.write_batch([(_rows(10, start=30_000), 0)])
+    part.close()  # the end of a bounded input: nothing left behind
+    assert _count(ch, database) == 20 * 500 + 15
+
+
+def test_a_failed_insert_is_raised_in_the_flow_with_its_cause(
+    ch: Any, database: str, clickhouse_url: str
+) -> None:
+    sink = RawClickHouseSink(clickhouse_url, f"{database}_missing", lambda: list(PARTS))
+    part = sink.build_part("raw", "0-megatrace.comm", None)
+    part.write_batch([(_rows(5), 0)])
+    with pytest.raises(SinkError, match=f"{database}_missing"):
+        part.snapshot()
+    with pytest.raises(SinkError):  # and again, until the flow stops
+        part.write_batch([(_rows(5), 0)])
+    with pytest.raises(SinkError):
+        part.close()
+
+
+def test_pending_rows_are_bounded() -> None:
+    with pytest.raises(ValueError, match="max_pending_rows must be at least 1"):
+        RawClickHouseSink("chdb:///nowhere", "db", list, max_pending_rows=0)
