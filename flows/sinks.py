@@ -48,13 +48,17 @@ class SinkError(RuntimeError):
     """An insert into ClickHouse failed; the flow must stop and resume from its recovery."""
 
 
-def _insert(client: Any, database: str, items: list[Timed], on_write: OnWrite | None) -> None:
-    """One insert per table for ``items``, then ``on_write`` per item."""
+def _by_table(items: list[Timed]) -> dict[str, list[bytes]]:
     merged: dict[str, list[bytes]] = {}
     for rows, _ in items:
         for table, batch in rows.items():
             merged.setdefault(table, []).extend(batch)
-    for table, batch in merged.items():
+    return merged
+
+
+def _insert(client: Any, database: str, items: list[Timed], on_write: OnWrite | None) -> None:
+    """One insert per table for ``items``, then ``on_write`` per item."""
+    for table, batch in _by_table(items).items():
         insert_json(client, database, table, batch)
     if on_write is not None:
         now_ms = time.time_ns() // 1_000_000
@@ -197,12 +201,8 @@ class _RawPartition(StatefulSinkPartition[Timed, None]):
         if len(items) == 1:
             self._last = self._inserts.submit(items[0])
             return
-        merged: dict[str, list[bytes]] = {}
-        for rows, _ in items:
-            for table, batch in rows.items():
-                merged.setdefault(table, []).extend(batch)
         oldest = min((p for _, p in items if p > 0), default=0)
-        self._last = self._inserts.submit((merged, oldest))
+        self._last = self._inserts.submit((_by_table(items), oldest))
 
     def snapshot(self) -> None:
         # the epoch's offsets are committed with this snapshot: its rows must be stored
