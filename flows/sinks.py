@@ -116,7 +116,6 @@ class InsertThread:
         self._error: BaseException | None = None
         self._users = 0
         self._thread: threading.Thread | None = None
-        self.waited_s = 0.0  # time writers spent waiting for room (backpressure)
 
     def acquire(self) -> None:
         with self._cond:
@@ -144,12 +143,9 @@ class InsertThread:
         n = sum(map(len, item[0].values()))
         with self._cond:
             self._raise()
-            if self._pending_rows + n > self.max_pending_rows and self._queue:
-                t0 = time.perf_counter()
-                while self._pending_rows + n > self.max_pending_rows and self._queue:
-                    self._cond.wait()
-                    self._raise()
-                self.waited_s += time.perf_counter() - t0
+            while self._pending_rows + n > self.max_pending_rows and self._queue:
+                self._cond.wait()  # backpressure: the flow waits for room
+                self._raise()
             self._submitted += 1
             self._queue.append((self._submitted, item, n))
             self._pending_rows += n
