@@ -97,8 +97,7 @@ class JobAnalyzer:
         self.coll_now_ns = 0  # the newest time the collective records showed
         self.durations: deque[int] = deque(maxlen=20)
         self.hang_open: str | None = None
-        # open slowdown incidents, oldest first: culprit -> onset step
-        self.slow_open: dict[str, int] = {}
+        self.slow_open: list[str] = []  # open slowdown incidents' culprits, oldest first
         self.bursts: dict[str, list[tuple[int, float, int]]] = {}
         self.link_culprits: dict[tuple[int, int], str] = {}  # degraded edge -> its incident
         self.link_onset: dict[tuple[int, int], int] = {}  # degraded edge -> since when (ns)
@@ -322,7 +321,7 @@ class JobAnalyzer:
                 if v := self.book.resolve(VerdictKind.SLOWDOWN.value, culprit, rep.end_ns):
                     out.append(v)
                 self._forget_onset(culprit)
-            self.slow_open = {}
+            self.slow_open = []
             out += self._link_severity(0.0, rep)
             return out
         return self._burst(onset, ratio, length, rep)
@@ -419,12 +418,13 @@ class JobAnalyzer:
             culprit, fields = "job", {"cause": Cause.UNKNOWN}
         else:
             culprit, fields = found
-        if culprit in self.slow_open:
-            onset = self.slow_open[culprit]
+        grew = culprit in self.slow_open  # its slowdown grew: it keeps its onset
+        if grew and (known := self.onset_at[culprit][0]) is not None:
+            onset = known
             reps = self._since(onset) or reps
         onset_rep = reps[0] if reps else rep
-        if culprit not in self.slow_open:
-            self.slow_open[culprit] = onset
+        if not grew:
+            self.slow_open.append(culprit)
             self.onset_at[culprit] = (onset, onset_rep.start_ns)
         severity = self._share(culprit, duration)
         out = self._link_severity(duration, rep)
@@ -502,12 +502,16 @@ class JobAnalyzer:
             return level
         step, onset_ns = at
         if step is None:
-            step = next((r.step for r in self.recent if r.end_ns >= onset_ns), None)
+            step = self._step_reaching(onset_ns)
             if step is None:  # no step reached its onset yet: the level so far
                 return self._level_before_step(self.recent[-1].step + 1) if self.recent else None
             self.onset_at[culprit] = (step, onset_ns)
         level = self.onset_level[culprit] = self._level_before_step(step)
         return level
+
+    def _step_reaching(self, ts_ns: int) -> int | None:
+        """The first step seen that ended at or after ``ts_ns`` (None: none yet)."""
+        return next((r.step for r in self.recent if r.end_ns >= ts_ns), None)
 
     def _forget_onset(self, culprit: str) -> None:
         self.onset_at.pop(culprit, None)
@@ -518,7 +522,7 @@ class JobAnalyzer:
         ``duration`` ns (0: the job recovered)."""
         out = []
         for culprit in dict.fromkeys(self.link_culprits.values()):
-            severity = self._share(culprit, duration) if duration > 0 else 0.0
+            severity = self._share(culprit, duration)
             fields = dict(self.link_fields[culprit])
             cause = fields.pop("cause")
             if v := self.book.report(
@@ -642,7 +646,7 @@ class JobAnalyzer:
             self._forget_onset(culprit)
             v = self.book.resolve(VerdictKind.LINK_DEGRADATION.value, culprit, ts_ns)
             return [v] if v else []
-        step = next((r.step for r in self.recent if r.end_ns >= ev.onset_ns), None)
+        step = reached = self._step_reaching(ev.onset_ns)
         if step is None and self.recent:  # samples ran ahead of the steps: extrapolate
             last = self.recent[-1]
             per_step = max(self.expected_step_ns() or last.duration_ns, 1)
@@ -692,8 +696,8 @@ class JobAnalyzer:
         self.link_culprits[edge] = culprit
         self.link_onset[edge] = ev.onset_ns
         self.link_fields[culprit] = fields
-        self.onset_at.setdefault(culprit, (None, ev.onset_ns))
-        shifted = self.shift.shifted and self.shift.baseline and self.recent
+        self.onset_at.setdefault(culprit, (reached, ev.onset_ns))
+        shifted = self.shift.shifted and self.recent
         severity = self._share(culprit, self.recent[-1].duration_ns) if shifted else 0.0
         report = dict(fields)
         cause = report.pop("cause")
