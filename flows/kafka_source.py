@@ -146,8 +146,15 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
         self.idle_stop_s = idle_stop_s
         self.on_read = on_read
         self._quiet = _Quiet()
+        self._parts: list[str] | None = None
 
     def list_parts(self) -> list[str]:
+        """The topics' partitions, asked of the broker once (the raw sink lists the same)."""
+        if self._parts is None:
+            self._parts = self._ask_parts()
+        return list(self._parts)
+
+    def _ask_parts(self) -> list[str]:
         from confluent_kafka.admin import AdminClient
 
         admin_conf = {

@@ -229,18 +229,18 @@ class RawClickHouseSink(FixedPartitionedSink[Timed, None]):
         self._parts: dict[str, int] | None = None  # partition -> its place in the sorted list
         self._inserts = InsertThread(url, database, on_write, max_pending_rows)
 
-    def list_parts(self) -> list[str]:
+    def _index(self) -> dict[str, int]:
         if self._parts is None:
             self._parts = {p: i for i, p in enumerate(sorted(self._list_parts()))}
-        return list(self._parts)
+        return self._parts
+
+    def list_parts(self) -> list[str]:
+        return list(self._index())
 
     def part_fn(self, item_key: str) -> int:
         # the sink partition named like the source partition the rows came from: Bytewax
         # makes the same worker primary for both (the same names listed on every worker)
-        if self._parts is None:
-            self.list_parts()
-        assert self._parts is not None
-        return self._parts[item_key]
+        return self._index()[item_key]
 
     def build_part(self, step_id: str, for_part: str, resume_state: None) -> _RawPartition:
         return _RawPartition(self._inserts)
