@@ -226,6 +226,7 @@ class Collector:
         self._p2p_seq: dict[tuple[int, int], int] = {}  # (pair hash, sender) -> next seq
         self._p2p_done: dict[int, int] = {}
         self._pending: deque[list[Any]] = deque()  # appended by callers, drained here
+        self._draining = threading.Lock()  # the collector's thread and explicit drains
         self._meta: list[msgspec.Struct] = []
         self._announced: set[int] = set()
         self._originals: dict[str, Any] = {}
@@ -468,8 +469,14 @@ class Collector:
         )
 
     def drain(self, now_ns: int | None = None) -> list[msgspec.Struct]:
-        """Records due now: metadata, finished calls, and calls overdue (as unfinished)."""
-        now = now_ns or time.time_ns()
+        """Records due now: metadata, finished calls, and calls overdue (as unfinished).
+
+        Safe beside the collector's own thread: one drain at a time, so each call is
+        taken (and reported) by exactly one of them."""
+        with self._draining:
+            return self._drain(now_ns or time.time_ns())
+
+    def _drain(self, now: int) -> list[msgspec.Struct]:
         out: list[msgspec.Struct] = self._meta
         self._meta = []
         keep = []

@@ -165,7 +165,10 @@ def test_the_plugin_never_blocks_without_an_agent(
     plugin.flush()
     assert time.monotonic() - t0 < 10
     _, sent, dropped = plugin.stats()
-    assert sent == 0 and dropped >= 100  # every record counted as dropped
+    # every record counted as dropped: per collective one call per rank and a proxy op
+    # per rank, channel and direction (the flusher thread may be sending when flush()
+    # is called: flush waits for it, so none is still on its way)
+    assert sent == 0 and dropped >= 50 * (2 + 2 * 2 * 2)
     for comm in comms:
         plugin.finalize(comm)
 

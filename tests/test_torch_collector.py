@@ -4,6 +4,8 @@ numbers, completion of async work, partial reports, heartbeats, and uninstall.""
 from __future__ import annotations
 
 import socket
+import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,6 +76,41 @@ def test_calls_become_records_with_sequence_numbers_and_completion(pg: None) -> 
     assert world.ranks == [0] and world.role == CommRole.WORLD
     hb = col.heartbeat()
     assert isinstance(hb, Heartbeat) and hb.comms[0].completed_seq == 2
+
+
+def test_a_drain_beside_the_collectors_thread_reports_each_call_once(pg: None) -> None:
+    # the collector's own thread drains every 50 ms; a caller may drain too (tests,
+    # a flush at exit): each call must be taken by exactly one of them
+    got: list[Any] = []
+    col = torch_collector.Collector(job="j", sink=got.extend, node="n0", flush_s=0.0005)
+    col.install()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def drain() -> None:
+        while not stop.is_set():
+            try:
+                got.extend(col.drain())
+            except BaseException as e:  # reported by the assertion below
+                errors.append(e)
+                return
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the threads as a loaded machine would
+    other = threading.Thread(target=drain)
+    other.start()
+    try:
+        t = torch.ones(4)
+        for _ in range(3000):
+            dist.all_reduce(t)
+    finally:
+        stop.set()
+        other.join()
+        sys.setswitchinterval(switch)
+        col.uninstall()
+    assert not errors
+    seqs = sorted(r.seq for r in got if isinstance(r, Collective))
+    assert seqs == list(range(3000))
 
 
 def test_the_same_group_gets_the_same_hash_on_every_member() -> None:

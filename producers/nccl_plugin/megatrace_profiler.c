@@ -494,21 +494,30 @@ static void mt_heartbeats(void) {
   mt_send(buf, len, lines);
 }
 
+/* The flusher thread and an explicit flush (tests, health) both drain: one at a time,
+ * since the send buffer is shared and a drain only counts its records once sent. */
+static pthread_mutex_t g_drain_lock = PTHREAD_MUTEX_INITIALIZER;
+static void mt_drain(int stuck) {
+  pthread_mutex_lock(&g_drain_lock);
+  if (stuck) mt_report_stuck();
+  mt_flush();
+  pthread_mutex_unlock(&g_drain_lock);
+}
+
 static void *mt_flusher(void *arg) {
   (void)arg;
   int64_t next_hb = 0;
   while (!atomic_load(&g_stop)) {
     struct timespec ts = {0, 20 * 1000000};
     nanosleep(&ts, NULL);
-    mt_report_stuck();
-    mt_flush();
+    mt_drain(1);
     int64_t now = mt_now();
     if (now >= next_hb) {
       mt_heartbeats();
       next_hb = now + g_heartbeat_ns;
     }
   }
-  mt_flush();
+  mt_drain(0);
   return NULL;
 }
 
@@ -750,10 +759,7 @@ __attribute__((visibility("default"))) int megatrace_profiler_counts(uint64_t *o
   for (int i = 0; i < C_NCOUNTS; i++) out[i] = atomic_load(&g_counts[i]);
   return C_NCOUNTS;
 }
-__attribute__((visibility("default"))) void megatrace_profiler_flush(void) {
-  mt_report_stuck();
-  mt_flush();
-}
+__attribute__((visibility("default"))) void megatrace_profiler_flush(void) { mt_drain(1); }
 
 /* Micro-benchmark through the same entry points NCCL calls: ns per proxy-step
  * state change, per whole proxy step (start, two states, stop) and per
