@@ -104,6 +104,8 @@ class FlowConfig:
     #: the flow's own rows are inserted per table by this many, or after this long
     batch_rows: int = _CLICKHOUSE.batch_rows
     batch_ms: int = _CLICKHOUSE.batch_ms
+    #: the raw tables' inserts gather ``batch_rows`` rows, or wait this long at most
+    raw_batch_ms: int = _CLICKHOUSE.raw_batch_ms
 
 
 @dataclass
@@ -141,6 +143,7 @@ def flow_config(
         alerts=settings.alerts,
         batch_rows=settings.clickhouse.batch_rows,
         batch_ms=settings.clickhouse.batch_ms,
+        raw_batch_ms=settings.clickhouse.raw_batch_ms,
     )
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
@@ -379,7 +382,12 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
         # (source partition, rows per table) -> raw tables, inserted while the next poll is
         # decoded; a partition's snapshot waits for its rows
         raw_sink = RawClickHouseSink(
-            cfg.clickhouse_url, cfg.database, source.list_parts, on_write=cfg.on_stored
+            cfg.clickhouse_url,
+            cfg.database,
+            source.list_parts,
+            on_write=cfg.on_stored,
+            batch_rows=cfg.batch_rows,
+            batch_ms=cfg.raw_batch_ms,
         )
         op.output("records_to_clickhouse", op.map("rows", decoded, rows_of), raw_sink)
     if cfg.role != Role.STORE:

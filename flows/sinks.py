@@ -39,9 +39,11 @@ from bytewax.outputs import (
 )
 
 from infra.clickhouse import connect, insert_json
+from schemas.config import ClickHouseSettings
 
 Timed = tuple[dict[str, list[bytes]], int]
 OnWrite = Callable[[int, int, int], None]  # (records, oldest producer ms, stored ms)
+_CLICKHOUSE = ClickHouseSettings()  # the defaults' one home
 
 
 class SinkError(RuntimeError):
@@ -91,28 +93,42 @@ class ClickHouseSink(DynamicSink[Timed]):
 class InsertThread:
     """Inserts handed over by :meth:`submit`, in order, on a thread of its own.
 
-    What is queued when the thread is free goes in one insert per table (a thread
-    that fell behind catches up with larger, fewer inserts). :meth:`wait` returns
-    once a submission is stored; both raise :class:`SinkError` after a failed insert.
-    The thread has a client of its own (a server's client must not be shared
-    between threads) and stops when :meth:`release` has been called as often as
-    :meth:`acquire`.
+    Submissions are gathered into one insert per table until ``batch_rows`` rows
+    are queued or the oldest has waited ``batch_ms``: each insert makes a part,
+    which costs the embedded engine some 15 ms of CPU whatever its size (`megatrace
+    bench pipeline`), so inserting every poll as it came spent most of its time on
+    parts. :meth:`wait` returns once a submission is stored, and inserts at once what
+    it waits for; both raise :class:`SinkError` after a failed insert. The thread
+    has a client of its own (a server's client must not be shared between threads)
+    and stops, after inserting what is queued, when :meth:`release` has been called
+    as often as :meth:`acquire`.
     """
 
     def __init__(
-        self, url: str, database: str, on_write: OnWrite | None, max_pending_rows: int
+        self,
+        url: str,
+        database: str,
+        on_write: OnWrite | None,
+        *,
+        max_pending_rows: int,
+        batch_rows: int,
+        batch_ms: int,
     ) -> None:
-        if max_pending_rows < 1:
-            raise ValueError("max_pending_rows must be at least 1")
+        if max_pending_rows < 1 or batch_rows < 1 or batch_ms < 1:
+            raise ValueError("max_pending_rows, batch_rows and batch_ms must be at least 1")
         self.url = url
         self.database = database
         self.on_write = on_write
         self.max_pending_rows = max_pending_rows
+        self.batch_rows = min(batch_rows, max_pending_rows)
+        self.batch_s = batch_ms / 1000
         self._cond = threading.Condition()
         self._queue: list[tuple[int, Timed, int]] = []  # (ticket, item, rows)
+        self._oldest = 0.0  # when the oldest queued submission came (monotonic s)
         self._pending_rows = 0
         self._submitted = 0
         self._stored = 0
+        self._wanted = 0  # the newest ticket someone waits for: insert it now
         self._error: BaseException | None = None
         self._users = 0
         self._thread: threading.Thread | None = None
@@ -144,17 +160,25 @@ class InsertThread:
         with self._cond:
             self._raise()
             while self._pending_rows + n > self.max_pending_rows and self._queue:
+                self._wanted = max(self._wanted, self._queue[-1][0])  # make room now
+                self._cond.notify_all()
                 self._cond.wait()  # backpressure: the flow waits for room
                 self._raise()
+            if not self._queue:
+                self._oldest = time.monotonic()
             self._submitted += 1
             self._queue.append((self._submitted, item, n))
             self._pending_rows += n
-            self._cond.notify_all()
+            if len(self._queue) == 1 or self._pending_rows >= self.batch_rows:
+                self._cond.notify_all()  # the thread times the first; inserts a full batch
             return self._submitted
 
     def wait(self, ticket: int) -> None:
         """Block until submission ``ticket`` (and every earlier one) is stored."""
         with self._cond:
+            if self._stored < ticket:
+                self._wanted = max(self._wanted, ticket)
+                self._cond.notify_all()
             while self._stored < ticket:
                 self._raise()
                 self._cond.wait()
@@ -164,14 +188,28 @@ class InsertThread:
         if self._error is not None:
             raise SinkError(f"an insert into ClickHouse failed: {self._error}") from self._error
 
+    def _due(self) -> float:
+        """Seconds until the queue is due for its insert (0: now)."""
+        if self._users <= 0 or self._pending_rows >= self.batch_rows:
+            return 0.0
+        if self._wanted >= self._queue[0][0]:
+            return 0.0
+        return max(0.0, self._oldest + self.batch_s - time.monotonic())
+
     def _run(self) -> None:
         client: Any = None
         while True:
             with self._cond:
-                while not self._queue and self._users > 0:
-                    self._cond.wait()
-                if not self._queue:
-                    return  # released by everyone and drained
+                while True:
+                    if not self._queue:
+                        if self._users <= 0:
+                            return  # released by everyone and drained
+                        self._cond.wait()
+                        continue
+                    due = self._due()
+                    if due <= 0:
+                        break
+                    self._cond.wait(due)
                 batch, self._queue = self._queue, []
             try:
                 client = client or connect(self.url)
@@ -223,11 +261,20 @@ class RawClickHouseSink(FixedPartitionedSink[Timed, None]):
         list_parts: Callable[[], list[str]],
         *,
         on_write: OnWrite | None = None,
-        max_pending_rows: int = 50_000,
+        max_pending_rows: int = 100_000,
+        batch_rows: int = _CLICKHOUSE.batch_rows,
+        batch_ms: int = _CLICKHOUSE.raw_batch_ms,
     ) -> None:
         self._list_parts = list_parts
         self._parts: dict[str, int] | None = None  # partition -> its place in the sorted list
-        self._inserts = InsertThread(url, database, on_write, max_pending_rows)
+        self._inserts = InsertThread(
+            url,
+            database,
+            on_write,
+            max_pending_rows=max_pending_rows,
+            batch_rows=batch_rows,
+            batch_ms=batch_ms,
+        )
 
     def _index(self) -> dict[str, int]:
         if self._parts is None:

@@ -89,12 +89,15 @@ class ClickHouseSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     #: large inserts (each makes a part), and a job's step makes one row of some tables
     batch_rows: int = 20_000
     batch_ms: int = 1_000
+    #: the raw input records too, by ``batch_rows`` or after this long (shorter: they are
+    #: what a dashboard shows first, and what end-to-end latency is measured on)
+    raw_batch_ms: int = 200
 
     def __post_init__(self) -> None:
-        if self.batch_rows < 1 or self.batch_ms < 1:
+        if min(self.batch_rows, self.batch_ms, self.raw_batch_ms) < 1:
             raise ValueError(
-                f"batch_rows and batch_ms must be at least 1, not {self.batch_rows} and "
-                f"{self.batch_ms}"
+                f"batch_rows, batch_ms and raw_batch_ms must be at least 1, not "
+                f"{self.batch_rows}, {self.batch_ms} and {self.raw_batch_ms}"
             )
 
 

@@ -40,6 +40,7 @@ def test_held_rows_survive_a_restart_from_the_snapshot_and_the_end_of_input() ->
     assert resumed.on_eof()[0] == [([b"a", b"b"], 7)]
 
 
-def test_batch_settings_are_validated() -> None:
-    with pytest.raises(ConfigError, match="batch_rows and batch_ms must be at least 1"):
-        load_settings(overrides={"clickhouse": {"batch_rows": 0}})
+@pytest.mark.parametrize("bad", ["batch_rows", "batch_ms", "raw_batch_ms"])
+def test_batch_settings_are_validated(bad: str) -> None:
+    with pytest.raises(ConfigError, match="raw_batch_ms must be at least 1, not"):
+        load_settings(overrides={"clickhouse": {bad: 0}})
