@@ -6,10 +6,12 @@ the flow processes them; this module times the three and prints a table.
 
 from __future__ import annotations
 
+import os
 import resource
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,10 +50,41 @@ class _Probe:
         return float(np.percentile(v, q))
 
 
-def _raw_consume(settings: Settings, bootstrap: str, topics: list[str], n: int) -> float:
+@dataclass(frozen=True)
+class _Cpu:
+    """CPU seconds a run took: the flow's own thread (every Python step runs there), the
+    rest of its process (the embedded ClickHouse engine's threads, the Kafka client's,
+    the raw rows' insert thread) and the local broker's process (None: not known)."""
+
+    flow: float
+    rest: float
+    broker: float | None
+
+    def per_record(self, n: int) -> str:
+        us = 1e6 / max(1, n)
+        broker = "" if self.broker is None else f", broker {self.broker * us:.1f}"
+        return f"flow thread {self.flow * us:.1f}, rest of the process {self.rest * us:.1f}{broker}"
+
+
+def _process_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (Linux), or None."""
+    if pid is None:
+        return None
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - one read of a tiny file
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _raw_consume(settings: Settings, stack: Stack, topics: list[str], n: int) -> tuple[float, _Cpu]:
+    """Records/s of a bare consumer that decodes each record, and the CPU it took."""
     from confluent_kafka import Consumer, TopicPartition
 
-    c = Consumer(consumer_config(settings.kafka, bootstrap))
+    pid = _broker_pid(stack)
+    b0, c0, p0 = _process_cpu_s(pid), time.thread_time(), time.process_time()
+    c = Consumer(consumer_config(settings.kafka, stack.bootstrap()))
     meta = c.list_topics(timeout=10)
     c.assign([TopicPartition(t, p, 0) for t in topics for p in meta.topics[t].partitions])
     got = 0
@@ -65,7 +98,17 @@ def _raw_consume(settings: Settings, bootstrap: str, topics: list[str], n: int) 
                 got += 1
     dt = time.perf_counter() - t0
     c.close()
-    return got / dt
+    c1, p1, b1 = time.thread_time(), time.process_time(), _process_cpu_s(pid)
+    return got / dt, _Cpu(c1 - c0, (p1 - p0) - (c1 - c0), _minus(b1, b0))
+
+
+def _broker_pid(stack: Stack) -> int | None:
+    info = stack.broker.status() if stack.uses_local_broker else None
+    return None if info is None else info.pid
+
+
+def _minus(b: float | None, a: float | None) -> float | None:
+    return None if a is None or b is None else b - a
 
 
 def _flow(
@@ -76,9 +119,9 @@ def _flow(
     database: str,
     idle_s: float = 2.0,
     role: Role = Role.ALL,
-) -> tuple[float, float]:
+) -> tuple[float, float, _Cpu]:
     """Run one bounded flow into a database of its own; return (its busy seconds, its
-    start-up seconds).
+    start-up seconds, the CPU it took).
 
     Busy is from its first record read until its last raw row was stored, or until the
     final quiet wait began when that was later: the steady rate, as the raw rate is
@@ -116,12 +159,18 @@ def _flow(
         role=role,
     )
     tune_gc()
+    pid = _broker_pid(stack)
+    flow = build_flow(cfg)
+    b0, c0, p0 = _process_cpu_s(pid), time.thread_time(), time.process_time()
     t0 = time.perf_counter()
-    run_main(build_flow(cfg))
-    end = max(time.perf_counter() - idle_s, stored[0])
+    run_main(flow)  # in this thread: Bytewax runs a single worker's steps on its caller's
+    t1 = time.perf_counter()
+    c1, p1, b1 = time.thread_time(), time.process_time(), _process_cpu_s(pid)
+    cpu = _Cpu(c1 - c0, (p1 - p0) - (c1 - c0), _minus(b1, b0))
+    end = max(t1 - idle_s, stored[0])
     stack.clickhouse().command(f"DROP DATABASE IF EXISTS {db} SYNC")
     start = (first[0] or end) - t0
-    return max(1e-9, end - t0 - start), start
+    return max(1e-9, end - t0 - start), start, cpu
 
 
 def pipeline(
@@ -155,13 +204,15 @@ def pipeline(
     pub.flush()
     produce_rate = n / (time.perf_counter() - t0)
     detect_topics = [t for t in topics.inputs if t != topics.kernel]
-    raw_all = _raw_consume(settings, boot, list(topics.inputs), n)
-    raw_detect = _raw_consume(settings, boot, detect_topics, n_detect)
+    raw_all, cpu_all = _raw_consume(settings, stack, list(topics.inputs), n)
+    raw_detect, cpu_detect = _raw_consume(settings, stack, detect_topics, n_detect)
     rss0 = _rss_mb()
     rows = [
         ("produce (idempotent producer)", f"{produce_rate:,.0f} records/s", ""),
         ("raw consume + decode, every input topic", f"{raw_all:,.0f} records/s", ""),
+        ("  CPU per record, raw, every topic", "µs", cpu_all.per_record(n)),
         ("raw consume + decode, the detect role's topics", f"{raw_detect:,.0f} records/s", ""),
+        ("  CPU per record, raw, the detect role's", "µs", cpu_detect.per_record(n_detect)),
     ]
     for role, count, raw in (
         (Role.ALL, n, raw_all),
@@ -169,14 +220,15 @@ def pipeline(
         (Role.DETECT, n_detect, raw_detect),
     ):
         say(f"flow, role {role.value} ...")
-        busy, start = _flow(settings, stack, topics, None, database, role=role)
-        rows.append(
+        busy, start, cpu = _flow(settings, stack, topics, None, database, role=role)
+        rows += [
             (
                 f"flow, role {role.value} (one process)",
                 f"{count / busy:,.0f} records/s",
                 f"{count / busy / raw:.0%} of raw (first record read after {start:.2f} s)",
-            )
-        )
+            ),
+            (f"  CPU per record, role {role.value}", "µs", cpu.per_record(count)),
+        ]
     rss1 = _rss_mb()
     # latency: a paced producer while the flow (role all) runs
     topics2 = Topics(prefix=f"{prefix}lat.")
@@ -199,7 +251,7 @@ def pipeline(
     probe2 = _Probe()
     th = threading.Thread(target=produce, daemon=True)
     th.start()
-    _flow(settings, stack, topics2, probe2, database, idle_s=3.0)
+    _flow(settings, stack, topics2, probe2, database, idle_s=3.0)  # latency only
     th.join()
     rss2 = _rss_mb()
     rows += [
