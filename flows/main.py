@@ -50,7 +50,7 @@ from flows.logic import (
     Rows,
     schedules,
 )
-from flows.sinks import ClickHouseSink, RawClickHouseSink
+from flows.sinks import AsyncClickHouseSink, ClickHouseSink
 from flows.webhooks import WebhookSink
 from schemas.codec import SchemaError, dead_letter, decode, encode
 from schemas.config import AlertSettings, ClickHouseSettings, DetectSettings, Settings
@@ -65,7 +65,7 @@ from schemas.records import (
     ProxySummary,
     Verdict,
 )
-from schemas.tables import TABLE_FOR
+from schemas.tables import TABLE_FOR, TABLES
 from schemas.topics import Topics
 
 _CLICKHOUSE = ClickHouseSettings()  # the defaults' one home
@@ -258,10 +258,15 @@ def by_table(records: list[msgspec.Struct]) -> list[tuple[str, Rows]]:
     return [(table, (rows, 0)) for table, rows in as_rows(records)[0].items()]
 
 
-def table_rows(kv: tuple[str, Rows]) -> tuple[dict[str, list[bytes]], int]:
-    """A table's gathered rows, as the ClickHouse sink takes them."""
+def table_rows(kv: tuple[str, Rows]) -> tuple[str, tuple[dict[str, list[bytes]], int]]:
+    """A table's gathered rows, keyed by the table, as the ClickHouse sink takes them."""
     table, (rows, produced_ms) = kv
-    return {table: rows}, produced_ms
+    return table, ({table: rows}, produced_ms)
+
+
+def own_tables() -> list[str]:
+    """The tables the flow's own rows may go to: every table (the sink's partitions)."""
+    return sorted(TABLES)
 
 
 def forward_to_job(kv: tuple[str, AlignOut]) -> tuple[str, list[Any]]:
@@ -355,7 +360,7 @@ def tune_gc() -> None:
 
 def build_flow(cfg: FlowConfig) -> Dataflow:
     flow = Dataflow("megatrace")
-    ch = ClickHouseSink(cfg.clickhouse_url, cfg.database)
+    ch = ClickHouseSink(cfg.clickhouse_url, cfg.database)  # dead letters: few, inserted at once
     consumer = {"bootstrap.servers": ",".join(cfg.brokers), **cfg.consumer_options}
     source = RawKafkaSource(
         consumer,
@@ -381,7 +386,7 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
         )
         # (source partition, rows per table) -> raw tables, inserted while the next poll is
         # decoded; a partition's snapshot waits for its rows
-        raw_sink = RawClickHouseSink(
+        raw_sink = AsyncClickHouseSink(
             cfg.clickhouse_url,
             cfg.database,
             source.list_parts,
@@ -391,11 +396,11 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
         )
         op.output("records_to_clickhouse", op.map("rows", decoded, rows_of), raw_sink)
     if cfg.role != Role.STORE:
-        _detect(cfg, decoded, ch)
+        _detect(cfg, decoded)
     return flow
 
 
-def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], ch: ClickHouseSink) -> None:
+def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded]) -> None:
     # (job, list[JobInfo | CommInfo]) -> (job:comm, [CommSchedule]): where each comm's calls sit
     book = op.stateful_map(
         "schedule_book", op.flat_map("meta_by_job", decoded, meta_by_job), schedules
@@ -437,7 +442,15 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], ch: ClickHouseSink) ->
     batched = op.stateful_batch(
         "batch_rows", own, lambda resume: RowBatchLogic(cfg.batch_rows, cfg.batch_ms, resume)
     )
-    op.output("own_rows_to_clickhouse", op.map("table_rows", batched, table_rows), ch)
+    # (table, rows) -> that table, inserted off the flow's thread; its snapshot waits for them
+    own_sink = AsyncClickHouseSink(
+        cfg.clickhouse_url,
+        cfg.database,
+        own_tables,
+        batch_rows=cfg.batch_rows,
+        batch_ms=cfg.raw_batch_ms,
+    )
+    op.output("own_rows_to_clickhouse", op.map("table_rows", batched, table_rows), own_sink)
     # list[AlignedCollective | StepSummary | RankStep | Verdict] -> verdicts announced
     verdicts = op.flat_map("verdicts", results, verdicts_of)
     kop.output(

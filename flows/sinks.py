@@ -8,17 +8,20 @@ replay after recovery does not duplicate.
 
 Two sinks, one guarantee: nothing Bytewax considers written is lost.
 
-* :class:`ClickHouseSink` (the flow's own rows, dead letters) inserts what it is
-  handed, one insert per table, before returning.
-* :class:`RawClickHouseSink` (every input record, the largest volume) hands its
-  rows to an insert thread and returns at once, so ClickHouse parses one poll
-  while the flow decodes the next: the embedded engine parses in the flow's own
-  process and releases the GIL meanwhile, and its parsing costs about what
-  consuming and decoding a record does. Its partitions are the source's (one per
-  Kafka topic partition, keyed as :func:`~flows.kafka_source.part_name` names
-  them), so rows stay on the worker that read them, and each partition's
-  snapshot waits for its rows' inserts: an epoch, and the offsets it holds, is
-  committed only once everything it read is stored. The thread holds at most
+* :class:`ClickHouseSink` (dead letters: few) inserts what it is handed, one
+  insert per table, before returning.
+* :class:`AsyncClickHouseSink` (every input record, the largest volume; and the
+  flow's own rows, gathered per table) hands its rows to an insert thread and
+  returns at once, so ClickHouse parses while the flow goes on, and a slow insert
+  (a server far away, a busy engine) does not hold up detection: the embedded
+  engine parses in the flow's own process and releases the GIL meanwhile. The
+  thread gathers what it is handed into few, large inserts (see
+  :class:`InsertThread`). The sink's partitions are named by the caller: the raw
+  rows' are the source's (one per Kafka topic partition, keyed as
+  :func:`~flows.kafka_source.part_name` names them), so rows stay on the worker
+  that read them; the flow's own rows' are the tables. Each partition's snapshot
+  waits for its rows' inserts: an epoch, and the offsets it holds, is committed
+  only once everything it handed over is stored. The thread holds at most
   ``max_pending_rows`` rows; beyond that a write waits (backpressure). An insert
   that fails is raised again by the partitions' next write, snapshot or close,
   so the flow stops and resumes from its last committed epoch.
@@ -225,7 +228,7 @@ class InsertThread:
                 self._cond.notify_all()
 
 
-class _RawPartition(StatefulSinkPartition[Timed, None]):
+class _AsyncPartition(StatefulSinkPartition[Timed, None]):
     def __init__(self, inserts: InsertThread) -> None:
         self._inserts = inserts
         self._last = 0
@@ -249,10 +252,10 @@ class _RawPartition(StatefulSinkPartition[Timed, None]):
             self._inserts.release()
 
 
-class RawClickHouseSink(FixedPartitionedSink[Timed, None]):
-    """Every input record into its raw table, inserted off the flow's thread (see the
-    module docstring). ``list_parts`` lists the source's partitions; items are keyed by
-    the partition they were read from."""
+class AsyncClickHouseSink(FixedPartitionedSink[Timed, None]):
+    """Rows inserted off the flow's thread, into their tables (see the module docstring).
+    ``list_parts`` lists the partitions (for raw rows the source's, for the flow's own
+    rows its tables); items are keyed by partition."""
 
     def __init__(
         self,
@@ -289,5 +292,5 @@ class RawClickHouseSink(FixedPartitionedSink[Timed, None]):
         # makes the same worker primary for both (the same names listed on every worker)
         return self._index()[item_key]
 
-    def build_part(self, step_id: str, for_part: str, resume_state: None) -> _RawPartition:
-        return _RawPartition(self._inserts)
+    def build_part(self, step_id: str, for_part: str, resume_state: None) -> _AsyncPartition:
+        return _AsyncPartition(self._inserts)

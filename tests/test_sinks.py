@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from flows.sinks import RawClickHouseSink, SinkError
+from flows.sinks import AsyncClickHouseSink, SinkError
 from schemas.codec import encode
 from tests.examples import every_record
 
@@ -49,7 +49,7 @@ def test_a_snapshot_returns_once_its_rows_are_stored(
     ch: Any, database: str, clickhouse_url: str
 ) -> None:
     stored: list[int] = []
-    sink = RawClickHouseSink(
+    sink = AsyncClickHouseSink(
         clickhouse_url,
         database,
         lambda: list(PARTS),
@@ -74,7 +74,7 @@ def test_a_snapshot_returns_once_its_rows_are_stored(
 
 
 def test_rows_go_in_as_few_large_inserts(ch: Any, database: str, clickhouse_url: str) -> None:
-    sink = RawClickHouseSink(
+    sink = AsyncClickHouseSink(
         clickhouse_url, database, lambda: list(PARTS), batch_rows=1000, batch_ms=3_600_000
     )
     part = sink.build_part("raw", "1-megatrace.kernel", None)
@@ -90,7 +90,7 @@ def test_rows_go_in_as_few_large_inserts(ch: Any, database: str, clickhouse_url:
 
 
 def test_rows_wait_no_longer_than_batch_ms(ch: Any, database: str, clickhouse_url: str) -> None:
-    sink = RawClickHouseSink(clickhouse_url, database, lambda: list(PARTS), batch_ms=300)
+    sink = AsyncClickHouseSink(clickhouse_url, database, lambda: list(PARTS), batch_ms=300)
     part = sink.build_part("raw", "1-megatrace.kernel", None)
     part.write_batch([(_rows(10), 0)])
     _until(lambda: _count(ch, database) == 10)
@@ -101,7 +101,7 @@ def test_rows_wait_no_longer_than_batch_ms(ch: Any, database: str, clickhouse_ur
 def test_a_failed_insert_is_raised_in_the_flow_with_its_cause(
     ch: Any, database: str, clickhouse_url: str
 ) -> None:
-    sink = RawClickHouseSink(clickhouse_url, f"{database}_missing", lambda: list(PARTS))
+    sink = AsyncClickHouseSink(clickhouse_url, f"{database}_missing", lambda: list(PARTS))
     part = sink.build_part("raw", "0-megatrace.comm", None)
     part.write_batch([(_rows(5), 0)])
     with pytest.raises(SinkError, match=f"{database}_missing"):
@@ -115,4 +115,4 @@ def test_a_failed_insert_is_raised_in_the_flow_with_its_cause(
 @pytest.mark.parametrize("bad", ["max_pending_rows", "batch_rows", "batch_ms"])
 def test_pending_rows_and_batches_are_bounded(bad: str) -> None:
     with pytest.raises(ValueError, match="max_pending_rows, batch_rows and batch_ms"):
-        RawClickHouseSink("chdb:///nowhere", "db", list, **{bad: 0})
+        AsyncClickHouseSink("chdb:///nowhere", "db", list, **{bad: 0})
