@@ -442,14 +442,9 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded]) -> None:
     batched = op.stateful_batch(
         "batch_rows", own, lambda resume: RowBatchLogic(cfg.batch_rows, cfg.batch_ms, resume)
     )
-    # (table, rows) -> that table, inserted off the flow's thread; its snapshot waits for them
-    own_sink = AsyncClickHouseSink(
-        cfg.clickhouse_url,
-        cfg.database,
-        own_tables,
-        batch_rows=cfg.batch_rows,
-        batch_ms=cfg.raw_batch_ms,
-    )
+    # (table, rows) -> that table, inserted off the flow's thread as soon as it is free
+    # (batch_rows already gathered them); its snapshot waits for them
+    own_sink = AsyncClickHouseSink(cfg.clickhouse_url, cfg.database, own_tables, batch_rows=1)
     op.output("own_rows_to_clickhouse", op.map("table_rows", batched, table_rows), own_sink)
     # list[AlignedCollective | StepSummary | RankStep | Verdict] -> verdicts announced
     verdicts = op.flat_map("verdicts", results, verdicts_of)

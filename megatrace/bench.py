@@ -54,7 +54,7 @@ class _Probe:
 class _Cpu:
     """CPU seconds a run took: the flow's own thread (every Python step runs there), the
     rest of its process (the embedded ClickHouse engine's threads, the Kafka client's,
-    the raw rows' insert thread) and the local broker's process (None: not known)."""
+    the insert threads) and the local broker's process (None: not known)."""
 
     flow: float
     rest: float
@@ -78,12 +78,26 @@ def _process_cpu_s(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _cpu_meter(stack: Stack) -> Callable[[], _Cpu]:
+    """Start counting CPU in this thread, this process and the local broker; the returned
+    function says what was spent since."""
+    info = stack.broker.status() if stack.uses_local_broker else None
+    pid = None if info is None else info.pid
+    b0, c0, p0 = _process_cpu_s(pid), time.thread_time(), time.process_time()
+
+    def spent() -> _Cpu:
+        c1, p1, b1 = time.thread_time(), time.process_time(), _process_cpu_s(pid)
+        broker = None if b0 is None or b1 is None else b1 - b0
+        return _Cpu(c1 - c0, (p1 - p0) - (c1 - c0), broker)
+
+    return spent
+
+
 def _raw_consume(settings: Settings, stack: Stack, topics: list[str], n: int) -> tuple[float, _Cpu]:
     """Records/s of a bare consumer that decodes each record, and the CPU it took."""
     from confluent_kafka import Consumer, TopicPartition
 
-    pid = _broker_pid(stack)
-    b0, c0, p0 = _process_cpu_s(pid), time.thread_time(), time.process_time()
+    cpu = _cpu_meter(stack)
     c = Consumer(consumer_config(settings.kafka, stack.bootstrap()))
     meta = c.list_topics(timeout=10)
     c.assign([TopicPartition(t, p, 0) for t in topics for p in meta.topics[t].partitions])
@@ -98,17 +112,7 @@ def _raw_consume(settings: Settings, stack: Stack, topics: list[str], n: int) ->
                 got += 1
     dt = time.perf_counter() - t0
     c.close()
-    c1, p1, b1 = time.thread_time(), time.process_time(), _process_cpu_s(pid)
-    return got / dt, _Cpu(c1 - c0, (p1 - p0) - (c1 - c0), _minus(b1, b0))
-
-
-def _broker_pid(stack: Stack) -> int | None:
-    info = stack.broker.status() if stack.uses_local_broker else None
-    return None if info is None else info.pid
-
-
-def _minus(b: float | None, a: float | None) -> float | None:
-    return None if a is None or b is None else b - a
+    return got / dt, cpu()
 
 
 def _flow(
@@ -159,14 +163,12 @@ def _flow(
         role=role,
     )
     tune_gc()
-    pid = _broker_pid(stack)
     flow = build_flow(cfg)
-    b0, c0, p0 = _process_cpu_s(pid), time.thread_time(), time.process_time()
+    spent = _cpu_meter(stack)
     t0 = time.perf_counter()
     run_main(flow)  # in this thread: Bytewax runs a single worker's steps on its caller's
     t1 = time.perf_counter()
-    c1, p1, b1 = time.thread_time(), time.process_time(), _process_cpu_s(pid)
-    cpu = _Cpu(c1 - c0, (p1 - p0) - (c1 - c0), _minus(b1, b0))
+    cpu = spent()
     end = max(t1 - idle_s, stored[0])
     stack.clickhouse().command(f"DROP DATABASE IF EXISTS {db} SYNC")
     start = (first[0] or end) - t0

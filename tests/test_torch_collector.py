@@ -79,8 +79,8 @@ def test_calls_become_records_with_sequence_numbers_and_completion(pg: None) -> 
 
 
 def test_a_drain_beside_the_collectors_thread_reports_each_call_once(pg: None) -> None:
-    # the collector's own thread drains every 50 ms; a caller may drain too (tests,
-    # a flush at exit): each call must be taken by exactly one of them
+    # the collector's own thread drains (here every 0.5 ms); a caller may drain too
+    # (tests, a flush at exit): each call must be taken by exactly one of them
     got: list[Any] = []
     col = torch_collector.Collector(job="j", sink=got.extend, node="n0", flush_s=0.0005)
     col.install()
