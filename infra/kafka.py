@@ -44,19 +44,26 @@ def producer_config(kafka: KafkaSettings, bootstrap: str) -> dict[str, str]:
 def consumer_config(kafka: KafkaSettings, bootstrap: str) -> dict[str, str]:
     """A consumer that keeps up under backlog (no 0.5-1 s stalls) and commits nothing itself.
 
-    ``fetch.wait.max.ms`` is librdkafka's default: a flow holds a consumer per topic
-    partition, and each idle one asks again every time its fetch expires. At 50 ms,
-    17 idle consumers cost the local broker 13% of a core (0.38 ms of CPU a fetch);
-    at 500, 3% (`megatrace bench pipeline`: the broker's CPU per record halved). A
-    broker answers a waiting fetch when records come, so this bounds only how long
-    an idle partition's fetch may wait (the local broker answered within 44 ms).
+    ``fetch.wait.max.ms``: a flow holds a consumer per topic partition, and each idle
+    one asks again whenever its fetch expires; the local broker spends ~0.4 ms of CPU
+    an empty fetch and does not answer a waiting fetch the moment records come (Kafka
+    does). Measured here with the flow's 17 consumers (`megatrace bench pipeline`'s
+    records; latency at 20k records/s, role all):
+
+    ====  ==============  =================  ===============  ===========
+    ms    idle broker     role store         role all         latency p50
+    ====  ==============  =================  ===============  ===========
+    50    13% of a core   150-164k rec/s     114-118k rec/s   210 ms
+    200   5%              176-197k           125-127k         280 ms
+    500   3%              176-186k           133-145k         390-490 ms
+    ====  ==============  =================  ===============  ===========
     """
     conf = {
         "group.id": "megatrace",
         "enable.auto.commit": "false",
         "auto.offset.reset": "earliest",
         "fetch.queue.backoff.ms": "10",
-        "fetch.wait.max.ms": "500",
+        "fetch.wait.max.ms": "200",
     }
     conf.update(client_config(kafka, bootstrap))
     return conf
