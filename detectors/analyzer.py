@@ -102,6 +102,7 @@ class JobAnalyzer:
         self.link_culprits: dict[tuple[int, int], str] = {}  # degraded edge -> its incident
         self.link_onset: dict[tuple[int, int], int] = {}  # degraded edge -> since when (ns)
         self.link_fields: dict[str, dict[str, Any]] = {}  # incident -> cause and culprit fields
+        self.link_unplaced: set[str] = set()  # link incidents opened before any step was seen
         # open step-time incident (link or slowdown culprit) -> when it began: its onset
         # step once a step reached it (None before), and its onset time (ns)
         self.onset_at: dict[str, tuple[int | None, int]] = {}
@@ -525,6 +526,11 @@ class JobAnalyzer:
             severity = self._share(culprit, duration)
             fields = dict(self.link_fields[culprit])
             cause = fields.pop("cause")
+            if culprit in self.link_unplaced:  # its step, once a step reached its onset
+                step = self._step_reaching(self.onset_at[culprit][1])
+                if step is not None:
+                    fields["step"] = step
+                    self.link_unplaced.discard(culprit)
             if v := self.book.report(
                 VerdictKind.LINK_DEGRADATION,
                 cause,
@@ -643,6 +649,7 @@ class JobAnalyzer:
             if culprit in self.link_culprits.values():
                 return []  # other links of that NIC are still slow
             self.link_fields.pop(culprit, None)
+            self.link_unplaced.discard(culprit)
             self._forget_onset(culprit)
             v = self.book.resolve(VerdictKind.LINK_DEGRADATION.value, culprit, ts_ns)
             return [v] if v else []
@@ -697,6 +704,10 @@ class JobAnalyzer:
         self.link_onset[edge] = ev.onset_ns
         self.link_fields[culprit] = fields
         self.onset_at.setdefault(culprit, (reached, ev.onset_ns))
+        if step is None:  # no step seen yet: placed by an update once one reaches the onset
+            self.link_unplaced.add(culprit)
+        else:
+            self.link_unplaced.discard(culprit)
         shifted = self.shift.shifted and self.recent
         severity = self._share(culprit, self.recent[-1].duration_ns) if shifted else 0.0
         report = dict(fields)

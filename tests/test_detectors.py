@@ -616,7 +616,8 @@ def test_a_link_read_before_any_step_costs_what_it_costs_when_read_in_time() -> 
     """A flow that reads the link samples' topic ahead of the collectives (a backlog, a
     kernel-heavy partition) sees the degraded link before any step: its share of the
     loss is then the same as when read in time (it was once 100%, the level before it
-    taken as zero), and so are its revisions."""
+    taken as zero), and so are its revisions; once a step reaches its onset, an update
+    places it at that step (it once kept no step for good)."""
     from schemas.records import LinkSample
 
     run = build("story", scale="tiny", seed=1, steps=30)
@@ -625,13 +626,18 @@ def test_a_link_read_before_any_step_costs_what_it_costs_when_read_in_time() -> 
     links = [r for r in recs if isinstance(r, LinkSample)]
     rest = [r for r in recs[n_meta:] if not isinstance(r, LinkSample)]
 
-    def link_revisions(records: list) -> list[tuple[int, float]]:
+    def link_verdicts(records: list) -> list[Verdict]:
         return [
-            (v.revision, round(v.severity, 3))
+            v
             for v in Replay().run(records)
             if isinstance(v, Verdict) and v.kind == VerdictKind.LINK_DEGRADATION
         ]
 
-    in_time = link_revisions(recs)
-    assert in_time and max(s for _, s in in_time) < 0.3
-    assert link_revisions(recs[:n_meta] + links + rest) == in_time
+    def revisions(verdicts: list[Verdict]) -> list[tuple[int, float]]:
+        return [(v.revision, round(v.severity, 3)) for v in verdicts]
+
+    in_time, early = link_verdicts(recs), link_verdicts(recs[:n_meta] + links + rest)
+    assert in_time and max(v.severity for v in in_time) < 0.3
+    assert revisions(early) == revisions(in_time)
+    assert early[0].step is None  # opened before any step was seen
+    assert early[-1].step == in_time[-1].step == run.labels[0].onset_step
