@@ -31,17 +31,51 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _rss_now_mb() -> float | None:
+    """The process's resident memory now (not its peak), or None off Linux."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return None
+
+
 class _Probe:
-    """Collects (records, produced ms, stored ms) from the ClickHouse sink."""
+    """Collects (records, produced ms, stored ms) from the ClickHouse sink, and the
+    process's resident memory after each insert."""
 
     def __init__(self) -> None:
         self.n = 0
         self.lat: list[tuple[int, int]] = []
+        self.rss: list[tuple[int, float]] = []  # (records stored so far, MB resident)
 
     def __call__(self, count: int, produced_ms: int, stored_ms: int) -> None:
         self.n += count
         if produced_ms > 0:
             self.lat.append((stored_ms - produced_ms, count))
+        if (mb := _rss_now_mb()) is not None:
+            self.rss.append((self.n, mb))
+
+    def rss_at(self, share: float) -> float | None:
+        """Resident MB once ``share`` of the records seen were stored (None: unknown)."""
+        return next((mb for n, mb in self.rss if n >= share * self.n), None)
+
+    def rss_row(self) -> tuple[str, str]:
+        """Resident memory at a quarter, half and all of the run, and its growth over the
+        second half (a flow whose state is bounded stays flat once warm).
+
+        >>> p = _Probe()
+        >>> p.rss = [(100, 900.0), (250, 1000.0), (500, 1100.0), (1000, 1210.0)]
+        >>> p.n = 1000
+        >>> p.rss_row()
+        ('1,000 / 1,100 / 1,210 MB', '+10.0% over the second half')
+        """
+        at = [self.rss_at(q) for q in (0.25, 0.5, 1.0)]
+        if any(mb is None for mb in at):
+            return "unknown (no /proc)", ""
+        quarter, half, end = (float(mb or 0) for mb in at)
+        growth = f"{end / half - 1:+.1%} over the second half"
+        return f"{quarter:,.0f} / {half:,.0f} / {end:,.0f} MB", growth
 
     def percentile(self, q: float) -> float:
         if not self.lat:
@@ -260,6 +294,7 @@ def pipeline(
         (f"latency p50 at {rate:,} records/s (role all)", f"{probe2.percentile(50):,.0f} ms", ""),
         (f"latency p99 at {rate:,} records/s (role all)", f"{probe2.percentile(99):,.0f} ms", ""),
         ("records through the paced run", f"{probe2.n:,} of {total:,}", ""),
+        ("resident memory once 25% / 50% / 100% were stored", *probe2.rss_row()),
         (
             "peak RSS after the bulk runs / after paced run",
             f"{rss1:,.0f} / {rss2:,.0f} MB",
