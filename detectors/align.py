@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from detectors.topology import Position, Topology
 from schemas.records import AlignedCollective, Collective
-from schemas.units import CollOp, Phase
+from schemas.units import CollOp, CommRole, Phase
 
 Key = tuple[int, int, int, int]  # (comm_hash, sender, receiver, seq); -1, -1 for collectives
 _SEND, _RECV = CollOp.SEND, CollOp.RECV
@@ -278,41 +278,43 @@ def aligned_record(
     """The stored row of an instance: arrivals, transfer time, bus bandwidth (nccl-tests
     convention), who is missing or unfinished, and where it sits in the schedule."""
     assert topo is not None
-    members = topo.comms.get(inst.comm_hash)
+    info = topo.comms.get(inst.comm_hash)
+    ranks, arrival, end = inst.ranks, inst.arrival, inst.end
     if inst.receiver >= 0:  # a transfer on a larger communicator: its two ends
         expected: Sequence[int] = [r for r in (inst.sender, inst.receiver) if r >= 0]
     else:
-        expected = members.ranks if members else inst.ranks
-    n = len(expected)
-    arrival, end = inst.arrival, inst.end
+        expected = info.ranks if info else ranks
+    n, n_arrived = len(expected), len(ranks)
     a_min, a_max = min(arrival), max(arrival)
-    complete = len(inst.ranks) == inst.comm_size and min(end) >= 0
-    end_ns = max(end) if complete else None
-    x = None if end_ns is None else max(0, end_ns - a_max)
-    bw = None
-    if x and inst.op in _BUSBW_FACTOR and n > 1:
-        bw = inst.size_bytes * _BUSBW_FACTOR[inst.op](n) / x * 8  # Gb/s
-    elif x and inst.sender >= 0:
-        bw = inst.size_bytes / x * 8
-    whole = complete and n == len(inst.ranks)
+    complete = n_arrived == inst.comm_size and min(end) >= 0
+    end_ns = x = bw = None
+    if complete:
+        end_ns = max(end)
+        x = max(0, end_ns - a_max)
+        factor = _BUSBW_FACTOR.get(inst.op)
+        if x and factor is not None and n > 1:
+            bw = inst.size_bytes * factor(n) / x * 8  # Gb/s
+        elif x and inst.sender >= 0:
+            bw = inst.size_bytes / x * 8
+    whole = complete and n == n_arrived
     return AlignedCollective(
         job=job,
         comm_hash=inst.comm_hash,
-        role=topo.role(inst.comm_hash),
+        role=info.role if info else CommRole.OTHER,
         seq=inst.seq,
         op=inst.op,
         n_ranks=max(1, n),
-        n_arrived=len(inst.ranks),
+        n_arrived=n_arrived,
         size_bytes=inst.size_bytes,
         first_arrival_ns=a_min,
         last_arrival_ns=a_max,
-        last_rank=inst.ranks[arrival.index(a_max)],
+        last_rank=ranks[arrival.index(a_max)],
         end_ns=end_ns,
         transfer_ns=x,
         busbw_gbps=bw,
         sender=inst.sender,
         receiver=inst.receiver,
-        missing_ranks=[] if whole else sorted(set(expected) - set(inst.ranks)),
+        missing_ranks=[] if whole else sorted(set(expected) - set(ranks)),
         unfinished_ranks=[] if complete else inst.unfinished(),
         step=pos.step if pos else None,
         microbatch=pos.microbatch if pos else None,
