@@ -102,7 +102,6 @@ class JobAnalyzer:
         self.link_culprits: dict[tuple[int, int], str] = {}  # degraded edge -> its incident
         self.link_onset: dict[tuple[int, int], int] = {}  # degraded edge -> since when (ns)
         self.link_fields: dict[str, dict[str, Any]] = {}  # incident -> cause and culprit fields
-        self.link_unplaced: set[str] = set()  # link incidents opened before any step was seen
         # open step-time incident (link or slowdown culprit) -> when it began: its onset
         # step once a step reached it (None before), and its onset time (ns)
         self.onset_at: dict[str, tuple[int | None, int]] = {}
@@ -526,11 +525,12 @@ class JobAnalyzer:
             severity = self._share(culprit, duration)
             fields = dict(self.link_fields[culprit])
             cause = fields.pop("cause")
-            if culprit in self.link_unplaced:  # its step, once a step reached its onset
+            # opened before any step was seen: placed once a step reaches its onset
+            current = self.book.current(VerdictKind.LINK_DEGRADATION.value, culprit)
+            if current is not None and current.step is None:
                 step = self._step_reaching(self.onset_at[culprit][1])
                 if step is not None:
                     fields["step"] = step
-                    self.link_unplaced.discard(culprit)
             if v := self.book.report(
                 VerdictKind.LINK_DEGRADATION,
                 cause,
@@ -649,7 +649,6 @@ class JobAnalyzer:
             if culprit in self.link_culprits.values():
                 return []  # other links of that NIC are still slow
             self.link_fields.pop(culprit, None)
-            self.link_unplaced.discard(culprit)
             self._forget_onset(culprit)
             v = self.book.resolve(VerdictKind.LINK_DEGRADATION.value, culprit, ts_ns)
             return [v] if v else []
@@ -704,10 +703,6 @@ class JobAnalyzer:
         self.link_onset[edge] = ev.onset_ns
         self.link_fields[culprit] = fields
         self.onset_at.setdefault(culprit, (reached, ev.onset_ns))
-        if step is None:  # no step seen yet: placed by an update once one reaches the onset
-            self.link_unplaced.add(culprit)
-        else:
-            self.link_unplaced.discard(culprit)
         shifted = self.shift.shifted and self.recent
         severity = self._share(culprit, self.recent[-1].duration_ns) if shifted else 0.0
         report = dict(fields)

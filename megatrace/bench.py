@@ -70,10 +70,10 @@ class _Probe:
         >>> p.rss_row()
         ('1,000 / 1,100 / 1,210 MB', '+10.0% over the second half')
         """
-        at = [self.rss_at(q) for q in (0.25, 0.5, 1.0)]
-        if any(mb is None for mb in at):
+        known = [mb for q in (0.25, 0.5, 1.0) if (mb := self.rss_at(q)) is not None]
+        if len(known) < 3:
             return "unknown (no /proc)", ""
-        quarter, half, end = (float(mb or 0) for mb in at)
+        quarter, half, end = known
         growth = f"{end / half - 1:+.1%} over the second half"
         return f"{quarter:,.0f} / {half:,.0f} / {end:,.0f} MB", growth
 
