@@ -107,6 +107,10 @@ class JobAnalyzer:
         self.onset_at: dict[str, tuple[int | None, int]] = {}
         self.onset_level: dict[str, float] = {}  # -> the step time before it (ns), once known
         self.nic_counters = False  # the job's sources send link samples of their own
+        self.link_seen: dict[str, int] = {}  # node -> its newest link sample (ns)
+        # a confirmed step-time shift whose cause waits for the links' samples to cover
+        # it: (onset step, ratio, start of the step that confirmed it in ns)
+        self.pending_shift: tuple[int, float, int] | None = None
         # per sending rank: [baseline SendGPUWait per send (sum, windows), latest (EWMA)]
         self.gpu_wait: dict[int, list[float]] = {}
         self.hb_latest: dict[int, Heartbeat] = {}
@@ -172,10 +176,14 @@ class JobAnalyzer:
         """A node's links that changed."""
         if d.ts_ns > self.now_ns:
             self.now_ns = d.ts_ns
+        if d.ts_ns > self.link_seen.get(d.node, 0):
+            self.link_seen[d.node] = d.ts_ns
         self.nic_counters = True
         out: list[msgspec.Struct] = []
         for ev, ts in d.links:
             out += self._link_event(ev, ts)
+        if self.pending_shift is not None and self.recent:
+            out += self._judge_shift(self.recent[-1])
         return out
 
     def _heartbeat_in(self, hb: Heartbeat) -> list[msgspec.Struct]:
@@ -305,6 +313,8 @@ class JobAnalyzer:
             out += self._shift_event(ev.kind, ev.onset, ev.ratio, ev.length, rep)
         elif self.shift.shifted and self.slow_open:
             out += self._slowdown_update(rep, self.recent[-1].duration_ns / self.shift.baseline)
+        if ev is None and self.pending_shift is not None:
+            out += self._judge_shift(rep)
         return out
 
     def _since(self, onset: int) -> list[StepReport]:
@@ -314,8 +324,10 @@ class JobAnalyzer:
         self, kind: str, onset: int, ratio: float, length: int, rep: StepReport
     ) -> list[msgspec.Struct]:
         if kind == "shift":
-            return self._slowdown(rep, ratio, onset)
+            self.pending_shift = (onset, ratio, rep.start_ns)
+            return self._judge_shift(rep)
         if kind == "recovered":
+            self.pending_shift = None
             out = []
             for culprit in self.slow_open:
                 if v := self.book.resolve(VerdictKind.SLOWDOWN.value, culprit, rep.end_ns):
@@ -325,6 +337,21 @@ class JobAnalyzer:
             out += self._link_severity(0.0, rep)
             return out
         return self._burst(onset, ratio, length, rep)
+
+    def _judge_shift(self, rep: StepReport) -> list[msgspec.Struct]:
+        """Localise the pending shift (as of step ``rep``, the newest) once every node's link
+        samples reached the step that confirmed it, or ``link_wait_ms`` after that step.
+
+        Topics are read at different paces: a degraded link whose samples are read a
+        few steps after the collectives would otherwise leave its slowdown to the job
+        (cause unknown) or to the rank at its end, and then be reported beside it."""
+        assert self.pending_shift is not None
+        onset, ratio, confirmed_ns = self.pending_shift
+        links_behind = bool(self.link_seen) and min(self.link_seen.values()) < confirmed_ns
+        if links_behind and rep.end_ns - confirmed_ns < self.settings.link_wait_ms * 1e6:
+            return []
+        self.pending_shift = None
+        return self._slowdown(rep, ratio, onset)
 
     def _culprit(self, reps: list[StepReport]) -> tuple[str, dict[str, Any]] | None:
         """The first localised candidate not explained by a degraded link (MEGATRACE checks
@@ -941,12 +968,16 @@ class JobAnalyzer:
         return [v] if v else []
 
     def finish(self) -> list[msgspec.Struct]:
-        """End of input: close the steps still open."""
+        """End of input: close the steps still open, and judge a shift still waiting for
+        link samples that will not come."""
         if self.assembler is None:
             return []
         out: list[msgspec.Struct] = []
         for rep in self.assembler.flush():
             out += self._step(rep)
+        if self.pending_shift is not None and self.recent:
+            self.link_seen.clear()
+            out += self._judge_shift(self.recent[-1])
         return out
 
     # ------------------------------------------------------------------ tables

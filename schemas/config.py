@@ -119,6 +119,9 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     injected delays; we localise 10% slowdowns, guarded by the step-time gate).
     ``alpha``: expected durations follow values within this fraction (paper: 0.05).
     ``link_drop``: a link is degraded below (1 - link_drop) x its baseline (paper: 0.2).
+    ``link_wait_ms``: a confirmed step-time shift is localised once every node's link
+    samples reached the step that confirmed it, or this long (event time) after it
+    (a degraded link read late must not leave its slowdown to the job or to a rank).
     ``part_shards``: the flow merges the communicators' step parts under this many
     keys per job before the job's analysis (that step's parallelism).
     """
@@ -133,6 +136,7 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     link_drop: float = 0.2
     host_lead_drop: float = 0.3
     partial_timeout_ms: float = 200.0
+    link_wait_ms: float = 5000.0
     part_shards: int = 16
 
     def __post_init__(self) -> None:
