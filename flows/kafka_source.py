@@ -7,13 +7,15 @@ timestamps). Each Kafka partition is a Bytewax partition; its snapshot is the
 next offset to read, so a flow restarted from its recovery store resumes
 where it was (at least once: the sinks are idempotent). With ``tail=False``
 the source stops once none of its partitions (in this process) received a
-message for ``idle_stop_s``.
+message for ``idle_stop_s``. ``start_offsets`` bounds a fresh start to known
+records (e.g. what one publisher delivered): only those partitions are read,
+each from its offset.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -34,6 +36,8 @@ class RawBatch:
 
 
 _BACKOFF = timedelta(milliseconds=5)
+#: the offset of a partition that a source bounded by ``start_offsets`` does not read
+SKIPPED = -1
 
 
 def part_name(topic: str, partition: int) -> str:
@@ -63,14 +67,16 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
     ) -> None:
         from confluent_kafka import Consumer, TopicPartition
 
-        conf = dict(config)
-        conf["enable.partition.eof"] = "false"
-        conf.setdefault("group.id", "megatrace-flow")
-        conf["enable.auto.commit"] = "false"
-        # an offset no longer (or not yet) in the log: read from the earliest one kept
-        conf["auto.offset.reset"] = "earliest"
-        self._consumer = Consumer(conf)
-        self._consumer.assign([TopicPartition(topic, partition, offset)])
+        self._consumer: Consumer | None = None
+        if offset != SKIPPED:
+            conf = dict(config)
+            conf["enable.partition.eof"] = "false"
+            conf.setdefault("group.id", "megatrace-flow")
+            conf["enable.auto.commit"] = "false"
+            # an offset no longer (or not yet) in the log: read from the earliest one kept
+            conf["auto.offset.reset"] = "earliest"
+            self._consumer = Consumer(conf)
+            self._consumer.assign([TopicPartition(topic, partition, offset)])
         self._topic, self._partition = topic, partition
         self._offset = offset
         self._tail = tail
@@ -85,7 +91,8 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
     def next_batch(self) -> list[RawBatch]:
         if self._eof:
             raise StopIteration
-        msgs = self._consumer.consume(self._batch_size, 0)  # never block the worker
+        # never block the worker
+        msgs = self._consumer.consume(self._batch_size, 0) if self._consumer else []
         batch = RawBatch(self._topic, self._partition)
         for m in msgs:
             err = m.error()
@@ -120,13 +127,16 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         return self._offset
 
     def close(self) -> None:
-        self._consumer.close()
+        if self._consumer is not None:
+            self._consumer.close()
 
 
 class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
     """Every partition of ``topics``; ``config`` is a librdkafka consumer configuration.
 
     ``on_read``, if given, is called with the size of every poll that returned records.
+    ``start_offsets`` (part name, see :func:`part_name` -> offset): a fresh start reads
+    only these partitions, from these offsets (a resumed one goes on where it was).
     """
 
     def __init__(
@@ -138,6 +148,7 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
         batch_size: int = 5000,
         idle_stop_s: float = 1.5,
         on_read: Callable[[int], None] | None = None,
+        start_offsets: Mapping[str, int] | None = None,
     ) -> None:
         self.config = config
         self.topics = topics
@@ -145,6 +156,7 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
         self.batch_size = batch_size
         self.idle_stop_s = idle_stop_s
         self.on_read = on_read
+        self.start_offsets = start_offsets
         self._quiet = _Quiet()
         self._parts: list[str] | None = None
 
@@ -175,7 +187,12 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
         # A fresh start reads from offset 0, which an emptied log resets to its earliest
         # offset: the same as OFFSET_BEGINNING, whose lookup delayed the first fetch by
         # 0.5 s here (librdkafka resolving the logical offset first)
-        start = 0 if resume_state is None else resume_state
+        if resume_state is not None:
+            start = resume_state
+        elif self.start_offsets is not None:
+            start = self.start_offsets.get(for_part, SKIPPED)
+        else:
+            start = 0
         return _Partition(
             self.config,
             topic,

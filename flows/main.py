@@ -101,6 +101,9 @@ class FlowConfig:
     on_stored: Callable[[int, int, int], None] | None = None
     #: called with the number of records of every poll that returned some
     on_read: Callable[[int], None] | None = None
+    #: a fresh start reads only these source partitions (``part_name`` -> first offset),
+    #: e.g. the records one publisher delivered; None: every partition from its start
+    start_offsets: dict[str, int] | None = None
     #: the flow's own rows are inserted per table by this many, or after this long
     batch_rows: int = _CLICKHOUSE.batch_rows
     batch_ms: int = _CLICKHOUSE.batch_ms
@@ -369,6 +372,7 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
         batch_size=cfg.batch_size,
         idle_stop_s=cfg.idle_stop_s,
         on_read=cfg.on_read,
+        start_offsets=cfg.start_offsets,
     )
     raw = op.input("kafka_in", flow, source)
     # RawBatch -> Decoded(records, dead letters)

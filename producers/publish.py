@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 
@@ -20,6 +21,9 @@ class KafkaPublisher:
 
     ``config`` is a librdkafka configuration (see :func:`infra.kafka.producer_config`).
     Delivery failures are counted per error; :meth:`flush` raises if any occurred.
+    ``first_offsets`` keeps, per (topic, partition), the offset of the first record
+    delivered there (a partition's deliveries are reported in order): where a flow that
+    reads only these records starts (``FlowConfig.start_offsets``).
     """
 
     def __init__(self, config: dict[str, str], topics: Topics) -> None:
@@ -30,10 +34,12 @@ class KafkaPublisher:
         self.sent = 0
         self.delivered = 0
         self.failed: Counter[str] = Counter()
+        self.first_offsets: dict[tuple[str, int], int] = {}
 
-    def _on_delivery(self, err: object, _msg: object) -> None:
+    def _on_delivery(self, err: object, msg: Any) -> None:
         if err is None:
             self.delivered += 1
+            self.first_offsets.setdefault((msg.topic(), msg.partition()), msg.offset())
         else:
             self.failed[str(err)] += 1
 

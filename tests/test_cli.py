@@ -50,9 +50,13 @@ def test_the_readme_demo_names_every_injected_culprit_and_runs_again_cleanly(tmp
     import subprocess
     import sys
 
+    import re
+
     state = ["--state-dir", str(tmp_path / "stack")]
     try:
-        for _ in range(2):  # a second demo on the same stack stands alone
+        # a second demo on the same stack stands alone: its flow reads its own records,
+        # not the first one's again (the broker keeps them)
+        for _ in range(2):
             res = subprocess.run(
                 [sys.executable, "-m", "megatrace", *state, "demo"],
                 capture_output=True,
@@ -60,6 +64,9 @@ def test_the_readme_demo_names_every_injected_culprit_and_runs_again_cleanly(tmp
                 timeout=300,
             )
             assert res.returncode == 0, res.stderr[-2000:]
+            published = re.search(r"(\d+) records published", res.stdout)
+            read = re.search(r"\((\d+) records read\)", res.stdout)
+            assert published and read and published[1] == read[1], res.stdout[-3000:]
             lines = [ln for ln in res.stdout.splitlines() if ln.startswith("  verdict ")]
             assert len(lines) == 3, res.stdout[-3000:]
             text = "\n".join(lines)
