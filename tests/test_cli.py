@@ -47,10 +47,9 @@ def test_schema_export_writes_json_schema(tmp_path) -> None:
 
 @pytest.mark.integration
 def test_the_readme_demo_names_every_injected_culprit_and_runs_again_cleanly(tmp_path) -> None:
+    import re
     import subprocess
     import sys
-
-    import re
 
     state = ["--state-dir", str(tmp_path / "stack")]
     try:
