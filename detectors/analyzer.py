@@ -106,8 +106,8 @@ class JobAnalyzer:
         # step once a step reached it (None before), and its onset time (ns)
         self.onset_at: dict[str, tuple[int | None, int]] = {}
         self.onset_level: dict[str, float] = {}  # -> the step time before it (ns), once known
-        self.nic_counters = False  # the job's sources send link samples of their own
-        self.link_seen: dict[str, int] = {}  # node -> its newest link sample (ns)
+        # node -> its newest link sample (ns); any: the job's sources send link samples
+        self.link_seen: dict[str, int] = {}
         # a confirmed step-time shift whose cause waits for the links' samples to cover
         # it: (onset step, ratio, start of the step that confirmed it in ns)
         self.pending_shift: tuple[int, float, int] | None = None
@@ -176,9 +176,7 @@ class JobAnalyzer:
         """A node's links that changed."""
         if d.ts_ns > self.now_ns:
             self.now_ns = d.ts_ns
-        if d.ts_ns > self.link_seen.get(d.node, 0):
-            self.link_seen[d.node] = d.ts_ns
-        self.nic_counters = True
+        self.link_seen[d.node] = max(d.ts_ns, self.link_seen.get(d.node, d.ts_ns))
         out: list[msgspec.Struct] = []
         for ev, ts in d.links:
             out += self._link_event(ev, ts)
@@ -338,9 +336,10 @@ class JobAnalyzer:
             return out
         return self._burst(onset, ratio, length, rep)
 
-    def _judge_shift(self, rep: StepReport) -> list[msgspec.Struct]:
+    def _judge_shift(self, rep: StepReport, final: bool = False) -> list[msgspec.Struct]:
         """Localise the pending shift (as of step ``rep``, the newest) once every node's link
-        samples reached the step that confirmed it, or ``link_wait_ms`` after that step.
+        samples reached the step that confirmed it, or ``link_wait_ms`` after that step
+        (or now: ``final``, no more input).
 
         Topics are read at different paces: a degraded link whose samples are read a
         few steps after the collectives would otherwise leave its slowdown to the job
@@ -348,7 +347,8 @@ class JobAnalyzer:
         assert self.pending_shift is not None
         onset, ratio, confirmed_ns = self.pending_shift
         links_behind = bool(self.link_seen) and min(self.link_seen.values()) < confirmed_ns
-        if links_behind and rep.end_ns - confirmed_ns < self.settings.link_wait_ms * 1e6:
+        waited = rep.end_ns - confirmed_ns >= self.settings.link_wait_ms * 1e6
+        if links_behind and not waited and not final:
             return []
         self.pending_shift = None
         return self._slowdown(rep, ratio, onset)
@@ -644,7 +644,7 @@ class JobAnalyzer:
         warm = self.recent and self.recent[-1].step >= self.settings.warmup_steps
         if warm:
             self._track_gpu_wait(e.src_rank, float(e.gpu_wait_ns))
-        if self.nic_counters or self.topo is None or not warm:
+        if self.link_seen or self.topo is None or not warm:
             return []
         topo = self.topo
         sample = LinkSample(
@@ -976,8 +976,7 @@ class JobAnalyzer:
         for rep in self.assembler.flush():
             out += self._step(rep)
         if self.pending_shift is not None and self.recent:
-            self.link_seen.clear()
-            out += self._judge_shift(self.recent[-1])
+            out += self._judge_shift(self.recent[-1], final=True)
         return out
 
     # ------------------------------------------------------------------ tables

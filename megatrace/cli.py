@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -207,15 +206,6 @@ def _flow_config(obj: _Ctx, tail: bool, **overrides: Any):
 
     s = obj.stack()
     return flow_config(obj.settings, s.bootstrap(), s.clickhouse_url(), tail=tail, **overrides)
-
-
-def _count_into(total: list[int]) -> Callable[[int], None]:
-    """An ``on_read`` callback adding each poll's record count to ``total[0]``."""
-
-    def count(n: int) -> None:
-        total[0] += n
-
-    return count
 
 
 @cli.command("run")
@@ -754,10 +744,9 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
     click.echo("[3/4] dataflow: decode -> align -> analyse -> ClickHouse (verdicts as they come)")
     t0 = time.monotonic()
     tune_gc()
-    read = [0]
-    cfg = _flow_config(obj, tail=False, start_offsets=starts, on_read=_count_into(read))
-    run_main(build_flow(cfg))
-    click.echo(f"      done in {time.monotonic() - t0:.1f}s ({read[0]} records read)")
+    polls: list[int] = []  # records per poll
+    run_main(build_flow(_flow_config(obj, tail=False, start_offsets=starts, on_read=polls.append)))
+    click.echo(f"      done in {time.monotonic() - t0:.1f}s ({sum(polls)} records read)")
     click.echo("[4/4] verdicts in ClickHouse beside the injected ground truth:")
     verdicts = list(
         read_records(

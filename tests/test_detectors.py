@@ -618,13 +618,8 @@ def test_a_link_read_before_any_step_costs_what_it_costs_when_read_in_time() -> 
     loss is then the same as when read in time (it was once 100%, the level before it
     taken as zero), and so are its revisions; once a step reaches its onset, an update
     places it at that step (it once kept no step for good)."""
-    from schemas.records import LinkSample
-
     run = build("story", scale="tiny", seed=1, steps=30)
     recs = list(run.records())
-    n_meta = sum(type(r).__name__ in ("JobInfo", "RankInfo", "CommInfo") for r in recs)
-    links = [r for r in recs if isinstance(r, LinkSample)]
-    rest = [r for r in recs[n_meta:] if not isinstance(r, LinkSample)]
 
     def link_verdicts(records: list) -> list[Verdict]:
         return [
@@ -636,7 +631,7 @@ def test_a_link_read_before_any_step_costs_what_it_costs_when_read_in_time() -> 
     def revisions(verdicts: list[Verdict]) -> list[tuple[int, float]]:
         return [(v.revision, round(v.severity, 3)) for v in verdicts]
 
-    in_time, early = link_verdicts(recs), link_verdicts(recs[:n_meta] + links + rest)
+    in_time, early = link_verdicts(recs), link_verdicts(_links_late(recs, -(2**62)))
     assert in_time and max(v.severity for v in in_time) < 0.3
     assert revisions(early) == revisions(in_time)
     assert early[0].step is None  # opened before any step was seen
@@ -645,8 +640,8 @@ def test_a_link_read_before_any_step_costs_what_it_costs_when_read_in_time() -> 
 
 def _links_late(records: list, lag_ns: int, until_ns: int | None = None) -> list:
     """The records as a flow may read them: each link sample ``lag_ns`` after the
-    collectives of its time (its topic read behind the others); samples after
-    ``until_ns`` never come (their producer stopped)."""
+    collectives of its time (its topic read behind the others; negative: ahead of
+    them); samples after ``until_ns`` never come (their producer stopped)."""
     from schemas.records import LinkSample, event_time
 
     n_meta = sum(type(r).__name__ in ("JobInfo", "RankInfo", "CommInfo") for r in records)
