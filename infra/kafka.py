@@ -116,3 +116,20 @@ def ensure_topics(
             if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise KafkaSetupError(f"cannot create topic {topic}: {e}") from None
     return created
+
+
+def delete_topics(
+    kafka: KafkaSettings, bootstrap: str, topics: Topics, timeout_s: float = 15.0
+) -> None:
+    """Delete ``topics.all`` with what they hold (a benchmark's own topics, once done)."""
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(client_config(kafka, bootstrap))
+    futures = admin.delete_topics(list(topics.all), operation_timeout=timeout_s)
+    for topic, fut in futures.items():
+        try:
+            fut.result()
+        except KafkaException as e:
+            if e.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise KafkaSetupError(f"cannot delete topic {topic}: {e}") from None

@@ -18,7 +18,7 @@ import numpy as np
 
 from flows.main import Role, build_flow, flow_config, tune_gc
 from infra.clickhouse import init_db
-from infra.kafka import consumer_config, ensure_topics, producer_config
+from infra.kafka import consumer_config, delete_topics, ensure_topics, producer_config
 from infra.stack import Stack
 from producers.publish import KafkaPublisher
 from producers.sim.scenarios import build
@@ -218,14 +218,45 @@ def pipeline(
     seconds: float,
     say: Callable[[str], None],
 ) -> None:
-    """Raw consume+decode, then the flow in each role on the same records, then latency."""
+    """Raw consume+decode, then the flow in each role on the same records, then latency.
+
+    Its topics are deleted afterwards: the local broker keeps what it holds in memory,
+    and each run publishes some 700,000 records."""
     stack = Stack(settings)
     stack.up()
     boot = stack.bootstrap()
-    database = f"{settings.clickhouse.database}_bench"
     prefix = f"bench{time.time_ns() % 10**9}."
-    topics = Topics(prefix=prefix)
-    ensure_topics(settings.kafka, boot, topics)
+    made = [Topics(prefix=prefix), Topics(prefix=f"{prefix}lat.")]
+    try:
+        for topics in made:
+            ensure_topics(settings.kafka, boot, topics)
+        rows = _pipeline(
+            settings, stack, made, steps=steps, scale=scale, rate=rate, seconds=seconds, say=say
+        )
+    finally:
+        for topics in made:
+            delete_topics(settings.kafka, boot, topics)
+    w0 = max(len(a) for a, _, _ in rows)
+    w1 = max(len(b) for _, b, _ in rows)
+    for a, b, c in rows:
+        say(f"{a:<{w0}}  {b:>{w1}}  {c}".rstrip())
+
+
+def _pipeline(
+    settings: Settings,
+    stack: Stack,
+    made: list[Topics],
+    *,
+    steps: int,
+    scale: str,
+    rate: int,
+    seconds: float,
+    say: Callable[[str], None],
+) -> list[tuple[str, str, str]]:
+    """The measurements of :func:`pipeline`, as its table's rows, on its two topic sets."""
+    boot = stack.bootstrap()
+    database = f"{settings.clickhouse.database}_bench"
+    topics, topics2 = made
     run = build("healthy", scale=scale, seed=0, steps=steps, now=True)
     recs = list(run.records())
     n = len(recs)
@@ -267,8 +298,6 @@ def pipeline(
         ]
     rss1 = _rss_mb()
     # latency: a paced producer while the flow (role all) runs
-    topics2 = Topics(prefix=f"{prefix}lat.")
-    ensure_topics(settings.kafka, boot, topics2)
     paced = list(build("healthy", scale=scale, seed=1, steps=max(2, steps), now=True).records())
     total = min(len(paced), int(rate * seconds))
     pub2 = KafkaPublisher(producer_config(settings.kafka, boot), topics2)
@@ -301,10 +330,7 @@ def pipeline(
             f"before: {rss0:,.0f} MB",
         ),
     ]
-    w0 = max(len(a) for a, _, _ in rows)
-    w1 = max(len(b) for _, b, _ in rows)
-    for a, b, c in rows:
-        say(f"{a:<{w0}}  {b:>{w1}}  {c}".rstrip())
+    return rows
 
 
 def simulate(scales: list[str], steps: int, say: Callable[[str], None]) -> None:

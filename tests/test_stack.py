@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.broker import LocalBroker, broker_binary, free_port
+from infra.broker import BrokerInfo, LocalBroker, broker_binary, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -64,3 +64,27 @@ def test_a_recycled_pid_is_not_mistaken_for_our_broker(tmp_path: Path) -> None:
     # the state files still name the dead pid; status must not trust them
     assert broker.status() is None
     assert broker.down() is False
+
+
+def test_topics_are_made_once_and_deleted_with_what_they_hold(broker: BrokerInfo) -> None:
+    """What ``bench pipeline`` does with its own topics: the local broker keeps everything
+    in memory, so a benchmark run must not leave its 700,000 records behind."""
+    from confluent_kafka.admin import AdminClient
+
+    from infra.kafka import client_config, delete_topics, ensure_topics
+    from schemas.config import load_settings
+    from schemas.topics import Topics
+
+    kafka = load_settings(overrides={"kafka": {"bootstrap_servers": broker.bootstrap}}).kafka
+    topics = Topics(prefix=f"del{time.time_ns() % 10**9}.")
+    admin = AdminClient(client_config(kafka, broker.bootstrap))
+
+    def listed() -> set[str]:
+        return {t for t in admin.list_topics(timeout=10).topics if t.startswith(topics.prefix)}
+
+    assert set(ensure_topics(kafka, broker.bootstrap, topics)) == set(topics.all)
+    assert ensure_topics(kafka, broker.bootstrap, topics) == []  # made once
+    assert listed() == set(topics.all)
+    delete_topics(kafka, broker.bootstrap, topics)
+    assert listed() == set()
+    delete_topics(kafka, broker.bootstrap, topics)  # already gone: not an error
