@@ -6,7 +6,8 @@
 per step), and passes on only the proxy summaries the job needs (stuck ones,
 and the completion of one that was stuck: a network hang's evidence), plus
 each edge's throughput over every ``edge_window`` completed sends
-(:class:`~detectors.parts.EdgeThroughput`). The
+(:class:`~detectors.parts.EdgeThroughput`), and, from :meth:`CommAnalyzer.stats`,
+its account of how the records met (:class:`~schemas.records.AlignStats`). The
 flow keeps one per (job, communicator) key; the offline
 :class:`~detectors.replay.Replay` keeps one per communicator too, so both hand
 the job's analyzer the same items.
@@ -21,6 +22,12 @@ the job's analyzer the same items.
 >>> rows, forward = comm.update([rec(0, 100, 500), rec(1, 300, 500)])
 >>> rows, [type(x).__name__ for x in forward]   # no schedule yet: the instance goes as it is
 ([], ['Instance', 'CommProgress'])
+>>> rows, _ = comm.update([rec(1, 300, 500)])  # rank 1's record again: late, ignored
+>>> (s,) = comm.stats()
+>>> s.records, s.late_records, s.out_of_order_records, s.open_instances
+(3, 1, 0, 0)
+>>> comm.stats()  # nothing new to tell
+[]
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Any
 
 from detectors.align import CollectiveAligner
 from detectors.parts import CommSchedule, EdgeThroughput, StepFolder, StuckProxies
-from schemas.records import AlignedCollective, Collective, ProxySummary
+from schemas.records import AlignedCollective, AlignStats, Collective, ProxySummary
 from schemas.units import Direction
 
 
@@ -42,16 +49,26 @@ class CommAnalyzer:
         Passed to :class:`~detectors.align.CollectiveAligner`: the least time an
         instance stays open before it is reported partial, and the most instances
         held open.
+    edge_window
+        Completed sends of an edge per throughput measure.
+    stats_every_ns
+        Event time between two :meth:`stats` rows while nothing unusual is counted
+        (a late, out-of-order, dropped or partial one is told at once).
     """
 
     def __init__(
-        self, min_timeout_ns: int = 500_000_000, max_open: int = 4096, edge_window: int = 16
+        self,
+        min_timeout_ns: int = 500_000_000,
+        max_open: int = 4096,
+        edge_window: int = 16,
+        stats_every_ns: int = 10_000_000_000,
     ) -> None:
-        if edge_window < 1:
-            raise ValueError("edge_window must be at least 1")
+        if edge_window < 1 or stats_every_ns < 1:
+            raise ValueError("edge_window and stats_every_ns must be at least 1")
         self.min_timeout_ns = min_timeout_ns
         self.max_open = max_open
         self.edge_window = edge_window
+        self.stats_every_ns = stats_every_ns
         self._reset()
 
     def _reset(self) -> None:
@@ -59,6 +76,10 @@ class CommAnalyzer:
         self.folder = StepFolder()
         self._stuck = StuckProxies()
         self._edges: dict[tuple[int, int], list[int]] = {}  # (src, dst) -> [n, bytes, wait, t0]
+        self._records = 0
+        self._partials = 0
+        self._told: tuple[int, ...] = (0, 0, 0, 0, 0)  # the counts in the last stats row
+        self._told_ns = 0  # its time
 
     def update(
         self, items: list[Collective | ProxySummary | CommSchedule]
@@ -69,6 +90,7 @@ class CommAnalyzer:
         batch: list[Collective] = []
 
         def align() -> None:  # the records so far, before a schedule changes how they fold
+            self._records += len(batch)
             for inst in self.aligner.update_many(batch):
                 r, f = self.folder.update(inst)
                 rows.extend(r)
@@ -116,6 +138,7 @@ class CommAnalyzer:
         """Partial instances open too long, for the job (see ``CollectiveAligner.expire``)."""
         out: list[Any] = []
         for inst in self.aligner.expire(now_ns):
+            self._partials += 1
             out += self.folder.partial(inst)
         return out + self.folder.progress()
 
@@ -123,8 +146,37 @@ class CommAnalyzer:
         """End of a bounded input: open parts, and open instances as they stand."""
         out: list[Any] = list(self.folder.flush())
         for inst in self.aligner.open_instances():
+            self._partials += 1
             out += self.folder.partial(inst)
         return out + self.folder.progress()
+
+    def stats(self, final: bool = False) -> list[AlignStats]:
+        """The communicator's counts as a row, when there is news: a late, out-of-order,
+        dropped or partial one counted since the last row; more records and
+        ``stats_every_ns`` of event time since it; or more records at the end of a
+        bounded input (``final``)."""
+        al = self.aligner
+        counts = (self._records, al.late, al.out_of_order, al.dropped, self._partials)
+        ts_ns = self.folder.last_arrival_ns
+        if not self.folder.job or counts == self._told:
+            return []
+        unusual = counts[1:] != self._told[1:]
+        if not (unusual or final or ts_ns - self._told_ns >= self.stats_every_ns):
+            return []
+        self._told, self._told_ns = counts, ts_ns
+        return [
+            AlignStats(
+                job=self.folder.job,
+                comm_hash=self.folder.comm_hash,
+                ts_ns=ts_ns,
+                records=counts[0],
+                late_records=counts[1],
+                out_of_order_records=counts[2],
+                dropped_instances=counts[3],
+                partial_reports=counts[4],
+                open_instances=al.n_open,
+            )
+        ]
 
     @property
     def n_open(self) -> int:

@@ -223,6 +223,11 @@ class StepFolder:
     def n_open(self) -> int:
         return len(self._parts)
 
+    @property
+    def last_arrival_ns(self) -> int:
+        """The newest arrival (or proxy activity) the communicator showed."""
+        return self._last_arrival
+
 
 def shard_of(comm_hash: int, shards: int) -> int:
     """Which of a job's ``shards`` part mergers a communicator's parts and progress go to."""

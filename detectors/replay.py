@@ -95,6 +95,7 @@ class Replay:
         out: list[msgspec.Struct] = []
         for (job, _), comm in self.comms.items():
             out += self._to_job(job, comm.expire(now_ns))
+            out += comm.stats()
         for a in self.jobs.values():
             out += a.tick(now_ns)
         return out
@@ -103,6 +104,7 @@ class Replay:
         out = self.tick(self.now_ns)
         for (job, _), comm in self.comms.items():
             out += self._to_job(job, comm.folder.flush())
+            out += comm.stats(final=True)
         for (job, _), merger in self.mergers.items():
             for x in merger.flush():
                 out += self.jobs[job].update(x)

@@ -21,7 +21,7 @@ from detectors.node import NodeAnalyzer, NodeDigest
 from detectors.parts import CommProgress, CommSchedule, PartMerger, ScheduleBook
 from detectors.steps import StepPart
 from schemas.config import DetectSettings
-from schemas.records import AlignedCollective, Collective
+from schemas.records import AlignedCollective, AlignStats, Collective
 
 #: How often timers fire, and how long the input must be quiet before the
 #: event-time clock starts following the wall clock.
@@ -61,9 +61,10 @@ def _next_tick() -> datetime:
 
 
 class AlignOut(NamedTuple):
-    """One batch's output of a communicator: stored rows, and items for the job's analysis."""
+    """One batch's output of a communicator: stored rows (its aligned collectives, and
+    its counts when they changed), and items for the job's analysis."""
 
-    rows: list[AlignedCollective]
+    rows: list[AlignedCollective | AlignStats]
     forward: list[Any]
 
 
@@ -88,15 +89,17 @@ class AlignLogic(StatefulBatchLogic[list[Any], AlignOut, tuple[CommAnalyzer, int
                 self.clock.saw(rec.arrival_ns)
                 break
         forward += self.comm.expire(self.clock.now())
-        return _out(rows, forward), StatefulBatchLogic.RETAIN
+        return _out([*rows, *self.comm.stats()], forward), StatefulBatchLogic.RETAIN
 
     def on_notify(self) -> tuple[list[AlignOut], bool]:
-        return _out([], self.comm.expire(self.clock.now())), StatefulBatchLogic.RETAIN
+        forward = self.comm.expire(self.clock.now())
+        return _out(self.comm.stats(), forward), StatefulBatchLogic.RETAIN
 
     def on_eof(self) -> tuple[list[AlignOut], bool]:
         """End of a bounded input: whatever is still open is reported as it stands."""
         self.ended = True
-        return _out([], self.comm.flush()), StatefulBatchLogic.RETAIN
+        forward = self.comm.flush()
+        return _out(self.comm.stats(final=True), forward), StatefulBatchLogic.RETAIN
 
     def notify_at(self) -> datetime | None:
         # no timer after the end of a bounded input: a pending timer keeps the flow alive
@@ -108,7 +111,7 @@ class AlignLogic(StatefulBatchLogic[list[Any], AlignOut, tuple[CommAnalyzer, int
         return self.comm, self.clock.event_ns
 
 
-def _out(rows: list[AlignedCollective], forward: list[Any]) -> list[AlignOut]:
+def _out(rows: list[AlignedCollective | AlignStats], forward: list[Any]) -> list[AlignOut]:
     return [AlignOut(rows, forward)] if rows or forward else []
 
 

@@ -306,6 +306,30 @@ class AlignedCollective(Record, frozen=True, kw_only=True, tag="aligned"):
         return self.last_arrival_ns - self.first_arrival_ns
 
 
+class AlignStats(Record, frozen=True, kw_only=True, tag="align_stats"):
+    """How one communicator's records met, counted since its alignment state began
+    (a flow resumed from its recovery store goes on counting): cumulative, so the
+    newest row of a communicator is its account.
+
+    ``late_records``: a member's record for a collective already complete (a
+    duplicate, or a replay after a restart), ignored. ``out_of_order_records``:
+    a record whose sequence number is below one its rank already sent on that
+    communicator (aligned all the same). ``dropped_instances``: collectives evicted
+    unfinished beyond the bound on open ones. ``partial_reports``: collectives
+    reported partial after the timeout (someone never joined or never finished),
+    each report counted. ``open_instances``: collectives open at ``ts_ns``.
+    """
+
+    comm_hash: CommHash
+    ts_ns: TimeNs
+    records: Count = 0
+    late_records: Count = 0
+    out_of_order_records: Count = 0
+    dropped_instances: Count = 0
+    partial_reports: Count = 0
+    open_instances: Count = 0
+
+
 class RankStep(Record, frozen=True, kw_only=True, tag="rank_step"):
     """One rank's account of one training step."""
 
@@ -452,6 +476,7 @@ EVENT_TYPES: tuple[type[Record], ...] = (
 #: Records the analysis produces.
 RESULT_TYPES: tuple[type[Record], ...] = (
     AlignedCollective,
+    AlignStats,
     RankStep,
     StepSummary,
     Verdict,

@@ -33,6 +33,7 @@ import msgspec.inspect as mi
 
 from schemas.records import (
     AlignedCollective,
+    AlignStats,
     Collective,
     CommInfo,
     DeadLetter,
@@ -199,6 +200,8 @@ _TABLE_LIST: Sequence[Table] = (
         ("job", "comm_hash", "seq", "sender", "receiver"),
         "first_arrival_ns",
     ),
+    # a communicator's cumulative counts: the newest row (largest ts_ns) is its account
+    Table("align_stats", AlignStats, ("job", "comm_hash", "ts_ns"), "ts_ns"),
     Table("rank_steps", RankStep, ("job", "step", "rank"), "start_ns"),
     Table("steps", StepSummary, ("job", "step"), "start_ns"),
     Table("verdicts", Verdict, ("job", "verdict_id"), "detected_ns", version_column="revision"),

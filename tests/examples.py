@@ -6,6 +6,7 @@ import msgspec
 
 from schemas.records import (
     AlignedCollective,
+    AlignStats,
     Collective,
     CommInfo,
     CommProgress,
@@ -179,6 +180,17 @@ def every_record(job: str = "job-a") -> list[msgspec.Struct]:
             microbatch=2,
             phase=Phase.FORWARD,
             pp_stage=0,
+        ),
+        AlignStats(
+            job=job,
+            comm_hash=H,
+            ts_ns=T0 + 5,
+            records=1000,
+            late_records=3,
+            out_of_order_records=2,
+            dropped_instances=1,
+            partial_reports=4,
+            open_instances=6,
         ),
         RankStep(
             job=job,

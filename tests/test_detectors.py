@@ -274,11 +274,12 @@ def test_folding_per_communicator_changes_nothing_the_job_concludes() -> None:
     from detectors.align import CollectiveAligner
     from detectors.analyzer import JobAnalyzer
     from schemas.codec import encode
-    from schemas.records import Collective
+    from schemas.records import AlignStats, Collective
 
     run = build("story", scale="demo", seed=1, steps=40, kernels=False)
     records = list(run.records())
-    folded = sorted(encode(r) for r in Replay().run(records))
+    out = list(Replay().run(records))
+    folded = sorted(encode(r) for r in out if not isinstance(r, AlignStats))
     job = JobAnalyzer(run.spec.job)
     aligners: dict[int, CollectiveAligner] = {}
     plain: list = []
@@ -305,12 +306,13 @@ def test_folding_per_communicator_changes_nothing_the_job_concludes() -> None:
     tick()
     plain += job.finish()
     # proxy windows (EdgeThroughput) are made per communicator only: without them the job
-    # has no SendGPUWait evidence, the one thing the plain path cannot know
+    # has no SendGPUWait evidence, the one thing the plain path cannot know (nor has it
+    # the communicators' accounts, AlignStats)
     assert sorted(encode(r) for r in plain) == [_without_gpu_wait(x) for x in folded]
     assert any(isinstance(r, Verdict) for r in plain)
     # the flow merges the parts per shard of the communicators: any number of shards
     one_shard = Replay(DetectSettings(part_shards=1)).run(records)
-    assert sorted(encode(r) for r in one_shard) == folded
+    assert sorted(encode(r) for r in one_shard) == sorted(map(encode, out))
 
 
 def _without_gpu_wait(raw: bytes) -> bytes:
@@ -714,3 +716,64 @@ def test_a_slowdown_waits_for_link_samples_that_stopped_only_link_wait_ms() -> N
     held_ns = held[0].detected_ns - in_time[0].detected_ns
     step_ns = _step_ns(recs)
     assert 300e6 - step_ns <= held_ns < 300e6 + step_ns
+
+
+def _accounts(out: list[msgspec.Struct]) -> dict[int, msgspec.Struct]:
+    """Each communicator's newest AlignStats row (its cumulative account)."""
+    from schemas.records import AlignStats
+
+    return {s.comm_hash: s for s in out if isinstance(s, AlignStats)}
+
+
+def test_late_out_of_order_and_unfinished_records_are_counted_per_communicator() -> None:
+    """What alignment handled besides complete collectives is told per communicator,
+    so an SRE sees a replaying or reordering source: the exact number of duplicates
+    that came after their collective completed, of records below a sequence number
+    their rank already sent, and the partial reports of a collective that lost one
+    member's record."""
+    from schemas.records import Collective
+
+    recs = list(build("healthy", scale="tiny", seed=0, steps=6).records())
+    colls = [i for i, r in enumerate(recs) if isinstance(r, Collective)]
+    comm = recs[colls[0]].comm_hash
+    mine = [i for i in colls if recs[i].comm_hash == comm]
+    clean = _accounts(list(Replay().run(recs)))
+    assert clean[comm].records == len(mine)
+    assert all(
+        (s.late_records, s.out_of_order_records, s.dropped_instances, s.partial_reports)
+        == (0, 0, 0, 0)
+        for s in clean.values()
+    )
+    # two consecutive calls of one rank on the communicator, swapped
+    a = mine[0]
+    b = next(i for i in mine if i > a and recs[i].rank == recs[a].rank)
+    bad = list(recs)
+    bad[a], bad[b] = bad[b], bad[a]
+    lost = mine[len(mine) // 2]  # a member's record never arrives
+    dupes = [bad[i] for i in mine[:5]]  # five records again, long after they completed
+    bad = [r for i, r in enumerate(bad) if i != lost] + dupes
+    s = _accounts(list(Replay().run(bad)))[comm]
+    assert s.records == len(mine) - 1 + 5
+    assert (s.late_records, s.out_of_order_records, s.dropped_instances) == (5, 1, 0)
+    assert s.partial_reports >= 1 and s.open_instances == 1
+
+
+def test_a_quiet_communicators_counts_come_once_per_stats_every_ns() -> None:
+    """Nothing unusual: a communicator's account is a row per ``stats_every_ns`` of event
+    time and one at the end, not a row per batch."""
+    from detectors.comm import CommAnalyzer
+    from schemas.records import Collective
+
+    recs = list(build("healthy", scale="tiny", seed=0, steps=6).records())
+    comm_hash = next(r.comm_hash for r in recs if isinstance(r, Collective))
+    mine = [r for r in recs if isinstance(r, Collective) and r.comm_hash == comm_hash]
+    span = mine[-1].enqueue_ns - mine[0].enqueue_ns
+    comm = CommAnalyzer(stats_every_ns=span // 4)
+    rows = []
+    for i in range(0, len(mine), 7):  # batches of 7 records
+        comm.update(mine[i : i + 7])
+        rows += comm.stats()
+    rows += comm.stats(final=True)
+    assert 4 <= len(rows) <= 6, len(rows)
+    assert rows[-1].records == len(mine) and rows[-1].late_records == 0
+    assert comm.stats(final=True) == []

@@ -97,6 +97,17 @@ def test_job_drill_down_names_every_culprit(ch: Any, story: dict) -> None:
     assert path[0]["node"] == "F0s0" and path[-1]["node"] == "B7s0"
 
 
+def test_alignment_panel_counts_what_did_not_meet(ch: Any, story: dict) -> None:
+    """Nothing was sent twice or out of order; the hang left collectives that never
+    completed (reported partial) on the communicators that stopped, rank 5's among them."""
+    table = panel(ch, story, JOB, "alignment")
+    assert len(table) == 20 and all(r["records"] > 0 and r["role"] for r in table)
+    assert all(r["late"] == r["out_of_order"] == r["dropped"] == 0 for r in table)
+    stopped = [r for r in table if r["partial"] > 0]
+    assert stopped == table[: len(stopped)] and any(5 in r["ranks"] for r in stopped)
+    assert all(r["open_now"] >= 1 for r in stopped)
+
+
 def test_variables_filter_the_panels(ch: Any, story: dict) -> None:
     only = panel(ch, story, JOB, "lateness_heatmap", rank=["5", "15"])
     assert {r["rank"] for r in only} == {5, 15}

@@ -13,7 +13,7 @@ from infra.clickhouse import read_records
 from producers.sim.scenarios import build
 from schemas.codec import decode
 from schemas.config import Settings
-from schemas.records import EVENT_TYPES, DeadLetter
+from schemas.records import EVENT_TYPES, Collective, DeadLetter
 from schemas.tables import TABLE_FOR
 from schemas.topics import Topics
 from schemas.units import DeadLetterReason
@@ -117,3 +117,29 @@ def test_job_metadata_is_kept_by_compaction_one_record_per_entity(settings: Sett
     pub.flush()
     msgs = consume_all(settings, topics.meta, expect=len(meta))
     assert [decode(m.value()) for m in msgs] == meta
+
+
+def test_records_sent_twice_are_counted_late_in_clickhouse(settings: Settings, ch: Any) -> None:
+    """A producer that retries (or a replayed spool) sends records again after their
+    collective completed: the flow ignores them, and each communicator's account in
+    ``align_stats`` counts every one, with every record it read."""
+    sim = build("healthy", scale="tiny", seed=0, steps=4, kernels=False)
+    recs = list(sim.records())
+    colls = [r for r in recs if isinstance(r, Collective)]
+    again = colls[::50]
+    pub = publisher(settings)
+    pub.publish_all(recs)
+    pub.publish_all(again)
+    pub.flush()
+    run_main(build_flow(flow_config(settings)))
+    rows = ch.query(
+        "SELECT comm_hash, argMax((records, late_records, out_of_order_records), (ts_ns, records))"
+        f" FROM {settings.clickhouse.database}.align_stats FINAL WHERE job = {{job:String}}"
+        " GROUP BY comm_hash",
+        parameters={"job": sim.spec.job},
+    ).result_rows
+    accounts = {comm: tuple(counts) for comm, counts in rows}
+    assert set(accounts) == {r.comm_hash for r in colls}
+    assert sum(a[0] for a in accounts.values()) == len(colls) + len(again)
+    assert sum(a[1] for a in accounts.values()) == len(again)
+    assert sum(a[2] for a in accounts.values()) == 0

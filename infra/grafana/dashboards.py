@@ -242,6 +242,37 @@ ORDER BY time""",
             format="timeseries",
             width=24,
         ),
+        Panel(
+            "alignment",
+            "Collectives that did not meet cleanly, per communicator",
+            "table",
+            f"""SELECT lower(hex(s.comm_hash)) AS comm, c.role AS role, c.ranks AS ranks,
+       s.n AS records, s.late AS late, s.out_of_order AS out_of_order,
+       s.dropped AS dropped, s.partial AS partial, s.open_now AS open_now
+FROM (
+  SELECT comm_hash,
+         argMax(records, (ts_ns, records)) AS n,
+         argMax(late_records, (ts_ns, records)) AS late,
+         argMax(out_of_order_records, (ts_ns, records)) AS out_of_order,
+         argMax(dropped_instances, (ts_ns, records)) AS dropped,
+         argMax(partial_reports, (ts_ns, records)) AS partial,
+         argMax(open_instances, (ts_ns, records)) AS open_now
+  FROM {DB}.align_stats FINAL
+  WHERE job = '${{job}}' AND $__timeFilter(ts)
+  GROUP BY comm_hash
+) AS s
+LEFT JOIN (
+  SELECT comm_hash, any(role) AS role, any(ranks) AS ranks
+  FROM {DB}.comms FINAL WHERE job = '${{job}}' GROUP BY comm_hash
+) AS c ON c.comm_hash = s.comm_hash
+ORDER BY partial + late + out_of_order + dropped DESC, records DESC
+LIMIT 20""",
+            width=24,
+            description="Counted by the flow since its state began: late = a record for a "
+            "collective already complete (a duplicate or replay), ignored; out_of_order = "
+            "below a sequence number its rank already sent; dropped = evicted unfinished; "
+            "partial = reported with members missing after the timeout (a hang shows here).",
+        ),
     ],
     variables=[_JOB, _NODE, _RANK],
     annotations=[
