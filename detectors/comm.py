@@ -56,6 +56,13 @@ class CommAnalyzer:
         (a late, out-of-order, dropped or partial one is told at once).
     """
 
+    # the counts' starting values, also for one pickled by a version without them (a flow
+    # resumed across an upgrade): :meth:`_reset` sets them on each instance
+    _records = 0
+    _partials = 0
+    _told: tuple[int, ...] = (0, 0, 0, 0, 0)  # the counts in the last stats row
+    _told_ns = 0  # its time
+
     def __init__(
         self,
         min_timeout_ns: int = 500_000_000,
@@ -78,8 +85,8 @@ class CommAnalyzer:
         self._edges: dict[tuple[int, int], list[int]] = {}  # (src, dst) -> [n, bytes, wait, t0]
         self._records = 0
         self._partials = 0
-        self._told: tuple[int, ...] = (0, 0, 0, 0, 0)  # the counts in the last stats row
-        self._told_ns = 0  # its time
+        self._told = (0, 0, 0, 0, 0)
+        self._told_ns = 0
 
     def update(
         self, items: list[Collective | ProxySummary | CommSchedule]

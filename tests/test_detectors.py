@@ -777,3 +777,21 @@ def test_a_quiet_communicators_counts_come_once_per_stats_every_ns() -> None:
     assert 4 <= len(rows) <= 6, len(rows)
     assert rows[-1].records == len(mine) and rows[-1].late_records == 0
     assert comm.stats(final=True) == []
+
+
+def test_a_communicator_pickled_before_its_counts_existed_resumes_counting() -> None:
+    """A flow resumed across an upgrade unpickles communicators saved without the
+    counters behind AlignStats: they start counting from there instead of failing."""
+    from detectors.comm import CommAnalyzer
+    from schemas.records import Collective
+
+    recs = list(build("healthy", scale="tiny", seed=0, steps=3).records())
+    mine = [r for r in recs if isinstance(r, Collective)]
+    comm = CommAnalyzer()
+    comm.update(mine[:100])
+    for name in ("_records", "_partials", "_told", "_told_ns"):
+        del comm.__dict__[name]  # as an older version pickled it
+    old = pickle.loads(pickle.dumps(comm))
+    old.update(mine[100:150] + mine[:3])  # three of them again: late
+    (s,) = old.stats()
+    assert (s.records, s.late_records) == (53, 3)
