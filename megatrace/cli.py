@@ -904,12 +904,30 @@ def bench_codec(records: int) -> None:
 @click.option("--scale", default="small", show_default=True)
 @click.option("--rate", default=20_000, show_default=True, help="Records/s of the paced run.")
 @click.option("--seconds", default=10.0, show_default=True, help="Length of the paced run.")
+@click.option(
+    "--repeat",
+    default=3,
+    show_default=True,
+    help="Runs of each throughput measure; the best is reported, beside the range.",
+)
 @click.pass_obj
-def bench_pipeline(obj: _Ctx, steps: int, scale: str, rate: int, seconds: float) -> None:
+def bench_pipeline(
+    obj: _Ctx, steps: int, scale: str, rate: int, seconds: float, repeat: int
+) -> None:
     """Raw consume+decode vs the full dataflow, and end-to-end latency, on this machine."""
     from megatrace.bench import pipeline
 
-    pipeline(obj.settings, steps=steps, scale=scale, rate=rate, seconds=seconds, say=click.echo)
+    if repeat < 1:
+        raise click.BadParameter("must be at least 1", param_hint="--repeat")
+    pipeline(
+        obj.settings,
+        steps=steps,
+        scale=scale,
+        rate=rate,
+        seconds=seconds,
+        repeat=repeat,
+        say=click.echo,
+    )
 
 
 @bench.command("collector")

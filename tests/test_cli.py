@@ -37,6 +37,11 @@ def test_bad_config_is_a_usage_error_not_a_traceback() -> None:
     assert "expected int" in res.output
 
 
+def test_bench_pipeline_refuses_zero_runs_before_starting_anything() -> None:
+    res = CliRunner().invoke(cli, ["bench", "pipeline", "--repeat", "0"])
+    assert res.exit_code == 2 and "--repeat" in res.output and "at least 1" in res.output
+
+
 def test_schema_export_writes_json_schema(tmp_path) -> None:
     out = tmp_path / "s.json"
     res = CliRunner().invoke(cli, ["schema", "export", "--out", str(out)])
