@@ -770,6 +770,15 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
         f"  {steps[0][0]} steps analysed (mean {steps[0][1]} ms); query them in "
         f"{_redact(s.clickhouse_url())} database {db_name}"
     )
+    ((comms, read, late, unordered, partial),) = client.query(
+        "SELECT count(), sum(records), sum(late_records), sum(out_of_order_records), "
+        f"sum(partial_reports) FROM {db_name}.comm_accounts WHERE job = {{j:String}}",
+        parameters={"j": sp.job},
+    ).result_rows
+    click.echo(
+        f"  alignment: {read} collective records on {comms} communicators, {late} late, "
+        f"{unordered} out of order, {partial} collectives reported partial"
+    )
     from megatrace.report import write_report
 
     page = write_report(client, db_name, sp.job, Path(obj.settings.stack.state_dir) / "reports")

@@ -17,9 +17,11 @@ Questions, and where they are answered:
 - per-link throughput: ``link_minutes`` (and ``link_samples``)
 - the critical path of a step: ``steps.critical_path``
 - top offending nodes across the fleet: ``node_incidents``
+- which communicators' records did not meet cleanly (late, out of order,
+  dropped, partial): ``comm_accounts``
 
 >>> [v.name for v in VIEWS if not v.name.endswith("_mv")]
-['job_activity', 'node_incidents', 'link_minutes', 'job_status']
+['job_activity', 'node_incidents', 'link_minutes', 'job_status', 'comm_accounts']
 """
 
 from __future__ import annotations
@@ -119,6 +121,30 @@ SELECT a.job AS job, a.ranks AS ranks, a.last_step AS last_step,
                ifNull(v.open_incidents, 0) > 0, 'degraded', 'healthy') AS health
 FROM a LEFT JOIN v ON a.job = v.job
 SETTINGS join_use_nulls = 1""",
+    ),
+    # Each communicator's newest account (align_stats rows are cumulative), with its role
+    # and members; ``ts`` is when it was told.
+    View(
+        "comm_accounts",
+        """CREATE OR REPLACE VIEW {db}.comm_accounts AS
+SELECT s.job AS job, s.comm_hash AS comm_hash, c.role AS role, c.ranks AS ranks, s.ts AS ts,
+       s.n AS records, s.late AS late_records, s.out_of_order AS out_of_order_records,
+       s.dropped AS dropped_instances, s.partial AS partial_reports,
+       s.open_now AS open_instances
+FROM (
+  SELECT job, comm_hash, max(ts) AS ts,
+         argMax(records, (ts_ns, records)) AS n,
+         argMax(late_records, (ts_ns, records)) AS late,
+         argMax(out_of_order_records, (ts_ns, records)) AS out_of_order,
+         argMax(dropped_instances, (ts_ns, records)) AS dropped,
+         argMax(partial_reports, (ts_ns, records)) AS partial,
+         argMax(open_instances, (ts_ns, records)) AS open_now
+  FROM {db}.align_stats FINAL GROUP BY job, comm_hash
+) AS s
+LEFT JOIN (
+  SELECT job, comm_hash, any(role) AS role, any(ranks) AS ranks
+  FROM {db}.comms FINAL GROUP BY job, comm_hash
+) AS c ON c.job = s.job AND c.comm_hash = s.comm_hash""",
     ),
 )
 

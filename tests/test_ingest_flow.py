@@ -121,8 +121,9 @@ def test_job_metadata_is_kept_by_compaction_one_record_per_entity(settings: Sett
 
 def test_records_sent_twice_are_counted_late_in_clickhouse(settings: Settings, ch: Any) -> None:
     """A producer that retries (or a replayed spool) sends records again after their
-    collective completed: the flow ignores them, and each communicator's account in
-    ``align_stats`` counts every one, with every record it read."""
+    collective completed: the flow ignores them, and each communicator's account
+    (``align_stats``, newest per communicator in ``comm_accounts``) counts every one,
+    with every record it read."""
     sim = build("healthy", scale="tiny", seed=0, steps=4, kernels=False)
     recs = list(sim.records())
     colls = [r for r in recs if isinstance(r, Collective)]
@@ -133,12 +134,11 @@ def test_records_sent_twice_are_counted_late_in_clickhouse(settings: Settings, c
     pub.flush()
     run_main(build_flow(flow_config(settings)))
     rows = ch.query(
-        "SELECT comm_hash, argMax((records, late_records, out_of_order_records), (ts_ns, records))"
-        f" FROM {settings.clickhouse.database}.align_stats FINAL WHERE job = {{job:String}}"
-        " GROUP BY comm_hash",
+        "SELECT comm_hash, records, late_records, out_of_order_records"
+        f" FROM {settings.clickhouse.database}.comm_accounts WHERE job = {{job:String}}",
         parameters={"job": sim.spec.job},
     ).result_rows
-    accounts = {comm: tuple(counts) for comm, counts in rows}
+    accounts = {comm: counts for comm, *counts in rows}
     assert set(accounts) == {r.comm_hash for r in colls}
     assert sum(a[0] for a in accounts.values()) == len(colls) + len(again)
     assert sum(a[1] for a in accounts.values()) == len(again)

@@ -246,25 +246,11 @@ ORDER BY time""",
             "alignment",
             "Collectives that did not meet cleanly, per communicator",
             "table",
-            f"""SELECT lower(hex(s.comm_hash)) AS comm, c.role AS role, c.ranks AS ranks,
-       s.n AS records, s.late AS late, s.out_of_order AS out_of_order,
-       s.dropped AS dropped, s.partial AS partial, s.open_now AS open_now
-FROM (
-  SELECT comm_hash,
-         argMax(records, (ts_ns, records)) AS n,
-         argMax(late_records, (ts_ns, records)) AS late,
-         argMax(out_of_order_records, (ts_ns, records)) AS out_of_order,
-         argMax(dropped_instances, (ts_ns, records)) AS dropped,
-         argMax(partial_reports, (ts_ns, records)) AS partial,
-         argMax(open_instances, (ts_ns, records)) AS open_now
-  FROM {DB}.align_stats FINAL
-  WHERE job = '${{job}}' AND $__timeFilter(ts)
-  GROUP BY comm_hash
-) AS s
-LEFT JOIN (
-  SELECT comm_hash, any(role) AS role, any(ranks) AS ranks
-  FROM {DB}.comms FINAL WHERE job = '${{job}}' GROUP BY comm_hash
-) AS c ON c.comm_hash = s.comm_hash
+            f"""SELECT lower(hex(comm_hash)) AS comm, role, ranks, records,
+       late_records AS late, out_of_order_records AS out_of_order,
+       dropped_instances AS dropped, partial_reports AS partial, open_instances AS open_now
+FROM {DB}.comm_accounts
+WHERE job = '${{job}}' AND $__timeFilter(ts)
 ORDER BY partial + late + out_of_order + dropped DESC, records DESC
 LIMIT 20""",
             width=24,
