@@ -916,6 +916,7 @@ def bench_codec(records: int) -> None:
 @click.option(
     "--repeat",
     default=3,
+    type=click.IntRange(min=1),
     show_default=True,
     help="Runs of each throughput measure; the best is reported, beside the range.",
 )
@@ -926,8 +927,6 @@ def bench_pipeline(
     """Raw consume+decode vs the full dataflow, and end-to-end latency, on this machine."""
     from megatrace.bench import pipeline
 
-    if repeat < 1:
-        raise click.BadParameter("must be at least 1", param_hint="--repeat")
     pipeline(
         obj.settings,
         steps=steps,
