@@ -128,11 +128,15 @@ def _cpu_meter(stack: Stack) -> Callable[[], _Cpu]:
     return spent
 
 
-def _raw_consume(settings: Settings, stack: Stack, topics: list[str], n: int) -> tuple[float, _Cpu]:
-    """Records/s of a bare consumer that decodes each record, and the CPU it took."""
+def _raw_consume(
+    settings: Settings, stack: Stack, topics: list[str], n: int
+) -> tuple[float, _Cpu, float]:
+    """Records/s of a bare consumer that decodes each record, the CPU it took, and the
+    seconds until its first record (counted apart, as the flow's start-up is)."""
     from confluent_kafka import Consumer, TopicPartition
 
     cpu = _cpu_meter(stack)
+    begun = time.perf_counter()
     c = Consumer(consumer_config(settings.kafka, stack.bootstrap()))
     meta = c.list_topics(timeout=10)
     c.assign([TopicPartition(t, p, 0) for t in topics for p in meta.topics[t].partitions])
@@ -147,23 +151,15 @@ def _raw_consume(settings: Settings, stack: Stack, topics: list[str], n: int) ->
                 got += 1
     dt = time.perf_counter() - t0
     c.close()
-    return got / dt, cpu()
-
-
-def _raw_rate(
-    settings: Settings, stack: Stack, topics: list[str], n: int
-) -> tuple[float, float, _Cpu]:
-    """:func:`_raw_consume` as (records/s, start-up s: none, CPU)."""
-    rate, cpu = _raw_consume(settings, stack, topics, n)
-    return rate, 0.0, cpu
+    return got / dt, cpu(), t0 - begun
 
 
 def _flow_rate(
     settings: Settings, stack: Stack, topics: Topics, database: str, role: Role, n: int
-) -> tuple[float, float, _Cpu]:
-    """One bounded flow of ``role`` over ``n`` records: (records/s, start-up s, CPU)."""
+) -> tuple[float, _Cpu, float]:
+    """One bounded flow of ``role`` over ``n`` records: as :func:`_raw_consume` measures."""
     busy, start, cpu = _flow(settings, stack, topics, None, database, role=role)
-    return n / busy, start, cpu
+    return n / busy, cpu, start
 
 
 def _flow(
@@ -300,27 +296,20 @@ def _pipeline(
     pub.flush()
     produce_rate = n / (time.perf_counter() - t0)
     detect_topics = [t for t in topics.inputs if t != topics.kernel]
-    # (name, records, the raw measure it is compared with, measure: () -> (rate, start-up, CPU))
-    measures: list[tuple[str, int, str, Callable[[], tuple[float, float, _Cpu]]]] = [
-        ("raw", n, "raw", lambda: _raw_rate(settings, stack, list(topics.inputs), n)),
-        (
-            "raw detect",
-            n_detect,
-            "raw detect",
-            lambda: _raw_rate(settings, stack, detect_topics, n_detect),
-        ),
-    ]
-    for role, count, raw in (
-        (Role.ALL, n, "raw"),
-        (Role.STORE, n, "raw"),
-        (Role.DETECT, n_detect, "raw detect"),
-    ):
-        measure = functools.partial(_flow_rate, settings, stack, topics, database, role, count)
-        measures.append((role.value, count, raw, measure))
-    runs: dict[str, list[tuple[float, float, _Cpu]]] = {name: [] for name, *_ in measures}
+    # name -> () -> (records/s, CPU, seconds to the first record read)
+    measures: dict[str, Callable[[], tuple[float, _Cpu, float]]] = {
+        "raw": functools.partial(_raw_consume, settings, stack, list(topics.inputs), n),
+        "raw detect": functools.partial(_raw_consume, settings, stack, detect_topics, n_detect),
+    }
+    roles = ((Role.ALL, n, "raw"), (Role.STORE, n, "raw"), (Role.DETECT, n_detect, "raw detect"))
+    for role, count, _ in roles:
+        measures[role.value] = functools.partial(
+            _flow_rate, settings, stack, topics, database, role, count
+        )
+    runs: dict[str, list[tuple[float, _Cpu, float]]] = {name: [] for name in measures}
     rss0 = _rss_mb()
     for i in range(repeat):
-        for name, _, _, measure in measures:
+        for name, measure in measures.items():
             say(f"{name}, run {i + 1} of {repeat} ...")
             runs[name].append(measure())
     best = {name: max(r, key=lambda x: x[0]) for name, r in runs.items()}
@@ -329,35 +318,29 @@ def _pipeline(
         rates = sorted(r[0] for r in runs[name])
         return f"best of {len(rates)} ({rates[0]:,.0f}-{rates[-1]:,.0f})"
 
-    rows = [
-        ("produce (idempotent producer)", f"{produce_rate:,.0f} records/s", ""),
-        (
-            "raw consume + decode, every input topic",
-            f"{best['raw'][0]:,.0f} records/s",
-            spread("raw"),
-        ),
-        ("  CPU per record, raw, every topic", "µs", best["raw"][2].per_record(n)),
-        (
-            "raw consume + decode, the detect role's topics",
-            f"{best['raw detect'][0]:,.0f} records/s",
-            spread("raw detect"),
-        ),
-        (
-            "  CPU per record, raw, the detect role's",
-            "µs",
-            best["raw detect"][2].per_record(n_detect),
-        ),
-    ]
-    for name, count, raw, _ in measures[2:]:
-        got, start, cpu = best[name]
+    rows = [("produce (idempotent producer)", f"{produce_rate:,.0f} records/s", "")]
+    for name, what, count in (
+        ("raw", "every input topic", n),
+        ("raw detect", "the detect role's topics", n_detect),
+    ):
         rows += [
             (
-                f"flow, role {name} (one process)",
+                f"raw consume + decode, {what}",
+                f"{best[name][0]:,.0f} records/s",
+                f"{spread(name)}; first record read after {best[name][2]:.2f} s",
+            ),
+            (f"  CPU per record, raw, {what}", "µs", best[name][1].per_record(count)),
+        ]
+    for role, count, raw in roles:
+        got, cpu, start = best[role.value]
+        rows += [
+            (
+                f"flow, role {role.value} (one process)",
                 f"{got:,.0f} records/s",
-                f"{got / best[raw][0]:.0%} of raw, {spread(name)}; "
+                f"{got / best[raw][0]:.0%} of raw, {spread(role.value)}; "
                 f"first record read after {start:.2f} s",
             ),
-            (f"  CPU per record, role {name}", "µs", cpu.per_record(count)),
+            (f"  CPU per record, role {role.value}", "µs", cpu.per_record(count)),
         ]
     rss1 = _rss_mb()
     # latency: a paced producer while the flow (role all) runs
