@@ -921,21 +921,11 @@ def bench_codec(records: int) -> None:
     help="Runs of each throughput measure; the best is reported, beside the range.",
 )
 @click.pass_obj
-def bench_pipeline(
-    obj: _Ctx, steps: int, scale: str, rate: int, seconds: float, repeat: int
-) -> None:
+def bench_pipeline(obj: _Ctx, **options: Any) -> None:
     """Raw consume+decode vs the full dataflow, and end-to-end latency, on this machine."""
     from megatrace.bench import pipeline
 
-    pipeline(
-        obj.settings,
-        steps=steps,
-        scale=scale,
-        rate=rate,
-        seconds=seconds,
-        repeat=repeat,
-        say=click.echo,
-    )
+    pipeline(obj.settings, say=click.echo, **options)
 
 
 @bench.command("collector")
