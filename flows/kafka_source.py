@@ -2,8 +2,9 @@
 
 Bytewax's own Kafka source builds an object per message, which dominates the
 cost of a simple flow. Here each partition's poll becomes one
-:class:`RawBatch` (parallel lists of keys, values, offsets and producer
-timestamps). Each Kafka partition is a Bytewax partition; its snapshot is the
+:class:`RawBatch`: the poll's messages as librdkafka returned them, read once
+by whoever decodes them (a value each; a key, offset and time only for one
+refused). Each Kafka partition is a Bytewax partition; its snapshot is the
 next offset to read, so a flow restarted from its recovery store resumes
 where it was (at least once: the sinks are idempotent). With ``tail=False``
 the source stops once none of its partitions (in this process) received a
@@ -18,21 +19,32 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from bytewax.inputs import FixedPartitionedSource, StatefulSourcePartition
 
 
 @dataclass
 class RawBatch:
+    """One poll of one partition: its messages (``confluent_kafka.Message``) in log order.
+
+    A message whose ``error()`` is set is an event, not a record (transient broker
+    errors: librdkafka retries by itself), and is skipped by the reader. The messages
+    stay in the worker that polled them (the first step decodes them), so they are
+    never pickled."""
+
     topic: str
     partition: int
-    keys: list[bytes | None] = field(default_factory=list)
-    values: list[bytes] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    produced_ms: list[int] = field(default_factory=list)
+    messages: list[Any] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.values)
+        return len(self.messages)
+
+    @property
+    def produced_ms(self) -> int:
+        """The producer time of the first record, the oldest in log order (0: none)."""
+        first = next((m for m in self.messages if m.error() is None), None)
+        return 0 if first is None else max(0, first.timestamp()[1])
 
 
 _BACKOFF = timedelta(milliseconds=5)
@@ -93,18 +105,11 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
             raise StopIteration
         # never block the worker
         msgs = self._consumer.consume(self._batch_size, 0) if self._consumer else []
-        batch = RawBatch(self._topic, self._partition)
-        for m in msgs:
-            err = m.error()
-            if err is not None:
-                continue  # transient broker errors: librdkafka retries by itself
-            batch.keys.append(m.key())
-            batch.values.append(m.value() or b"")
-            batch.offsets.append(m.offset())
-            batch.produced_ms.append(m.timestamp()[1])
+        last = next((m for m in reversed(msgs) if m.error() is None), None)
         now = time.monotonic_ns()
-        if batch.offsets:
-            self._offset = batch.offsets[-1] + 1
+        if last is not None:
+            batch = RawBatch(self._topic, self._partition, msgs)
+            self._offset = last.offset() + 1
             self._quiet.last_ns = now
             self._awake = None
             if self._on_read is not None:

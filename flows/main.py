@@ -157,13 +157,14 @@ def decode_batch(batch: RawBatch) -> Decoded:
     records: list[msgspec.Struct] = []
     kept: list[bytes] = []
     dead: list[DeadLetter] = []
-    for i, (key, raw, offset) in enumerate(
-        zip(batch.keys, batch.values, batch.offsets, strict=True)
-    ):
+    for m in batch.messages:
+        if m.error() is not None:
+            continue
+        raw = m.value() or b""
         try:
             rec = decode(raw)
         except SchemaError as err:
-            produced_ms = batch.produced_ms[i] if i < len(batch.produced_ms) else 0
+            produced_ms = m.timestamp()[1]
             dead.append(
                 dead_letter(
                     raw,
@@ -172,16 +173,16 @@ def decode_batch(batch: RawBatch) -> Decoded:
                     step_id="decode",
                     topic=batch.topic,
                     partition=batch.partition,
-                    offset=offset,
-                    key=key,
+                    offset=m.offset(),
+                    key=m.key(),
                 )
             )
             continue
         records.append(rec)
         kept.append(raw)
     kinds = frozenset(map(type, records))
-    produced_ms = min(batch.produced_ms, default=0)
-    return Decoded(records, kept, dead, produced_ms, kinds, part_name(batch.topic, batch.partition))
+    part = part_name(batch.topic, batch.partition)
+    return Decoded(records, kept, dead, batch.produced_ms, kinds, part)
 
 
 def comm_key(job: str, comm_hash: int) -> str:
