@@ -18,13 +18,14 @@ from typing import Any
 import numpy as np
 
 from flows.main import Role, build_flow, flow_config, tune_gc
-from infra.clickhouse import init_db
+from infra.clickhouse import init_db, insert_json
 from infra.kafka import consumer_config, delete_topics, ensure_topics, producer_config
 from infra.stack import Stack
 from producers.publish import KafkaPublisher
 from producers.sim.scenarios import build
-from schemas.codec import decode
+from schemas.codec import decode, encode
 from schemas.config import Settings
+from schemas.tables import TABLE_FOR
 from schemas.topics import Topics
 
 
@@ -154,6 +155,32 @@ def _raw_consume(
     return got / dt, cpu(), t0 - begun
 
 
+def _engine_alone(
+    settings: Settings, stack: Stack, database: str, rows: dict[str, list[bytes]]
+) -> tuple[float, _Cpu, float]:
+    """Rows/s of ClickHouse parsing the raw rows and nothing else, the CPU it took (the
+    embedded engine's is this process's) and 0.0 (no start-up): each raw table's rows
+    inserted, ``batch_rows`` at a time as the raw sink inserts them, into a ``Null``
+    copy of the table (parsed, then thrown away: no part written, nothing to merge). One
+    insert thread does the raw sink's inserts one after another, so a role that stores
+    the raw rows cannot store more rows/s than this with the same engine."""
+    client = stack.clickhouse()
+    db = f"{database}_engine{time.time_ns() % 10**6}"
+    init_db(client, db, 1)
+    for table in rows:
+        client.command(f"CREATE TABLE {db}.{table}_null AS {db}.{table} ENGINE = Null")
+    step = settings.clickhouse.batch_rows
+    cpu = _cpu_meter(stack)
+    t0 = time.perf_counter()
+    for table, batch in rows.items():
+        for i in range(0, len(batch), step):
+            insert_json(client, db, f"{table}_null", batch[i : i + step])
+    dt = time.perf_counter() - t0
+    spent = cpu()
+    client.command(f"DROP DATABASE IF EXISTS {db} SYNC")
+    return sum(map(len, rows.values())) / dt, spent, 0.0
+
+
 def _flow_rate(
     settings: Settings, stack: Stack, topics: Topics, database: str, role: Role, n: int
 ) -> tuple[float, _Cpu, float]:
@@ -232,7 +259,8 @@ def pipeline(
     say: Callable[[str], None],
     repeat: int = 3,
 ) -> None:
-    """Raw consume+decode, then the flow in each role on the same records, then latency.
+    """Raw consume+decode, ClickHouse parsing the raw rows alone, then the flow in each
+    role on the same records, then latency.
 
     Each throughput is measured ``repeat`` times, alternating, and the best is kept
     (a shared 2-core machine moved single runs by 20-30%): the ratios are best against
@@ -297,9 +325,13 @@ def _pipeline(
     produce_rate = n / (time.perf_counter() - t0)
     detect_topics = [t for t in topics.inputs if t != topics.kernel]
     # name -> () -> (records/s, CPU, seconds to the first record read)
+    raw_rows: dict[str, list[bytes]] = {}
+    for r in recs:
+        raw_rows.setdefault(TABLE_FOR[type(r)].name, []).append(encode(r))
     measures: dict[str, Callable[[], tuple[float, _Cpu, float]]] = {
         "raw": functools.partial(_raw_consume, settings, stack, list(topics.inputs), n),
         "raw detect": functools.partial(_raw_consume, settings, stack, detect_topics, n_detect),
+        "engine": functools.partial(_engine_alone, settings, stack, database, raw_rows),
     }
     roles = ((Role.ALL, n, "raw"), (Role.STORE, n, "raw"), (Role.DETECT, n_detect, "raw detect"))
     for role, count, _ in roles:
@@ -331,6 +363,20 @@ def _pipeline(
             ),
             (f"  CPU per record, raw, {what}", "µs", best[name][1].per_record(count)),
         ]
+    engine, engine_cpu, _ = best["engine"]
+    rows += [
+        (
+            "ClickHouse alone: parse the raw rows (Null tables)",
+            f"{engine:,.0f} rows/s",
+            f"{engine / best['raw'][0]:.0%} of raw, {spread('engine')}; a bound on roles "
+            "all and store here (one insert thread feeds it)",
+        ),
+        (
+            "  CPU per row, ClickHouse alone",
+            "µs",
+            f"{(engine_cpu.flow + engine_cpu.rest) * 1e6 / n:.1f}",
+        ),
+    ]
     for role, count, raw in roles:
         got, cpu, start = best[role.value]
         rows += [

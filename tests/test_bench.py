@@ -1,0 +1,40 @@
+"""``megatrace bench``'s measures that can go wrong quietly: what they count and leave."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from infra.stack import Stack
+from megatrace.bench import _engine_alone
+from producers.sim.scenarios import build
+from schemas.codec import encode
+from schemas.config import Settings
+from schemas.tables import TABLE_FOR
+
+
+def _raw_rows(n: int) -> dict[str, list[bytes]]:
+    rows: dict[str, list[bytes]] = {}
+    for rec in list(build("healthy", scale="tiny", seed=0, steps=2).records())[:n]:
+        rows.setdefault(TABLE_FOR[type(rec)].name, []).append(encode(rec))
+    return rows
+
+
+def test_clickhouse_alone_parses_the_rows_and_leaves_no_database(
+    settings: Settings, ch: Any
+) -> None:
+    rows = _raw_rows(3000)
+    assert len(rows) >= 3  # several raw tables, each inserted into its Null copy
+    before = {r[0] for r in ch.query("SELECT name FROM system.databases").result_rows}
+    rate, cpu, start = _engine_alone(settings, Stack(settings), settings.clickhouse.database, rows)
+    assert rate > 0 and cpu.flow + cpu.rest > 0 and start == 0.0
+    after = {r[0] for r in ch.query("SELECT name FROM system.databases").result_rows}
+    assert after == before
+
+
+def test_clickhouse_alone_really_parses_a_row_it_is_given(settings: Settings) -> None:
+    # a Null table throws rows away, but only once parsed: a row ClickHouse refuses fails
+    rows = {"heartbeats": [b'{"type":"hb","v":1,"job":"j","node":"n","rank":"x"}']}
+    with pytest.raises(Exception, match="rank"):
+        _engine_alone(settings, Stack(settings), settings.clickhouse.database, rows)
