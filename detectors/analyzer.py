@@ -265,7 +265,7 @@ class JobAnalyzer:
     # ------------------------------------------------------------------ steps
     def _step(self, rep: StepReport) -> list[msgspec.Struct]:
         topo = self.topo
-        assert topo is not None
+        assert topo is not None and self.assembler is not None
         out: list[msgspec.Struct] = []
         if rep.complete:
             self.durations.append(rep.duration_ns)
@@ -283,6 +283,9 @@ class JobAnalyzer:
                 throughput_ratio=(1 / ratio) if ratio else None,
                 slowest_pp_group=self._slowest_replica(rep),
                 critical_path=self._critical_names(rep),
+                instances=rep.n_instances,
+                expected_instances=self.assembler.expected_instances(),
+                late_instances=self.assembler.late_instances,
             )
         )
         for r in range(topo.job.world_size):

@@ -69,13 +69,28 @@ def _squash(type_name: str) -> str:
     return "".join(type_name.split())
 
 
+def _add_columns(
+    client: Any, database: str, table: str, columns: list[tuple[str, str]], have: dict[str, str]
+) -> None:
+    """Add the ``columns`` a table lacks, each after the one before it in the record."""
+    for i, (name, type_name) in enumerate(columns):
+        if name in have:
+            continue
+        after = f" AFTER `{columns[i - 1][0]}`" if i else " FIRST"
+        client.command(
+            f"ALTER TABLE {database}.{table} ADD COLUMN IF NOT EXISTS `{name}` {type_name}{after}"
+        )
+
+
 def init_db(client: Any, database: str, retention_days: int) -> list[str]:
     """Create the database, every table and the query model's views (idempotent);
     return the table names.
 
-    A table that already exists with other columns or another key (made by an older
-    megatrace) is an error that says so, rather than inserts failing or rows replacing
-    each other later.
+    A table made by an older megatrace that lacks columns this version added gets them
+    (``ALTER TABLE ... ADD COLUMN``; its old rows read the type's default: 0, empty or
+    NULL, which each record type documents). One with other columns, a column of
+    another type, or another key is an error that says so, rather than inserts failing
+    or rows replacing each other later.
     """
     client.command(f"CREATE DATABASE IF NOT EXISTS {database}")
     for table in TABLES.values():
@@ -83,7 +98,9 @@ def init_db(client: Any, database: str, retention_days: int) -> list[str]:
         rows = client.query(f"DESCRIBE TABLE {database}.{table.name}").result_rows
         have = {r[0]: _squash(r[1]) for r in rows if r[2] != "MATERIALIZED"}
         want = {n: _squash(t) for n, t in table.columns}
-        if have != want:
+        if have.items() <= want.items():  # the same, or columns added since
+            _add_columns(client, database, table.name, table.columns, have)
+        else:
             diff = sorted(set(have.items()) ^ set(want.items()))
             raise ClickHouseError(
                 f"table {database}.{table.name} exists with a different schema ({diff[:4]}...): "

@@ -761,13 +761,15 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
         )
     for v in verdicts:
         click.echo(f"  verdict {v.kind.value:<22} {v.cause.value:<13} {v.summary}")
-    steps = client.query(
-        f"SELECT count(), round(avg(duration_ns) / 1e6, 1) FROM {db_name}.steps"
-        " FINAL WHERE job = {j:String}",
+    ((n_steps, mean_ms, cut, late),) = client.query(
+        f"SELECT count(), round(avg(duration_ns) / 1e6, 1), countIf(instances < "
+        f"expected_instances), max(late_instances) FROM {db_name}.steps FINAL "
+        "WHERE job = {j:String}",
         parameters={"j": sp.job},
     ).result_rows
     click.echo(
-        f"  {steps[0][0]} steps analysed (mean {steps[0][1]} ms); query them in "
+        f"  {n_steps} steps analysed (mean {mean_ms} ms; {cut} closed without some of their "
+        f"collectives, {late} collectives came after their step closed); query them in "
         f"{_redact(s.clickhouse_url())} database {db_name}"
     )
     ((comms, read, late, unordered, partial),) = client.query(

@@ -61,7 +61,8 @@ def load(client: Any, database: str, job: str) -> JobData:
 
     steps = _rows(
         client,
-        f"SELECT step, duration_ns / 1e6 AS step_ms, expected_ns / 1e6 AS expected_ms "
+        f"SELECT step, duration_ns / 1e6 AS step_ms, expected_ns / 1e6 AS expected_ms, "
+        f"instances < expected_instances AS incomplete "
         f"FROM {database}.steps FINAL WHERE job = '{_q(job)}' ORDER BY step",
     )
     if not steps:
@@ -128,6 +129,9 @@ def step_figure(d: JobData) -> Figure:
     exp = [(r["step"], r["expected_ms"]) for r in d.steps if r["expected_ms"] is not None]
     if exp:
         ax.plot(*zip(*exp, strict=True), ls="--", color="grey", label="expected")
+    cut = [(r["step"], r["step_ms"]) for r in d.steps if r["incomplete"]]
+    if cut:  # closed without some of its collectives: its time covers only what came
+        ax.plot(*zip(*cut, strict=True), ls="", marker="x", color="black", label="incomplete")
     for v in d.verdicts:
         at = v["onset_step"] if v.get("onset_step") is not None else v.get("step")
         if at is not None:

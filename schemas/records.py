@@ -346,7 +346,16 @@ class RankStep(Record, frozen=True, kw_only=True, tag="rank_step"):
 
 
 class StepSummary(Record, frozen=True, kw_only=True, tag="step"):
-    """One training step of the whole job."""
+    """One training step of the whole job.
+
+    ``instances`` collective instances went into its figures, of the
+    ``expected_instances`` a whole step has: fewer, and the step was closed without
+    some (a hang, records lost, or read so late that the step was given up on);
+    its figures then cover only what came, and the detectors leave it out.
+    ``late_instances`` counts the job's instances so far that came after their
+    step was closed, in no step's figures (0 and 0 for both: not known, a row
+    written before megatrace counted them).
+    """
 
     step: Count
     start_ns: TimeNs
@@ -356,6 +365,9 @@ class StepSummary(Record, frozen=True, kw_only=True, tag="step"):
     throughput_ratio: float | None = None
     slowest_pp_group: Count | None = None
     critical_path: list[str] = field(default_factory=list)
+    instances: Count = 0
+    expected_instances: Count = 0
+    late_instances: Count = 0
 
 
 class Verdict(Record, frozen=True, kw_only=True, tag="verdict"):

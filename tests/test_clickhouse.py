@@ -7,8 +7,15 @@ from typing import Any
 import msgspec
 import pytest
 
-from infra.clickhouse import ClickHouseError, connect, init_db, insert_records, read_records
-from schemas.records import Verdict
+from infra.clickhouse import (
+    ClickHouseError,
+    connect,
+    init_db,
+    insert_json,
+    insert_records,
+    read_records,
+)
+from schemas.records import StepSummary, Verdict
 from schemas.tables import TABLE_FOR, TABLES
 from schemas.units import VerdictStatus
 from schemas.views import VIEWS
@@ -86,3 +93,29 @@ def test_a_table_with_an_old_key_is_a_clear_error(ch: Any, database: str) -> Non
     ch.command(ddl)
     with pytest.raises(ClickHouseError, match="collectives exists with another key"):
         init_db(ch, database, retention_days=0)
+
+
+def test_a_table_from_before_columns_were_added_gets_them_and_keeps_its_rows(
+    ch: Any, database: str
+) -> None:
+    """An upgrade: the steps table as megatrace made it before it counted instances."""
+    added = ("instances", "expected_instances", "late_instances")
+    ddl = TABLES["steps"].ddl(database, 0)
+    for name in added:
+        ddl = ddl.replace(f", {name} Int64", "")
+    assert "instances" not in ddl
+    ch.command(f"DROP TABLE {database}.steps")
+    ch.command(ddl)
+    old = b'{"type":"step","v":1,"job":"j","step":0,"start_ns":1,"end_ns":5,"duration_ns":4}'
+    insert_json(ch, database, "steps", [old])
+    init_db(ch, database, retention_days=0)
+    init_db(ch, database, retention_days=0)  # and again: nothing more to add
+    new = StepSummary(
+        job="j", step=1, start_ns=5, end_ns=9, duration_ns=4, instances=7, expected_instances=8
+    )
+    insert_records(ch, database, [new])
+    got = {s.step: s for s in read_records(ch, database, "steps")}
+    assert (got[0].instances, got[0].expected_instances, got[0].duration_ns) == (0, 0, 4)
+    assert got[1] == new
+    names = [r[0] for r in ch.query(f"DESCRIBE TABLE {database}.steps").result_rows]
+    assert names[: len(TABLES["steps"].column_names)] == TABLES["steps"].column_names

@@ -227,6 +227,45 @@ def test_out_of_order_records_give_the_same_verdicts() -> None:
     assert analyzer.assembler.late_instances == 0  # nothing had to be dropped
 
 
+def test_step_rows_say_whether_every_instance_came() -> None:
+    """A step closed without some of its instances (here the hang's) says so in its row;
+    the steps before it hold every instance a step has."""
+    run = build("missing-recv", scale="tiny", seed=0, steps=20)
+    steps = [s for s in Replay().run(run.records()) if isinstance(s, StepSummary)]
+    hung = run.faults[0].onset_step
+    assert steps[-1].step == hung
+    expected = {s.expected_instances for s in steps}
+    assert len(expected) == 1 and expected.pop() > 0
+    assert all(s.instances == s.expected_instances for s in steps if s.step < hung)
+    assert 0 < steps[-1].instances < steps[-1].expected_instances
+    assert all(s.late_instances == 0 for s in steps)
+
+
+def test_step_rows_count_the_instances_that_came_after_their_step_closed() -> None:
+    from detectors.align import CollectiveAligner
+    from schemas.records import Collective, CommInfo
+    from schemas.units import CommRole
+
+    recs = list(build("healthy", scale="tiny", seed=0, steps=12).records(emit_kernels=False))
+    dp = next(r for r in recs if isinstance(r, CommInfo) and r.role is CommRole.DP)
+    members = [
+        r for r in recs if isinstance(r, Collective) and r.comm_hash == dp.comm_hash and r.seq == 0
+    ]
+    aligner = CollectiveAligner()
+    (step0,) = [inst for r in members for inst in aligner.update(r)]  # an instance of step 0
+    half = len(recs) // 2
+    replay = Replay()
+    before = [s for r in recs[:half] for s in replay.update(r) if isinstance(s, StepSummary)]
+    assert before and min(s.step for s in before) == 0  # step 0 is closed
+    (job,) = replay.jobs.values()
+    job.update(step0)  # it comes again, after its step closed: in no step's figures
+    after = [s for r in recs[half:] for s in replay.update(r) if isinstance(s, StepSummary)]
+    after += [s for s in replay.finish() if isinstance(s, StepSummary)]
+    assert [s.late_instances for s in before] == [0] * len(before)
+    assert after and [s.late_instances for s in after] == [1] * len(after)
+    assert all(s.instances == s.expected_instances for s in before + after)
+
+
 def test_a_slow_nic_is_one_nic_incident_not_several_link_ones() -> None:
     run = build("slow-nic", scale="demo", seed=1)
     verdicts = [v for v in Replay().run(run.records(emit_kernels=False)) if isinstance(v, Verdict)]

@@ -85,6 +85,10 @@ def test_job_drill_down_names_every_culprit(ch: Any, story: dict) -> None:
     assert verdicts["link_degradation"]["link"] == "node-1/mlx5_2->node-2/mlx5_2"
     steps = panel(ch, story, JOB, "step_time")
     assert max(r["step_ms"] for r in steps) > 1.3 * min(r["step_ms"] for r in steps)
+    # the hung step, and only it, is drawn apart: closed without its missing collectives
+    (incomplete,) = [r for r in steps if r["incomplete_step_ms"] is not None]
+    assert incomplete["incomplete_step_ms"] == incomplete["step_ms"]
+    assert incomplete["time"] == max(r["time"] for r in steps)
     # the heat map: during the slow-GPU fault, rank 15 is the hottest row
     cells = [r for r in panel(ch, story, JOB, "lateness_heatmap") if 18 <= r["step"] <= 31]
     by_rank: dict[int, list[float]] = {}

@@ -174,12 +174,16 @@ ORDER BY onset""",
             "step_time",
             "Step time (ms) and expected",
             "timeseries",
-            f"""SELECT start AS time, duration_ns / 1e6 AS step_ms, expected_ns / 1e6 AS expected_ms
+            f"""SELECT start AS time, duration_ns / 1e6 AS step_ms,
+       expected_ns / 1e6 AS expected_ms,
+       if(instances < expected_instances, duration_ns / 1e6, NULL) AS incomplete_step_ms
 FROM {DB}.steps FINAL
 WHERE job = '${{job}}' AND $__timeFilter(start)
 ORDER BY time""",
             format="timeseries",
-            description="Change points and incidents show as annotations.",
+            description="Change points and incidents show as annotations. incomplete_step_ms: "
+            "a step closed without some of its collectives (a hang, or records lost): its "
+            "time covers only what came.",
         ),
         Panel(
             "throughput",
