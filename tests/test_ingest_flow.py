@@ -143,3 +143,35 @@ def test_records_sent_twice_are_counted_late_in_clickhouse(settings: Settings, c
     assert sum(a[0] for a in accounts.values()) == len(colls) + len(again)
     assert sum(a[1] for a in accounts.values()) == len(again)
     assert sum(a[2] for a in accounts.values()) == 0
+
+
+def test_a_poll_with_a_broker_error_event_and_a_bad_record_decodes_the_rest() -> None:
+    """librdkafka hands error events among a poll's messages: they are skipped, a refused
+    record becomes a dead letter with its own key, offset and time, the rest decode."""
+    from confluent_kafka import KafkaError, Message
+
+    from flows.kafka_source import RawBatch
+    from flows.main import decode_batch
+    from schemas.codec import encode
+
+    good = [encode(r) for r in list(build("healthy", scale="tiny", seed=0).records())[:3]]
+
+    def msg(value: bytes, offset: int) -> Message:
+        return Message(
+            topic="t", partition=2, offset=offset, key=b"k%d" % offset, value=value,
+            timestamp=(1, 1_000 + offset),
+        )  # fmt: skip
+
+    event = Message(error=KafkaError(KafkaError._TRANSPORT))
+    batch = RawBatch("t", 2, [event, msg(good[0], 7), msg(b"{oops", 8), event, msg(good[1], 9)])
+    d = decode_batch(batch)
+    assert d.raw == [good[0], good[1]] and [encode(r) for r in d.records] == d.raw
+    (dead,) = d.dead
+    assert (dead.offset, dead.key, dead.raw, dead.reason) == (
+        8,
+        b"k8",
+        b"{oops",
+        DeadLetterReason.MALFORMED,
+    )
+    assert dead.ts_ns == 1_008 * 1_000_000  # its Kafka time: refused again, the same row
+    assert d.produced_ms == 1_007 and d.part == "2-t"  # the first record's time
