@@ -15,6 +15,7 @@ each from its offset.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -58,10 +59,21 @@ def part_name(topic: str, partition: int) -> str:
 
 
 class _Quiet:
-    """When any partition of one source (in this process) last saw a message."""
+    """When any partition of one source (in this process) last saw a message, and
+    whether the broker went away since (librdkafka's error callback, served by the
+    partitions' polls on the worker's own thread)."""
 
     def __init__(self) -> None:
         self.last_ns = time.monotonic_ns()
+        self.broker_lost = False
+        self.asked_ns = 0  # when a partition last asked the lost broker for metadata
+        self.warned_ns = 0
+
+    def on_error(self, err: Any) -> None:
+        from confluent_kafka import KafkaError
+
+        if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
+            self.broker_lost = True
 
 
 class _Partition(StatefulSourcePartition[RawBatch, int]):
@@ -87,6 +99,7 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
             conf["enable.auto.commit"] = "false"
             # an offset no longer (or not yet) in the log: read from the earliest one kept
             conf["auto.offset.reset"] = "earliest"
+            conf["error_cb"] = quiet.on_error  # type: ignore[assignment]
             self._consumer = Consumer(conf)
             self._consumer.assign([TopicPartition(topic, partition, offset)])
         self._topic, self._partition = topic, partition
@@ -111,6 +124,7 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
             batch = RawBatch(self._topic, self._partition, msgs)
             self._offset = last.offset() + 1
             self._quiet.last_ns = now
+            self._quiet.broker_lost = False
             self._awake = None
             if self._on_read is not None:
                 self._on_read(len(batch))
@@ -121,8 +135,39 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         # are not used: they depend on the broker's high watermark, which some
         # Kafka-protocol brokers (Tansu) report wrongly.
         if not self._tail and now - self._quiet.last_ns >= self._idle_stop_ns:
+            if self._quiet.broker_lost and self._wait_for_broker(now):
+                return []  # an unreachable broker's silence is not the end of the input
             self._eof = True
         return []
+
+    def _wait_for_broker(self, now: int) -> bool:
+        """The broker went away (a restart, the network): whether a bounded run waits on.
+
+        While it does not answer, yes (asked at most once a second, for 0.5 s, so the
+        worker's other steps and timers go on; a line on stderr every 10 s). Once it does,
+        librdkafka reconnects by itself and the source gets ``idle_stop_s`` more, from
+        now, to read what the broker holds. A partition that reads nothing (bounded by
+        ``start_offsets``) leaves the question to those that do."""
+        quiet = self._quiet
+        if self._consumer is None or now - quiet.asked_ns < 1_000_000_000:
+            return True  # asked less than a second ago (by any partition of the source)
+        quiet.asked_ns = now
+        from confluent_kafka import KafkaException
+
+        try:
+            self._consumer.list_topics(timeout=0.5)
+        except KafkaException:  # no answer: still away
+            if now - quiet.warned_ns >= 10 * 1_000_000_000:
+                quiet.warned_ns = now
+                print(
+                    "megatrace: the Kafka broker does not answer; this bounded run waits for "
+                    "it (Ctrl-C to stop)",
+                    file=sys.stderr,
+                )
+            return True
+        quiet.broker_lost = False
+        quiet.last_ns = now
+        return True
 
     def next_awake(self) -> datetime | None:
         # an empty poll backs off a little instead of blocking or spinning

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -90,3 +91,52 @@ def wait_until_delivered(agent, timeout_s: float = 30.0) -> None:
         if h.accepted and h.delivered == h.accepted:
             return
         time.sleep(0.1)
+
+
+class PersistentBroker:
+    """noida-db's Kafka on a free local port, keeping its log in ``data_dir`` across
+    restarts (test-only: the local Tansu broker is memory-only, so a
+    broker restart can only be tested on this one; users bring real Kafka).
+
+    Pinned to noida-db 0.2.2 in the test extras: 0.2.3's binary needs glibc 2.39."""
+
+    def __init__(self, data_dir: Path) -> None:
+        from infra.broker import free_port
+
+        self.data_dir = data_dir
+        self.port = free_port()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        import os
+        import socket
+        from importlib.resources import files
+
+        binary = str(files("noida_db").joinpath("noida-db"))
+        os.chmod(binary, 0o755)  # a wheel may not keep the bit
+        cmd = [binary, "start", "--only", "kafka", "--kafka-port", str(self.port)]
+        log = open(self.data_dir.parent / "noida.log", "ab")  # noqa: SIM115 - the child's
+        self._proc = subprocess.Popen([*cmd, "--data-dir", str(self.data_dir)], stdout=log,
+                                      stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"noida-db exited with {self._proc.returncode}") from None
+                time.sleep(0.1)
+        raise RuntimeError(f"noida-db did not listen on {self.port} within {timeout_s} s")
+
+    def stop(self) -> None:
+        """SIGTERM: it saves its log and exits (it saves lazily: after a kill -9 it may come
+        back without its newest records)."""
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(30)
+            self._proc = None
