@@ -6,6 +6,8 @@ Tansu broker and a production Kafka cluster (SASL/TLS included).
 
 from __future__ import annotations
 
+from typing import Any
+
 from schemas.config import KafkaSettings
 from schemas.topics import Topics
 
@@ -88,10 +90,7 @@ def ensure_topics(
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient(client_config(kafka, bootstrap))
-    try:
-        existing = set(admin.list_topics(timeout=timeout_s).topics)
-    except KafkaException as e:
-        raise KafkaSetupError(f"cannot reach Kafka at {bootstrap}: {e}") from None
+    existing = _existing(admin, bootstrap, timeout_s)
     wanted = [t for t in topics.all if t not in existing]
     if not wanted:
         return []
@@ -116,6 +115,26 @@ def ensure_topics(
             if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise KafkaSetupError(f"cannot create topic {topic}: {e}") from None
     return created
+
+
+def missing_topics(
+    kafka: KafkaSettings, bootstrap: str, names: list[str], timeout_s: float = 15.0
+) -> list[str]:
+    """Those of ``names`` the cluster does not have (a flow reads only existing topics);
+    :class:`KafkaSetupError` if it does not answer within ``timeout_s``."""
+    from confluent_kafka.admin import AdminClient
+
+    existing = _existing(AdminClient(client_config(kafka, bootstrap)), bootstrap, timeout_s)
+    return [t for t in names if t not in existing]
+
+
+def _existing(admin: Any, bootstrap: str, timeout_s: float) -> set[str]:
+    from confluent_kafka import KafkaException
+
+    try:
+        return set(admin.list_topics(timeout=timeout_s).topics)
+    except KafkaException as e:
+        raise KafkaSetupError(f"cannot reach Kafka at {bootstrap}: {e}") from None
 
 
 def delete_topics(

@@ -253,7 +253,7 @@ def run(
     from bytewax._bytewax import cli_main
     from bytewax.recovery import RecoveryConfig, init_db_dir
 
-    from flows.main import Role, build_flow, tune_gc
+    from flows.main import Role, build_flow, input_topics, tune_gc
 
     if (process_id is None) != (addresses is None):
         raise click.UsageError("--process-id and --addresses go together")
@@ -266,9 +266,19 @@ def run(
         recovery = RecoveryConfig(path)
     cfg = _flow_config(obj, tail=not once)
     from infra.clickhouse import init_db
+    from infra.kafka import KafkaSetupError, missing_topics
 
-    init_db(obj.stack().clickhouse(), cfg.database, obj.settings.clickhouse.retention_days)
     cfg = dataclasses.replace(cfg, role=Role(role), console=not quiet)
+    try:  # before Bytewax starts: its own error would bury this one in a traceback
+        missing = missing_topics(obj.settings.kafka, ",".join(cfg.brokers), input_topics(cfg))
+    except KafkaSetupError as e:
+        raise click.ClickException(str(e)) from None
+    if missing:
+        raise click.ClickException(
+            f"topic {', '.join(missing)} does not exist at {','.join(cfg.brokers)}: "
+            "run `megatrace stack up` (it creates the topics, also on a broker of your own)"
+        )
+    init_db(obj.stack().clickhouse(), cfg.database, obj.settings.clickhouse.retention_days)
     tune_gc()
     cli_main(
         build_flow(cfg),

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 
 from megatrace.cli import cli
+from schemas.config import Settings
 
 
 def test_help_lists_the_commands() -> None:
@@ -111,3 +114,27 @@ def test_tables_from_an_older_version_are_an_error_that_says_what_to_do(tmp_path
     assert "collectives exists with another key" in res.stderr
     assert f"{tmp_path}/clickhouse: remove that folder" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_run_says_plainly_when_its_broker_or_topics_are_not_there(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Before the flow starts (Bytewax's own error would be a page of traceback)."""
+    import subprocess
+
+    from infra.broker import free_port
+    from tests.helpers import megatrace_cmd
+
+    url = f"chdb://{tmp_path / 'ch'}"
+    fresh = msgspec.structs.replace(settings.kafka, topic_prefix="never-made.")
+    cmd = megatrace_cmd(msgspec.structs.replace(settings, kafka=fresh), url, "m", tmp_path, "run")
+    res = subprocess.run([*cmd, "--once"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "topic never-made.meta, never-made.comm" in res.stderr
+    assert "run `megatrace stack up`" in res.stderr
+
+    away = f"127.0.0.1:{free_port()}"  # nobody listens there
+    cmd[cmd.index("--bootstrap-servers") + 1] = away
+    res = subprocess.run([*cmd, "--once"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert f"cannot reach Kafka at {away}" in res.stderr
