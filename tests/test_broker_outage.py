@@ -26,6 +26,7 @@ from flows.main import build_flow
 from infra.kafka import ensure_topics
 from producers.sim.scenarios import build
 from schemas.config import Settings, load_settings
+from schemas.records import Heartbeat
 from schemas.tables import TABLE_FOR
 from schemas.topics import Topics
 from tests.helpers import PersistentBroker, flow_config, publisher
@@ -85,3 +86,54 @@ def test_a_bounded_run_waits_through_a_broker_restart_and_stores_everything_once
     for table, n in want.items():
         got = ch.query(f"SELECT count() FROM {db}.{table} FINAL").result_rows[0][0]
         assert got == n, f"{table}: {got} rows stored of {n} published"
+
+
+def test_a_tailing_flow_goes_on_detecting_after_a_broker_restart(
+    outage_broker: PersistentBroker, tmp_path: Path
+) -> None:
+    """``megatrace run`` (tailing) reads a healthy start, its broker stops and starts
+    again, and the job's hang, which only the records sent after the restart show, is
+    announced on the console."""
+    import subprocess
+
+    from tests.helpers import megatrace_cmd
+
+    settings = load_settings(
+        overrides={"kafka": {"bootstrap_servers": outage_broker.bootstrap, "partitions": 2}}
+    )
+    run = build("missing-recv", scale="tiny", seed=0, steps=20)
+    records = list(run.records())
+    cut = len(records) // 4
+    seen = [r.step for r in records[:cut] if isinstance(r, Heartbeat) and r.step is not None]
+    assert max(seen) < run.faults[0].onset_step  # the hang is in what comes after the restart
+    state = tmp_path / "st"
+    cmd = megatrace_cmd(settings, f"chdb://{tmp_path / 'ch'}", "tail", state, "stack", "up")
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)  # topics on that broker
+    pub = publisher(settings)
+    pub.publish_all(records[:cut])
+    pub.flush()
+    flow = subprocess.Popen(
+        [*cmd[:-2], "run"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        time.sleep(8.0)  # it reads the healthy start
+        outage_broker.stop()
+        time.sleep(3.0)
+        outage_broker.start()
+        pub = publisher(settings)
+        pub.publish_all(records[cut:])
+        pub.flush()
+        lines: list[str] = []
+        deadline = time.monotonic() + 120
+        assert flow.stdout is not None
+        while time.monotonic() < deadline and not any("hang:" in x for x in lines):
+            line = flow.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        hang = [x for x in lines if "hang:" in x]
+        assert hang, f"no hang announced after the restart: {lines[-5:]}"
+        assert f"rank {run.faults[0].rank} " in hang[0]
+    finally:
+        flow.kill()
+        flow.wait(30)
