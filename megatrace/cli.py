@@ -771,7 +771,7 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
         )
     for v in verdicts:
         click.echo(f"  verdict {v.kind.value:<22} {v.cause.value:<13} {v.summary}")
-    ((n_steps, mean_ms, cut, late),) = client.query(
+    ((n_steps, mean_ms, cut, after_close),) = client.query(
         f"SELECT count(), round(avg(duration_ns) / 1e6, 1), countIf(instances < "
         f"expected_instances), max(late_instances) FROM {db_name}.steps FINAL "
         "WHERE job = {j:String}",
@@ -779,7 +779,7 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
     ).result_rows
     click.echo(
         f"  {n_steps} steps analysed (mean {mean_ms} ms; {cut} closed without some of their "
-        f"collectives, {late} collectives came after their step closed); query them in "
+        f"collectives, {after_close} collectives came after their step closed); query them in "
         f"{_redact(s.clickhouse_url())} database {db_name}"
     )
     ((comms, read, late, unordered, partial),) = client.query(
