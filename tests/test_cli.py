@@ -79,6 +79,8 @@ def test_the_readme_demo_names_every_injected_culprit_and_runs_again_cleanly(tmp
             text = "\n".join(lines)
             assert "node-1/mlx5_2->node-2/mlx5_2" in text
             assert "rank 15" in text and "rank 5 on node-1" in text and "micro-batch 3" in text
+            # the hung step is the one closed without all its collectives
+            assert "1 closed without some of their collectives" in res.stdout
             report = res.stdout.split("report with pictures: ")[1].split()[0]
             assert (tmp_path / "stack" / "reports").is_dir() and report.endswith(".html")
     finally:
