@@ -79,7 +79,7 @@ class _Quiet:
 class _Partition(StatefulSourcePartition[RawBatch, int]):
     def __init__(
         self,
-        config: dict[str, str],
+        config: dict[str, Any],
         topic: str,
         partition: int,
         offset: int,
@@ -191,7 +191,7 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
 
     def __init__(
         self,
-        config: dict[str, str],
+        config: dict[str, Any],
         topics: list[str],
         *,
         tail: bool = True,
@@ -222,7 +222,8 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
         admin_conf = {
             k: v
             for k, v in self.config.items()
-            if k in ("bootstrap.servers", "security.protocol") or k.startswith(("sasl.", "ssl."))
+            if k in ("bootstrap.servers", "security.protocol", "logger")
+            or k.startswith(("sasl.", "ssl."))
         }
         meta = AdminClient(admin_conf).list_topics(timeout=15)
         parts = []

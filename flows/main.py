@@ -84,8 +84,8 @@ class FlowConfig:
     """Everything the flow needs, resolved by the command line from :class:`Settings`."""
 
     brokers: list[str]
-    consumer_options: dict[str, str]
-    producer_options: dict[str, str]
+    consumer_options: dict[str, Any]  # librdkafka settings (and its throttled logger)
+    producer_options: dict[str, Any]
     topics: Topics
     clickhouse_url: str
     database: str
@@ -132,7 +132,7 @@ def flow_config(
     """The flow's configuration from :class:`Settings` and the resolved addresses."""
     from infra.kafka import consumer_config, producer_config
 
-    def options(conf: dict[str, str]) -> dict[str, str]:
+    def options(conf: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in conf.items() if k != "bootstrap.servers"}
 
     base = FlowConfig(

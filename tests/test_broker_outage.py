@@ -44,7 +44,12 @@ def outage_broker(tmp_path: Path) -> Any:
 
 
 def test_a_bounded_run_waits_through_a_broker_restart_and_stores_everything_once(
-    outage_broker: PersistentBroker, clickhouse_url: str, database: str, ch: Any, tmp_path: Path
+    outage_broker: PersistentBroker,
+    clickhouse_url: str,
+    database: str,
+    ch: Any,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     settings: Settings = load_settings(
         overrides={
@@ -74,6 +79,10 @@ def test_a_bounded_run_waits_through_a_broker_restart_and_stores_everything_once
     outage_broker.stop()
     time.sleep(5.0)  # well past idle_stop_s: silence, but the broker's, not the input's
     assert flow.is_alive(), "a bounded run took the broker's outage for the end of its input"
+    # the outage is told, but not once per reconnect attempt of every consumer (some 180
+    # lines a second here when librdkafka wrote to stderr itself)
+    told = [r for r in caplog.records if r.name == "megatrace.kafka"]
+    assert 1 <= len(told) <= 30, [r.getMessage() for r in told][:40]
     outage_broker.start()
     pub = publisher(settings)
     pub.publish_all(records[half:])  # only after the restart: read only if the flow waited
