@@ -48,6 +48,10 @@ class RawBatch:
         return 0 if first is None else max(0, first.timestamp()[1])
 
 
+class BrokerLost(RuntimeError):
+    """A bounded run's broker did not answer for ``outage_wait_s``."""
+
+
 _BACKOFF = timedelta(milliseconds=5)
 #: the offset of a partition that a source bounded by ``start_offsets`` does not read
 SKIPPED = -1
@@ -66,6 +70,7 @@ class _Quiet:
     def __init__(self) -> None:
         self.last_ns = time.monotonic_ns()
         self.broker_lost = False
+        self.lost_ns = 0  # when it went away
         self.asked_ns = 0  # when a partition last asked the lost broker for metadata
         self.warned_ns = 0
 
@@ -73,6 +78,8 @@ class _Quiet:
         from confluent_kafka import KafkaError
 
         if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
+            if not self.broker_lost:
+                self.lost_ns = time.monotonic_ns()
             self.broker_lost = True
 
 
@@ -86,6 +93,7 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         tail: bool,
         batch_size: int,
         idle_stop_s: float,
+        outage_wait_s: float,
         quiet: _Quiet,
         on_read: Callable[[int], None] | None,
     ) -> None:
@@ -108,6 +116,7 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         self._batch_size = batch_size
         self._eof = False
         self._idle_stop_ns = int(idle_stop_s * 1e9)
+        self._outage_wait_ns = int(outage_wait_s * 1e9)
         self._quiet = quiet
         self._on_read = on_read
         self._awake: datetime | None = None
@@ -144,7 +153,8 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         """The broker went away (a restart, the network): whether a bounded run waits on.
 
         While it does not answer, yes (asked at most once a second, for 0.5 s, so the
-        worker's other steps and timers go on; a line on stderr every 10 s). Once it does,
+        worker's other steps and timers go on; a line on stderr every 10 s), until
+        ``outage_wait_s`` has passed: then :class:`BrokerLost` stops the run. Once it does,
         librdkafka reconnects by itself and the source gets ``idle_stop_s`` more, from
         now, to read what the broker holds. A partition that reads nothing (bounded by
         ``start_offsets``) leaves the question to those that do."""
@@ -157,6 +167,12 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         try:
             self._consumer.list_topics(timeout=0.5)
         except KafkaException:  # no answer: still away
+            if now - quiet.lost_ns >= self._outage_wait_ns:
+                raise BrokerLost(
+                    f"the Kafka broker did not answer for {self._outage_wait_ns / 1e9:.0f} s "
+                    f"(kafka.outage_wait_s): this bounded run stops before the end of its input; "
+                    "run it again once the broker is back"
+                ) from None
             if now - quiet.warned_ns >= 10 * 1_000_000_000:
                 quiet.warned_ns = now
                 print(
@@ -197,6 +213,7 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
         tail: bool = True,
         batch_size: int = 5000,
         idle_stop_s: float = 1.5,
+        outage_wait_s: float = 300.0,
         on_read: Callable[[int], None] | None = None,
         start_offsets: Mapping[str, int] | None = None,
     ) -> None:
@@ -205,6 +222,7 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
         self.tail = tail
         self.batch_size = batch_size
         self.idle_stop_s = idle_stop_s
+        self.outage_wait_s = outage_wait_s
         self.on_read = on_read
         self.start_offsets = start_offsets
         self._quiet = _Quiet()
@@ -252,6 +270,7 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
             self.tail,
             self.batch_size,
             self.idle_stop_s,
+            self.outage_wait_s,
             self._quiet,
             self.on_read,
         )

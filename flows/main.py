@@ -92,6 +92,8 @@ class FlowConfig:
     tail: bool = True
     batch_size: int = 5000
     idle_stop_s: float = 1.5
+    #: a bounded run fails once the broker did not answer for this long
+    outage_wait_s: float = 300.0
     detect: DetectSettings = field(default_factory=DetectSettings)
     alerts: AlertSettings = field(default_factory=AlertSettings)
     console: bool = True
@@ -142,6 +144,7 @@ def flow_config(
         topics=Topics(prefix=settings.kafka.topic_prefix),
         clickhouse_url=clickhouse_url,
         database=settings.clickhouse.database,
+        outage_wait_s=settings.kafka.outage_wait_s,
         detect=settings.detect,
         alerts=settings.alerts,
         batch_rows=settings.clickhouse.batch_rows,
@@ -372,6 +375,7 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
         tail=cfg.tail,
         batch_size=cfg.batch_size,
         idle_stop_s=cfg.idle_stop_s,
+        outage_wait_s=cfg.outage_wait_s,
         on_read=cfg.on_read,
         start_offsets=cfg.start_offsets,
     )

@@ -6,11 +6,13 @@ No domain logic lives here; each command calls into ``infra``, ``producers``,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -280,14 +282,15 @@ def run(
         )
     init_db(obj.stack().clickhouse(), cfg.database, obj.settings.clickhouse.retention_days)
     tune_gc()
-    cli_main(
-        build_flow(cfg),
-        workers_per_process=workers,
-        process_id=process_id,
-        addresses=addresses.split(";") if addresses else None,
-        epoch_interval=timedelta(seconds=snapshot_s),
-        recovery_config=recovery,
-    )
+    with _broker_lost_is_an_error():
+        cli_main(
+            build_flow(cfg),
+            workers_per_process=workers,
+            process_id=process_id,
+            addresses=addresses.split(";") if addresses else None,
+            epoch_interval=timedelta(seconds=snapshot_s),
+            recovery_config=recovery,
+        )
 
 
 @cli.command("agent")
@@ -571,6 +574,23 @@ def import_megatrace_logs(
         click.echo(f"  inferred: {what} ({count} calls)")
 
 
+@contextlib.contextmanager
+def _broker_lost_is_an_error() -> Iterator[None]:
+    """A bounded flow whose broker stopped answering (:class:`BrokerLost`, raised inside
+    Bytewax, which wraps it) ends the command with that one line, not a traceback."""
+    from flows.kafka_source import BrokerLost
+
+    try:
+        yield
+    except Exception as e:
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, BrokerLost):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise click.ClickException(str(cause)) from None
+
+
 def _stop_on_signal():
     import signal
     import threading
@@ -755,7 +775,10 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
     t0 = time.monotonic()
     tune_gc()
     polls: list[int] = []  # records per poll
-    run_main(build_flow(_flow_config(obj, tail=False, start_offsets=starts, on_read=polls.append)))
+    with _broker_lost_is_an_error():
+        run_main(
+            build_flow(_flow_config(obj, tail=False, start_offsets=starts, on_read=polls.append))
+        )
     click.echo(f"      done in {time.monotonic() - t0:.1f}s ({sum(polls)} records read)")
     click.echo("[4/4] verdicts in ClickHouse beside the injected ground truth:")
     verdicts = list(

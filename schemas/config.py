@@ -72,6 +72,9 @@ class KafkaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     partitions: int = 4
     replication_factor: int = 1
     client_options: dict[str, str] = msgspec.field(default_factory=dict)
+    #: how long a bounded run (``megatrace run --once``, the demo) waits for a broker that
+    #: stopped answering before it fails (a tailing flow waits as long as it takes)
+    outage_wait_s: float = 300.0
 
 
 class ClickHouseSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

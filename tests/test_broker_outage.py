@@ -146,3 +146,65 @@ def test_a_tailing_flow_goes_on_detecting_after_a_broker_restart(
     finally:
         flow.kill()
         flow.wait(30)
+
+
+def test_a_bounded_run_whose_broker_never_comes_back_fails_saying_so(
+    outage_broker: PersistentBroker, clickhouse_url: str, database: str, tmp_path: Path
+) -> None:
+    from flows.kafka_source import BrokerLost
+
+    settings = load_settings(
+        overrides={
+            "kafka": {
+                "bootstrap_servers": outage_broker.bootstrap,
+                "topic_prefix": "gone.",
+                "partitions": 2,
+                "outage_wait_s": 3.0,
+            },
+            "clickhouse": {"url": clickhouse_url, "database": database, "retention_days": 0},
+        }
+    )
+    ensure_topics(settings.kafka, outage_broker.bootstrap, Topics(prefix="gone."))
+    pub = publisher(settings)
+    pub.publish_all(list(build("healthy", scale="tiny", seed=0, steps=2).records()))
+    pub.flush()
+    reading = threading.Event()
+    cfg = dataclasses.replace(flow_config(settings), on_read=lambda n: reading.set())
+    assert cfg.outage_wait_s == 3.0  # from the settings' one home
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            run_main(build_flow(dataclasses.replace(cfg, console=False)))
+        except BaseException as e:  # kept for the assertion
+            failed.append(e)
+
+    flow = threading.Thread(target=run, daemon=True)
+    flow.start()
+    assert reading.wait(60)
+    outage_broker.stop()
+    started = time.monotonic()
+    flow.join(60)
+    assert not flow.is_alive() and failed
+    cause: BaseException | None = failed[0]
+    while cause is not None and not isinstance(cause, BrokerLost):
+        cause = cause.__cause__ or cause.__context__
+    assert cause is not None, failed[0]
+    assert "did not answer for 3 s" in str(cause)
+    assert time.monotonic() - started < 20  # it gave up after outage_wait_s, not never
+
+
+def test_the_command_line_tells_a_lost_broker_in_one_line() -> None:
+    import click
+
+    from flows.kafka_source import BrokerLost
+    from megatrace.cli import _broker_lost_is_an_error
+
+    lost = pytest.raises(click.ClickException, match="did not answer for 300 s")
+    with lost, _broker_lost_is_an_error():
+        try:
+            raise BrokerLost("the Kafka broker did not answer for 300 s")
+        except BrokerLost as e:
+            raise RuntimeError("error calling next_batch") from e  # as Bytewax wraps it
+    with pytest.raises(ValueError), _broker_lost_is_an_error():
+        raise ValueError("anything else goes on as it is")
