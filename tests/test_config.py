@@ -67,3 +67,13 @@ def test_bad_file_is_a_clear_error(tmp_path: Path) -> None:
         load_settings(file=f)
     with pytest.raises(ConfigError, match="does not exist"):
         load_settings(file=tmp_path / "missing.toml")
+
+
+def test_the_readme_configuration_example_is_a_valid_configuration(tmp_path: Path) -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    start = readme.index("```toml\n[kafka]") + len("```toml\n")
+    example = tmp_path / "megatrace.toml"
+    example.write_text(readme[start : readme.index("```", start)])
+    s = load_settings(file=example, env={})
+    assert s.kafka.bootstrap_servers == "kafka-1:9092,kafka-2:9092"
+    assert s.kafka.outage_wait_s == 300
