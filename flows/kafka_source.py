@@ -69,8 +69,7 @@ class _Quiet:
 
     def __init__(self) -> None:
         self.last_ns = time.monotonic_ns()
-        self.broker_lost = False
-        self.lost_ns = 0  # when it went away
+        self.lost_ns = 0  # when the broker went away (0: it answers)
         self.asked_ns = 0  # when a partition last asked the lost broker for metadata
         self.warned_ns = 0
 
@@ -78,9 +77,7 @@ class _Quiet:
         from confluent_kafka import KafkaError
 
         if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
-            if not self.broker_lost:
-                self.lost_ns = time.monotonic_ns()
-            self.broker_lost = True
+            self.lost_ns = self.lost_ns or time.monotonic_ns()
 
 
 class _Partition(StatefulSourcePartition[RawBatch, int]):
@@ -133,7 +130,7 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
             batch = RawBatch(self._topic, self._partition, msgs)
             self._offset = last.offset() + 1
             self._quiet.last_ns = now
-            self._quiet.broker_lost = False
+            self._quiet.lost_ns = 0
             self._awake = None
             if self._on_read is not None:
                 self._on_read(len(batch))
@@ -144,23 +141,25 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         # are not used: they depend on the broker's high watermark, which some
         # Kafka-protocol brokers (Tansu) report wrongly.
         if not self._tail and now - self._quiet.last_ns >= self._idle_stop_ns:
-            if self._quiet.broker_lost and self._wait_for_broker(now):
-                return []  # an unreachable broker's silence is not the end of the input
+            if self._quiet.lost_ns:  # an unreachable broker's silence is not the end of
+                self._ask_broker(now)  # the input: it waits (for idle_stop_s more once back)
+                return []
             self._eof = True
         return []
 
-    def _wait_for_broker(self, now: int) -> bool:
-        """The broker went away (a restart, the network): whether a bounded run waits on.
+    def _ask_broker(self, now: int) -> None:
+        """A bounded run's broker went away (a restart, the network): does it answer again?
 
-        While it does not answer, yes (asked at most once a second, for 0.5 s, so the
-        worker's other steps and timers go on; a line on stderr every 10 s), until
-        ``outage_wait_s`` has passed: then :class:`BrokerLost` stops the run. Once it does,
-        librdkafka reconnects by itself and the source gets ``idle_stop_s`` more, from
-        now, to read what the broker holds. A partition that reads nothing (bounded by
-        ``start_offsets``) leaves the question to those that do."""
+        Asked at most once a second (by any partition of the source), for 0.5 s, so the
+        worker's other steps and timers go on. While it does not, the run waits (a line
+        on stderr every 10 s) until ``outage_wait_s`` has passed: then
+        :class:`BrokerLost` stops it. Once it does, librdkafka reconnects by itself and
+        the source gets ``idle_stop_s`` more, from now, to read what the broker holds. A
+        partition that reads nothing (bounded by ``start_offsets``) leaves the question
+        to those that do."""
         quiet = self._quiet
         if self._consumer is None or now - quiet.asked_ns < 1_000_000_000:
-            return True  # asked less than a second ago (by any partition of the source)
+            return
         quiet.asked_ns = now
         from confluent_kafka import KafkaException
 
@@ -180,10 +179,9 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
                     "it (Ctrl-C to stop)",
                     file=sys.stderr,
                 )
-            return True
-        quiet.broker_lost = False
+            return
+        quiet.lost_ns = 0
         quiet.last_ns = now
-        return True
 
     def next_awake(self) -> datetime | None:
         # an empty poll backs off a little instead of blocking or spinning
@@ -235,21 +233,10 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
         return list(self._parts)
 
     def _ask_parts(self) -> list[str]:
-        from confluent_kafka.admin import AdminClient
+        from infra.kafka import topic_partitions
 
-        admin_conf = {
-            k: v
-            for k, v in self.config.items()
-            if k in ("bootstrap.servers", "security.protocol", "logger")
-            or k.startswith(("sasl.", "ssl."))
-        }
-        meta = AdminClient(admin_conf).list_topics(timeout=15)
-        parts = []
-        for t in self.topics:
-            if t not in meta.topics:
-                raise RuntimeError(f"topic {t} does not exist: run `megatrace stack up`")
-            parts += [part_name(t, p) for p in meta.topics[t].partitions]
-        return parts
+        listed = topic_partitions(self.config, self.topics)
+        return [part_name(t, p) for t, parts in listed.items() for p in parts]
 
     def build_part(self, step_id: str, for_part: str, resume_state: int | None) -> _Partition:
         idx, topic = for_part.split("-", 1)

@@ -112,6 +112,11 @@ class FlowConfig:
     #: the raw tables' inserts gather ``batch_rows`` rows, or wait this long at most
     raw_batch_ms: int = _CLICKHOUSE.raw_batch_ms
 
+    @property
+    def consumer(self) -> dict[str, Any]:
+        """The librdkafka settings of the flow's consumers."""
+        return {"bootstrap.servers": ",".join(self.brokers), **self.consumer_options}
+
 
 @dataclass
 class Decoded:
@@ -368,9 +373,8 @@ def tune_gc() -> None:
 def build_flow(cfg: FlowConfig) -> Dataflow:
     flow = Dataflow("megatrace")
     ch = ClickHouseSink(cfg.clickhouse_url, cfg.database)  # dead letters: few, inserted at once
-    consumer = {"bootstrap.servers": ",".join(cfg.brokers), **cfg.consumer_options}
     source = RawKafkaSource(
-        consumer,
+        cfg.consumer,
         input_topics(cfg),
         tail=cfg.tail,
         batch_size=cfg.batch_size,

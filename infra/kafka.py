@@ -146,7 +146,7 @@ def ensure_topics(
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient(client_config(kafka, bootstrap))
-    existing = _existing(admin, bootstrap, timeout_s)
+    existing = set(_metadata(admin, bootstrap, timeout_s).topics)
     wanted = [t for t in topics.all if t not in existing]
     if not wanted:
         return []
@@ -173,22 +173,37 @@ def ensure_topics(
     return created
 
 
-def missing_topics(
-    kafka: KafkaSettings, bootstrap: str, names: list[str], timeout_s: float = 15.0
-) -> list[str]:
-    """Those of ``names`` the cluster does not have (a flow reads only existing topics);
-    :class:`KafkaSetupError` if it does not answer within ``timeout_s``."""
+def topic_partitions(
+    conf: dict[str, Any], names: list[str], timeout_s: float = 15.0
+) -> dict[str, list[int]]:
+    """Each of ``names`` with its partitions, asked of the cluster that the librdkafka
+    client settings ``conf`` (a consumer's, say) reach; :class:`KafkaSetupError` when it
+    does not answer within ``timeout_s`` or lacks a topic (a flow reads only existing
+    topics: ``megatrace stack up`` makes them)."""
     from confluent_kafka.admin import AdminClient
 
-    existing = _existing(AdminClient(client_config(kafka, bootstrap)), bootstrap, timeout_s)
-    return [t for t in names if t not in existing]
+    bootstrap = conf["bootstrap.servers"]
+    client = {  # the connection's settings only: an admin client warns of a consumer's
+        k: v
+        for k, v in conf.items()
+        if k in ("bootstrap.servers", "security.protocol", "logger")
+        or k.startswith(("sasl.", "ssl."))
+    }
+    topics = _metadata(AdminClient(client), bootstrap, timeout_s).topics
+    missing = [t for t in names if t not in topics]
+    if missing:
+        raise KafkaSetupError(
+            f"topic {', '.join(missing)} does not exist at {bootstrap}: run `megatrace stack "
+            "up` (it creates the topics, also on a broker of your own)"
+        )
+    return {t: sorted(topics[t].partitions) for t in names}
 
 
-def _existing(admin: Any, bootstrap: str, timeout_s: float) -> set[str]:
+def _metadata(admin: Any, bootstrap: str, timeout_s: float) -> Any:
     from confluent_kafka import KafkaException
 
     try:
-        return set(admin.list_topics(timeout=timeout_s).topics)
+        return admin.list_topics(timeout=timeout_s)
     except KafkaException as e:
         raise KafkaSetupError(f"cannot reach Kafka at {bootstrap}: {e}") from None
 

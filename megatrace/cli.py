@@ -268,18 +268,13 @@ def run(
         recovery = RecoveryConfig(path)
     cfg = _flow_config(obj, tail=not once)
     from infra.clickhouse import init_db
-    from infra.kafka import KafkaSetupError, missing_topics
+    from infra.kafka import KafkaSetupError, topic_partitions
 
     cfg = dataclasses.replace(cfg, role=Role(role), console=not quiet)
-    try:  # before Bytewax starts: its own error would bury this one in a traceback
-        missing = missing_topics(obj.settings.kafka, ",".join(cfg.brokers), input_topics(cfg))
+    try:  # what the source asks first, asked here: Bytewax would bury the error in a trace
+        topic_partitions(cfg.consumer, input_topics(cfg))
     except KafkaSetupError as e:
         raise click.ClickException(str(e)) from None
-    if missing:
-        raise click.ClickException(
-            f"topic {', '.join(missing)} does not exist at {','.join(cfg.brokers)}: "
-            "run `megatrace stack up` (it creates the topics, also on a broker of your own)"
-        )
     init_db(obj.stack().clickhouse(), cfg.database, obj.settings.clickhouse.retention_days)
     tune_gc()
     with _broker_lost_is_an_error():
