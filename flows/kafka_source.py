@@ -62,14 +62,48 @@ def part_name(topic: str, partition: int) -> str:
     return f"{partition}-{topic}"
 
 
-class _Quiet:
-    """When any partition of one source (in this process) last saw a message, and
-    whether the broker went away since (librdkafka's error callback, served by the
-    partitions' polls on the worker's own thread)."""
+class BrokerHealth:
+    """When this process's Kafka input could not reach its broker (monotonic ns).
 
-    def __init__(self) -> None:
+    The source tells it (librdkafka's error callback: lost; a record, or an answer to a
+    metadata request: back); the flow's clocks read it, so that a broker's outage, the
+    pipeline's silence, is not taken for every job's (see ``flows.logic._Clock``).
+    The newest ``keep`` outages that are over are kept.
+
+    >>> h = BrokerHealth()
+    >>> h.lost(100); h.lost(150)  # the same outage, told twice
+    >>> h.back(300); h.lost(500)
+    >>> h.away_ns(0, 600), h.away_ns(200, 600), h.away_ns(350, 450)
+    (300, 200, 0)
+    """
+
+    def __init__(self, keep: int = 64) -> None:
+        self.lost_ns = 0  # when the current outage began (0: the broker answers)
+        self.keep = keep
+        self._past: list[tuple[int, int]] = []
+
+    def lost(self, now_ns: int) -> None:
+        self.lost_ns = self.lost_ns or now_ns
+
+    def back(self, now_ns: int) -> None:
+        if self.lost_ns:
+            self._past = [*self._past[1 - self.keep :], (self.lost_ns, now_ns)]
+            self.lost_ns = 0
+
+    def away_ns(self, since_ns: int, now_ns: int) -> int:
+        """How long the broker was away between ``since_ns`` and ``now_ns``."""
+        spans = [*self._past, (self.lost_ns, now_ns)] if self.lost_ns else self._past
+        return sum(max(0, min(end, now_ns) - max(start, since_ns)) for start, end in spans)
+
+
+class _Quiet:
+    """When any partition of one source (in this process) last saw a message, and its
+    broker's health (librdkafka's error callback is served by the partitions' polls, on
+    the worker's own thread)."""
+
+    def __init__(self, health: BrokerHealth) -> None:
         self.last_ns = time.monotonic_ns()
-        self.lost_ns = 0  # when the broker went away (0: it answers)
+        self.health = health
         self.asked_ns = 0  # when a partition last asked the lost broker for metadata
         self.warned_ns = 0
 
@@ -77,7 +111,7 @@ class _Quiet:
         from confluent_kafka import KafkaError
 
         if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
-            self.lost_ns = self.lost_ns or time.monotonic_ns()
+            self.health.lost(time.monotonic_ns())
 
 
 class _Partition(StatefulSourcePartition[RawBatch, int]):
@@ -130,7 +164,7 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
             batch = RawBatch(self._topic, self._partition, msgs)
             self._offset = last.offset() + 1
             self._quiet.last_ns = now
-            self._quiet.lost_ns = 0
+            self._quiet.health.back(now)
             self._awake = None
             if self._on_read is not None:
                 self._on_read(len(batch))
@@ -140,18 +174,19 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         # may legitimately be quiet longer while others still flow). Partition-EOF events
         # are not used: they depend on the broker's high watermark, which some
         # Kafka-protocol brokers (Tansu) report wrongly.
+        if self._quiet.health.lost_ns:
+            self._ask_broker(now)  # until it answers (a tailing flow's clocks wait for it)
         if not self._tail and now - self._quiet.last_ns >= self._idle_stop_ns:
-            if self._quiet.lost_ns:  # an unreachable broker's silence is not the end of
-                self._ask_broker(now)  # the input: it waits (for idle_stop_s more once back)
-                return []
+            if self._quiet.health.lost_ns:
+                return []  # an unreachable broker's silence is not the end of the input
             self._eof = True
         return []
 
     def _ask_broker(self, now: int) -> None:
-        """A bounded run's broker went away (a restart, the network): does it answer again?
+        """The broker went away (a restart, the network): does it answer again?
 
         Asked at most once a second (by any partition of the source), for 0.5 s, so the
-        worker's other steps and timers go on. While it does not, the run waits (a line
+        worker's other steps and timers go on. While it does not, a bounded run waits (a line
         on stderr every 10 s) until ``outage_wait_s`` has passed: then
         :class:`BrokerLost` stops it. Once it does, librdkafka reconnects by itself and
         the source gets ``idle_stop_s`` more, from now, to read what the broker holds. A
@@ -166,7 +201,9 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         try:
             self._consumer.list_topics(timeout=0.5)
         except KafkaException:  # no answer: still away
-            if now - quiet.lost_ns >= self._outage_wait_ns:
+            if self._tail:
+                return
+            if now - quiet.health.lost_ns >= self._outage_wait_ns:
                 raise BrokerLost(
                     f"the Kafka broker did not answer for {self._outage_wait_ns / 1e9:.0f} s "
                     f"(kafka.outage_wait_s): this bounded run stops before the end of its input; "
@@ -180,7 +217,7 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
                     file=sys.stderr,
                 )
             return
-        quiet.lost_ns = 0
+        quiet.health.back(time.monotonic_ns())
         quiet.last_ns = now
 
     def next_awake(self) -> datetime | None:
@@ -223,7 +260,8 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
         self.outage_wait_s = outage_wait_s
         self.on_read = on_read
         self.start_offsets = start_offsets
-        self._quiet = _Quiet()
+        self.health = BrokerHealth()  # the flow's clocks read it (see flows.main)
+        self._quiet = _Quiet(self.health)
         self._parts: list[str] | None = None
 
     def list_parts(self) -> list[str]:

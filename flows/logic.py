@@ -20,6 +20,7 @@ from detectors.comm import CommAnalyzer
 from detectors.node import NodeAnalyzer, NodeDigest
 from detectors.parts import CommProgress, CommSchedule, PartMerger, ScheduleBook
 from detectors.steps import StepPart
+from flows.kafka_source import BrokerHealth
 from schemas.config import DetectSettings
 from schemas.records import AlignedCollective, AlignStats, Collective
 
@@ -30,11 +31,24 @@ QUIET_NS = 1_000_000_000
 
 
 class _Clock:
-    """Event time that keeps moving when records stop arriving."""
+    """Event time that keeps moving when records stop arriving, except while the
+    broker is away (``health``): that silence is the pipeline's, not the jobs'.
 
-    def __init__(self) -> None:
+    >>> from flows.kafka_source import BrokerHealth
+    >>> health = BrokerHealth()
+    >>> clock, blind = _Clock(health), _Clock()
+    >>> for c in (clock, blind):
+    ...     c.saw(10**9)
+    ...     c.wall_ns -= 5 * 10**9  # the last record came 5 s ago
+    >>> health.lost(clock.wall_ns + 2 * 10**9)  # and the broker went away 3 s ago
+    >>> round((blind.now() - 10**9) / 1e9), round((clock.now() - 10**9) / 1e9)
+    (4, 1)
+    """
+
+    def __init__(self, health: BrokerHealth | None = None) -> None:
         self.event_ns = 0
         self.wall_ns = time.monotonic_ns()
+        self.health = health
 
     def saw(self, event_ns: int) -> None:
         self.event_ns = max(self.event_ns, event_ns)
@@ -47,7 +61,10 @@ class _Clock:
             self.saw(event_ns)
 
     def now(self) -> int:
-        quiet = time.monotonic_ns() - self.wall_ns
+        wall = time.monotonic_ns()
+        quiet = wall - self.wall_ns
+        if self.health is not None:
+            quiet -= self.health.away_ns(self.wall_ns, wall)
         return self.event_ns + max(0, quiet - QUIET_NS)
 
 
@@ -71,13 +88,17 @@ class AlignOut(NamedTuple):
 class AlignLogic(StatefulBatchLogic[list[Any], AlignOut, tuple[CommAnalyzer, int]]):
     """Per (job, communicator): records and schedules in, :class:`AlignOut` batches out."""
 
-    def __init__(self, settings: DetectSettings, resume: tuple[CommAnalyzer, int] | None) -> None:
+    def __init__(
+        self,
+        settings: DetectSettings,
+        resume: tuple[CommAnalyzer, int] | None,
+        health: BrokerHealth | None = None,
+    ) -> None:
+        self.clock = _Clock(health)
         if resume is None:
             self.comm = CommAnalyzer(min_timeout_ns=int(settings.partial_timeout_ms * 1e6))
-            self.clock = _Clock()
         else:
             self.comm, event_ns = resume
-            self.clock = _Clock()
             self.clock.saw(event_ns)
         self.ended = False
 
@@ -174,9 +195,14 @@ class AnalyzeLogic(StatefulBatchLogic[list[Any], list[msgspec.Struct], tuple[Job
     different paces, and other records running ahead are not the job's silence.
     """
 
-    def __init__(self, settings: DetectSettings, resume: tuple[JobAnalyzer, int] | None) -> None:
+    def __init__(
+        self,
+        settings: DetectSettings,
+        resume: tuple[JobAnalyzer, int] | None,
+        health: BrokerHealth | None = None,
+    ) -> None:
         self.settings = settings
-        self.clock = _Clock()
+        self.clock = _Clock(health)
         self.analyzer: JobAnalyzer | None = None
         self.ended = False
         if resume is not None:

@@ -39,7 +39,7 @@ from bytewax.dataflow import Dataflow
 from detectors.alerting import AlertGate
 from detectors.parts import CommProgress, CommSchedule, shard_of
 from detectors.steps import StepPart
-from flows.kafka_source import RawBatch, RawKafkaSource, part_name
+from flows.kafka_source import BrokerHealth, RawBatch, RawKafkaSource, part_name
 from flows.logic import (
     AlignLogic,
     AlignOut,
@@ -409,11 +409,11 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
         )
         op.output("records_to_clickhouse", op.map("rows", decoded, rows_of), raw_sink)
     if cfg.role != Role.STORE:
-        _detect(cfg, decoded)
+        _detect(cfg, decoded, source.health)  # its clocks do not count the broker's outages
     return flow
 
 
-def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded]) -> None:
+def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], health: BrokerHealth) -> None:
     # (job, list[JobInfo | CommInfo]) -> (job:comm, [CommSchedule]): where each comm's calls sit
     book = op.stateful_map(
         "schedule_book", op.flat_map("meta_by_job", decoded, meta_by_job), schedules
@@ -423,7 +423,9 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded]) -> None:
     by_comm = op.merge(
         "to_comm", op.flat_map("comm_records_by_comm", decoded, comm_records_by_comm), scheds
     )
-    aligned = op.stateful_batch("align", by_comm, lambda resume: AlignLogic(cfg.detect, resume))
+    aligned = op.stateful_batch(
+        "align", by_comm, lambda resume: AlignLogic(cfg.detect, resume, health)
+    )
     # (job:shard, list[StepPart | CommProgress]) -> (job:shard, list[StepPart | CommProgress]):
     # one part per shard and step, the newest progress of the shard's communicators
     shards = functools.partial(parts_by_shard, cfg.detect.part_shards)
@@ -444,7 +446,9 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded]) -> None:
     )
     results = op.key_rm(
         "results",
-        op.stateful_batch("analyze", to_job, lambda resume: AnalyzeLogic(cfg.detect, resume)),
+        op.stateful_batch(
+            "analyze", to_job, lambda resume: AnalyzeLogic(cfg.detect, resume, health)
+        ),
     )
     # (table, rows) of aligned collectives and results -> gathered per table -> ClickHouse
     own = op.merge(
