@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import NamedTuple
 
 from detectors.topology import Position, Topology
@@ -153,16 +154,21 @@ class CollectiveAligner:
 
     def update(self, rec: Collective) -> list[Instance]:
         """Add one member's record; return the instance if it just became complete."""
-        inst = self._add(rec)
-        return [] if inst is None else [inst]
+        return self.update_many([rec])
 
     def update_many(self, records: list[Collective]) -> list[Instance]:
-        """:meth:`update` over a batch: the instances completed by it, in completion order."""
+        """:meth:`update` over a batch: the instances completed by it, in completion order.
+
+        The compiled core (``detectors/_align.c``) does this when it was built; it does
+        what :meth:`_add` does, on the same state."""
+        if _native is not None:
+            return _native.add_many(self, records if type(records) is list else list(records))
         add = self._add
         return [inst for rec in records if (inst := add(rec)) is not None]
 
     def _add(self, rec: Collective) -> Instance | None:
-        # the hot path of the flow: one call per collective record, so plain and local
+        # the reference of the compiled core's add(), which a differential test holds equal
+        # to it: change both together
         op = rec.op
         peer = rec.peer if rec.peer is not None else -2
         if op is _SEND:
@@ -263,6 +269,19 @@ class CollectiveAligner:
     def n_open(self) -> int:
         return len(self._open)
 
+
+def _core() -> ModuleType | None:
+    """The compiled core, configured; None where it was not built (no C compiler at
+    install time: the Python code above does the same, slower)."""
+    try:
+        from detectors import _align
+    except ImportError:
+        return None
+    _align.configure(Collective, _Open, Instance, _SEND, _RECV)
+    return _align
+
+
+_native = _core()
 
 _PHASE = {p.value: p for p in Phase}
 _BUSBW_FACTOR = {
