@@ -33,17 +33,31 @@ static PyObject *s_open, *s_done, *s_last_seq, *s_recent, *s_max_open, *s_late, 
     *s_dropped, *s_popitem, *minus_one, *minus_two, *zero, *two;
 static int configured;
 
+/* a slot's value (new reference), read in place: every member configure() accepted is an
+ * object slot (T_OBJECT_EX), which is what PyMember_GetOne would read */
+static inline PyObject *read_slot(PyObject *obj, PyMemberDef *m) {
+    PyObject *v = *(PyObject **)((char *)obj + m->offset);
+    if (v == NULL) {
+        PyErr_Format(PyExc_AttributeError, "'%s' object has no attribute '%s'",
+                     Py_TYPE(obj)->tp_name, m->name);
+        return NULL;
+    }
+    return Py_NewRef(v);
+}
+
 static PyObject *field(PyObject *rec, int i) {
-    if (Py_IS_TYPE(rec, coll_type)) return PyMember_GetOne((const char *)rec, coll_member[i]);
+    if (Py_IS_TYPE(rec, coll_type)) return read_slot(rec, coll_member[i]);
     return PyObject_GetAttr(rec, field_name[i]);
 }
 
 static PyObject *slot(PyObject *entry, int i) {
-    return PyMember_GetOne((const char *)entry, open_member[i]);
+    return read_slot(entry, open_member[i]);
 }
 
 static int set_slot(PyObject *entry, int i, PyObject *value) {
-    return PyMember_SetOne((char *)entry, open_member[i], value);
+    PyObject **at = (PyObject **)((char *)entry + open_member[i]->offset);
+    Py_XSETREF(*at, Py_NewRef(value));
+    return 0;
 }
 
 static PyMemberDef *member_of(PyTypeObject *type, const char *name, PyObject **keep) {
@@ -54,8 +68,14 @@ static PyMemberDef *member_of(PyTypeObject *type, const char *name, PyObject **k
         Py_DECREF(d);
         return NULL;
     }
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    if (m->type != T_OBJECT_EX || (m->flags & READONLY && type == open_type)) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a writable object slot", type->tp_name, name);
+        Py_DECREF(d);
+        return NULL;
+    }
     *keep = d;
-    return ((PyMemberDescrObject *)d)->d_member;
+    return m;
 }
 
 static PyObject *configure(PyObject *self, PyObject *args) {
@@ -96,7 +116,32 @@ typedef struct {
 } State;
 
 /* 1 when a < b, 0 when not, -1 on error (Python's comparison of the two objects) */
-static inline int lt(PyObject *a, PyObject *b) { return PyObject_RichCompareBool(a, b, Py_LT); }
+static inline int lt(PyObject *a, PyObject *b) {
+    if (PyLong_CheckExact(a) && PyLong_CheckExact(b)) {
+        int oa, ob;
+        long long x = PyLong_AsLongLongAndOverflow(a, &oa);
+        long long y = PyLong_AsLongLongAndOverflow(b, &ob);
+        if (!oa && !ob) return x < y; /* (neither can fail on an exact int) */
+    }
+    return PyObject_RichCompareBool(a, b, Py_LT);
+}
+
+/* Dict operations with the key's hash computed once. The aligner's open instances are a
+ * dict; a snapshot of an older version holds an OrderedDict, which only its own methods
+ * may change. */
+#if PY_VERSION_HEX < 0x030D0000
+#define GET_KNOWN(d, k, h) _PyDict_GetItem_KnownHash(d, k, h)
+#define CONTAINS_KNOWN(d, k, h) _PyDict_Contains_KnownHash(d, k, h)
+#define SET_KNOWN(d, k, v, h) \
+    (PyDict_CheckExact(d) ? _PyDict_SetItem_KnownHash(d, k, v, h) : PyObject_SetItem(d, k, v))
+#define DEL_KNOWN(d, k, h) \
+    (PyDict_CheckExact(d) ? _PyDict_DelItem_KnownHash(d, k, h) : PyObject_DelItem(d, k))
+#else
+#define GET_KNOWN(d, k, h) PyDict_GetItemWithError(d, k)
+#define CONTAINS_KNOWN(d, k, h) PyDict_Contains(d, k)
+#define SET_KNOWN(d, k, v, h) PyObject_SetItem(d, k, v)
+#define DEL_KNOWN(d, k, h) PyObject_DelItem(d, k)
+#endif
 
 static PyObject *new_open(PyObject *arrival, PyObject *op, PyObject *size, PyObject *bytes,
                           PyObject *job) {
@@ -181,7 +226,17 @@ done:
     return inst;
 }
 
+/* drop the oldest key: a dict's first (insertion order), an OrderedDict's popitem(False) */
 static int pop_oldest(PyObject *odict) {
+    if (PyDict_CheckExact(odict)) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        if (!PyDict_Next(odict, &pos, &k, &v)) return 0;
+        Py_INCREF(k);
+        int r = PyDict_DelItem(odict, k);
+        Py_DECREF(k);
+        return r;
+    }
     PyObject *r = PyObject_CallMethodObjArgs(odict, s_popitem, Py_False, NULL);
     Py_XDECREF(r);
     return r == NULL ? -1 : 0;
@@ -205,7 +260,8 @@ static PyObject *add(State *st, PyObject *rec) {
     if (c < 0) goto done;
     if (!c) receiver = minus_one;
     if ((key = PyTuple_Pack(4, f[F_COMM_HASH], sender, receiver, seq)) == NULL) goto done;
-    if ((c = PyDict_Contains(st->done, key)) < 0) goto done;
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1 || (c = CONTAINS_KNOWN(st->done, key, hash)) < 0) goto done;
     if (c) {
         st->late++;
         out = Py_NewRef(Py_None);
@@ -224,14 +280,14 @@ static PyObject *add(State *st, PyObject *rec) {
         goto done;
     }
     PyObject *arrival = f[F_START] != Py_None ? f[F_START] : f[F_ENQ];
-    int sends = (c = PyObject_RichCompareBool(sender, minus_one, Py_NE)) > 0;
+    int sends = (c = lt(sender, minus_one)) > 0 || (c == 0 && (c = lt(minus_one, sender)) > 0);
     if (c < 0) goto done;
-    entry = Py_XNewRef(PyDict_GetItemWithError(st->open, key));
+    entry = Py_XNewRef(GET_KNOWN(st->open, key, hash));
     if (entry == NULL) {
         if (PyErr_Occurred()) goto done;
         entry = new_open(arrival, sends ? op_send : op, sends ? two : f[F_COMM_SIZE], f[F_SIZE],
                          f[F_JOB]);
-        if (entry == NULL || PyObject_SetItem(st->open, key, entry) < 0) goto done;
+        if (entry == NULL || SET_KNOWN(st->open, key, entry, hash) < 0) goto done;
         if (PyDict_GET_SIZE(st->open) > st->max_open) {
             if (pop_oldest(st->open) < 0) goto done;
             st->dropped++;
@@ -275,7 +331,7 @@ static PyObject *add(State *st, PyObject *rec) {
     PyObject *span = NULL;
     PyObject *inst = instance(key, entry, members, &span);
     if (inst == NULL) goto done;
-    if (PyObject_DelItem(st->open, key) < 0 || PyObject_SetItem(st->done, key, Py_None) < 0 ||
+    if (DEL_KNOWN(st->open, key, hash) < 0 || PyObject_SetItem(st->done, key, Py_None) < 0 ||
         (PyDict_GET_SIZE(st->done) > 4 * st->max_open && pop_oldest(st->done) < 0) ||
         PyList_Append(st->recent, span) < 0 ||
         (PyList_GET_SIZE(st->recent) > 64 && PyList_SetSlice(st->recent, 0, 32, NULL) < 0)) {

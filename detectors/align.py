@@ -138,7 +138,8 @@ class CollectiveAligner:
         self._reset()
 
     def _reset(self) -> None:
-        self._open: OrderedDict[Key, _Open] = OrderedDict()
+        self._open: dict[Key, _Open] = {}  # in arrival order (a snapshot of an older
+        # version holds an OrderedDict: both work)
         self._done: OrderedDict[Key, None] = OrderedDict()  # recently completed, for late dupes
         self._recent: list[int] = []
         self.late = 0
@@ -205,7 +206,7 @@ class CollectiveAligner:
             )
             self._open[key] = entry
             if len(self._open) > self.max_open:
-                self._open.popitem(last=False)
+                del self._open[next(iter(self._open))]  # the oldest
                 self.dropped += 1
         end = rec.end_ns
         if end is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 import random
+from collections import OrderedDict
 from itertools import pairwise
 from types import SimpleNamespace
 
@@ -109,11 +110,17 @@ def test_both_cores_align_a_stream_the_same(
     assert sum(map(len, want)) > 500  # the stream completes and reports plenty
     assert _state(c) == _state(py)
     assert py.late and py.out_of_order and (py.dropped or max_open > 8)
-    # a snapshot taken under one core resumes under the other
+    # a snapshot taken under one core resumes under the other, and one of a version
+    # that kept the open instances in an OrderedDict under either
     rest = _stream(seed + 100, 1000)
-    half = pickle.loads(pickle.dumps(c))
+    half, old = pickle.loads(pickle.dumps(c)), pickle.loads(pickle.dumps(c))
+    old._open = OrderedDict(old._open)
     monkeypatch.setattr(align, "_native", None)
-    assert py.update_many(rest) == half.update_many(rest[:0]) + half.update_many(rest)
+    want = py.update_many(rest)
+    assert half.update_many(rest) == want
+    monkeypatch.setattr(align, "_native", native)
+    assert old.update_many(rest) == want
+    assert _state(old) == _state(py) == _state(half)
 
 
 def test_both_cores_read_any_record_with_the_fields(monkeypatch: pytest.MonkeyPatch) -> None:
