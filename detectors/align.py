@@ -284,6 +284,14 @@ def _core() -> ModuleType | None:
 
 _native = _core()
 
+
+def core_name() -> str:
+    """Which core aligns (what a benchmark's numbers were measured with)."""
+    if _native is not None:
+        return "compiled (detectors/_align.c)"
+    return "Python (the compiled core was not built: no C compiler at install)"
+
+
 _PHASE = {p.value: p for p in Phase}
 _BUSBW_FACTOR = {
     CollOp.ALL_REDUCE: lambda n: 2 * (n - 1) / n,

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from detectors.align import core_name as align_core
 from flows.main import Role, build_flow, flow_config, tune_gc
 from infra.clickhouse import init_db, insert_json
 from infra.kafka import consumer_config, delete_topics, ensure_topics, producer_config
@@ -316,7 +317,7 @@ def _pipeline(
     n_detect = sum(topics.for_record(r) != topics.kernel for r in recs)
     say(
         f"{n:,} records of a {run.spec.world_size}-rank job ({n - n_detect:,} kernel records), "
-        f"{settings.kafka.partitions} partitions per topic"
+        f"{settings.kafka.partitions} partitions per topic; alignment core: {align_core()}"
     )
     pub = KafkaPublisher(producer_config(settings.kafka, boot), topics)
     t0 = time.perf_counter()
