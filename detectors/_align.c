@@ -126,22 +126,6 @@ static inline int lt(PyObject *a, PyObject *b) {
     return PyObject_RichCompareBool(a, b, Py_LT);
 }
 
-/* Dict operations with the key's hash computed once. The aligner's open instances are a
- * dict; a snapshot of an older version holds an OrderedDict, which only its own methods
- * may change. */
-#if PY_VERSION_HEX < 0x030D0000
-#define GET_KNOWN(d, k, h) _PyDict_GetItem_KnownHash(d, k, h)
-#define CONTAINS_KNOWN(d, k, h) _PyDict_Contains_KnownHash(d, k, h)
-#define SET_KNOWN(d, k, v, h) \
-    (PyDict_CheckExact(d) ? _PyDict_SetItem_KnownHash(d, k, v, h) : PyObject_SetItem(d, k, v))
-#define DEL_KNOWN(d, k, h) \
-    (PyDict_CheckExact(d) ? _PyDict_DelItem_KnownHash(d, k, h) : PyObject_DelItem(d, k))
-#else
-#define GET_KNOWN(d, k, h) PyDict_GetItemWithError(d, k)
-#define CONTAINS_KNOWN(d, k, h) PyDict_Contains(d, k)
-#define SET_KNOWN(d, k, v, h) PyObject_SetItem(d, k, v)
-#define DEL_KNOWN(d, k, h) PyObject_DelItem(d, k)
-#endif
 
 static PyObject *new_open(PyObject *arrival, PyObject *op, PyObject *size, PyObject *bytes,
                           PyObject *job) {
@@ -260,8 +244,7 @@ static PyObject *add(State *st, PyObject *rec) {
     if (c < 0) goto done;
     if (!c) receiver = minus_one;
     if ((key = PyTuple_Pack(4, f[F_COMM_HASH], sender, receiver, seq)) == NULL) goto done;
-    Py_hash_t hash = PyObject_Hash(key);
-    if (hash == -1 || (c = CONTAINS_KNOWN(st->done, key, hash)) < 0) goto done;
+    if ((c = PyDict_Contains(st->done, key)) < 0) goto done;
     if (c) {
         st->late++;
         out = Py_NewRef(Py_None);
@@ -280,14 +263,14 @@ static PyObject *add(State *st, PyObject *rec) {
         goto done;
     }
     PyObject *arrival = f[F_START] != Py_None ? f[F_START] : f[F_ENQ];
-    int sends = (c = lt(sender, minus_one)) > 0 || (c == 0 && (c = lt(minus_one, sender)) > 0);
-    if (c < 0) goto done;
-    entry = Py_XNewRef(GET_KNOWN(st->open, key, hash));
+    int sends = PyObject_RichCompareBool(sender, minus_one, Py_NE); /* (same object: free) */
+    if (sends < 0) goto done;
+    entry = Py_XNewRef(PyDict_GetItemWithError(st->open, key));
     if (entry == NULL) {
         if (PyErr_Occurred()) goto done;
         entry = new_open(arrival, sends ? op_send : op, sends ? two : f[F_COMM_SIZE], f[F_SIZE],
                          f[F_JOB]);
-        if (entry == NULL || SET_KNOWN(st->open, key, entry, hash) < 0) goto done;
+        if (entry == NULL || PyObject_SetItem(st->open, key, entry) < 0) goto done;
         if (PyDict_GET_SIZE(st->open) > st->max_open) {
             if (pop_oldest(st->open) < 0) goto done;
             st->dropped++;
@@ -331,7 +314,7 @@ static PyObject *add(State *st, PyObject *rec) {
     PyObject *span = NULL;
     PyObject *inst = instance(key, entry, members, &span);
     if (inst == NULL) goto done;
-    if (DEL_KNOWN(st->open, key, hash) < 0 || PyObject_SetItem(st->done, key, Py_None) < 0 ||
+    if (PyObject_DelItem(st->open, key) < 0 || PyObject_SetItem(st->done, key, Py_None) < 0 ||
         (PyDict_GET_SIZE(st->done) > 4 * st->max_open && pop_oldest(st->done) < 0) ||
         PyList_Append(st->recent, span) < 0 ||
         (PyList_GET_SIZE(st->recent) > 64 && PyList_SetSlice(st->recent, 0, 32, NULL) < 0)) {
