@@ -34,7 +34,7 @@ from types import ModuleType
 from typing import NamedTuple
 
 from detectors.topology import Position, Topology
-from schemas.records import AlignedCollective, Collective
+from schemas.records import AlignedCollective, Collective, CommInfo
 from schemas.units import CollOp, CommRole, Phase
 
 Key = tuple[int, int, int, int]  # (comm_hash, sender, receiver, seq); -1, -1 for collectives
@@ -306,37 +306,57 @@ def aligned_record(
     """The stored row of an instance: arrivals, transfer time, bus bandwidth (nccl-tests
     convention), who is missing or unfinished, and where it sits in the schedule."""
     assert topo is not None
+    arrival = inst.arrival
     info = topo.comms.get(inst.comm_hash)
-    ranks, arrival, end = inst.ranks, inst.arrival, inst.end
+    return instance_row(job, info, inst, pos, min(arrival), max(arrival), max(inst.end))
+
+
+def instance_row(
+    job: str,
+    info: CommInfo | None,
+    inst: Instance,
+    pos: Position | None,
+    a_min: int,
+    a_max: int,
+    e_max: int,
+) -> AlignedCollective:
+    """:func:`aligned_record` from what its caller already knows: the communicator's
+    record, and the instance's first and last arrival and last end (a communicator's
+    folder computes them once an instance, for the step part too)."""
+    ranks, end = inst.ranks, inst.end
     if inst.receiver >= 0:  # a transfer on a larger communicator: its two ends
         expected: Sequence[int] = [r for r in (inst.sender, inst.receiver) if r >= 0]
     else:
         expected = info.ranks if info else ranks
     n, n_arrived = len(expected), len(ranks)
-    a_min, a_max = min(arrival), max(arrival)
     complete = n_arrived == inst.comm_size and min(end) >= 0
     end_ns = x = bw = None
     if complete:
-        end_ns = max(end)
-        x = max(0, end_ns - a_max)
+        end_ns = e_max
+        x = e_max - a_max if e_max > a_max else 0
         factor = _BUSBW_FACTOR.get(inst.op)
         if x and factor is not None and n > 1:
             bw = inst.size_bytes * factor(n) / x * 8  # Gb/s
         elif x and inst.sender >= 0:
             bw = inst.size_bytes / x * 8
     whole = complete and n == n_arrived
+    if pos is None:
+        step = microbatch = phase = pp_stage = None
+    else:
+        step, microbatch, pp_stage = pos.step, pos.microbatch, pos.pp_stage
+        phase = _PHASE[pos.phase]
     return AlignedCollective(
         job=job,
         comm_hash=inst.comm_hash,
         role=info.role if info else CommRole.OTHER,
         seq=inst.seq,
         op=inst.op,
-        n_ranks=max(1, n),
+        n_ranks=n if n > 1 else 1,
         n_arrived=n_arrived,
         size_bytes=inst.size_bytes,
         first_arrival_ns=a_min,
         last_arrival_ns=a_max,
-        last_rank=ranks[arrival.index(a_max)],
+        last_rank=ranks[inst.arrival.index(a_max)],
         end_ns=end_ns,
         transfer_ns=x,
         busbw_gbps=bw,
@@ -344,8 +364,8 @@ def aligned_record(
         receiver=inst.receiver,
         missing_ranks=[] if whole else sorted(set(expected) - set(ranks)),
         unfinished_ranks=[] if complete else inst.unfinished(),
-        step=pos.step if pos else None,
-        microbatch=pos.microbatch if pos else None,
-        phase=_PHASE[pos.phase] if pos else None,
-        pp_stage=pos.pp_stage if pos else None,
+        step=step,
+        microbatch=microbatch,
+        phase=phase,
+        pp_stage=pp_stage,
     )

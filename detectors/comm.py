@@ -104,26 +104,36 @@ class CommAnalyzer:
                 forward.extend(f)
             batch.clear()
 
+        proxies: list[ProxySummary] = []
         for item in items:
-            if isinstance(item, Collective):
+            kind = type(item)
+            if kind is Collective:
                 batch.append(item)
-            elif isinstance(item, ProxySummary):
-                forward += self._proxy(item)
+            elif kind is ProxySummary:
+                proxies.append(item)  # type: ignore[arg-type]
             else:
                 align()
-                self.folder.learn(item)
+                self.folder.learn(item)  # type: ignore[arg-type]
         align()
+        if proxies:
+            self._proxies(proxies, forward)
         return rows, forward + self.folder.progress()
 
-    def _proxy(self, p: ProxySummary) -> list[ProxySummary]:
-        self.folder.saw_time(p.last_ns)
-        if self._stuck.update(p):  # stuck, or the completion of one that was
-            return [p]
-        if p.direction is Direction.SEND and p.size_bytes > 0 and p.send_wait_ns > 0:
-            return self._edge(p)
-        return []
+    def _proxies(self, proxies: list[ProxySummary], forward: list[Any]) -> None:
+        """A batch's proxy summaries: the stuck ones (and the completion of one that was)
+        and each edge's throughput windows go to ``forward``."""
+        stuck, send = self._stuck, Direction.SEND
+        newest = 0
+        for p in proxies:
+            if p.last_ns > newest:
+                newest = p.last_ns
+            if stuck.update(p):
+                forward.append(p)
+            elif p.direction is send and p.size_bytes > 0 and p.send_wait_ns > 0:
+                self._edge(p, forward)
+        self.folder.saw_time(newest)
 
-    def _edge(self, p: ProxySummary) -> list[EdgeThroughput]:
+    def _edge(self, p: ProxySummary, forward: list[Any]) -> None:
         acc = self._edges.get((p.rank, p.peer))
         if acc is None:
             acc = self._edges[(p.rank, p.peer)] = [0, 0, 0, p.first_ns, 0]
@@ -132,14 +142,14 @@ class CommAnalyzer:
         acc[2] += p.send_wait_ns
         acc[4] += p.send_gpu_wait_ns
         if acc[0] < self.edge_window:
-            return []
+            return
         del self._edges[(p.rank, p.peer)]
-        return [
+        forward.append(
             EdgeThroughput(
                 p.job, p.rank, p.peer, p.last_ns, max(0, p.last_ns - acc[3]), acc[1],
                 acc[1] * 8 / acc[2], acc[4] // acc[0],
             )
-        ]  # fmt: skip
+        )  # fmt: skip
 
     def expire(self, now_ns: int) -> list[Any]:
         """Partial instances open too long, for the job (see ``CollectiveAligner.expire``)."""

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from detectors.align import Instance, Key, aligned_record
+from detectors.align import Instance, Key, instance_row
 from detectors.steps import StepPart, StepWatermark
-from detectors.topology import Topology
+from detectors.topology import Placer, Topology
 from schemas.records import AlignedCollective, CommInfo, JobInfo, ProxySummary
 from schemas.units import CommRole
 
@@ -91,12 +91,14 @@ class StuckProxies:
 
     def update(self, p: ProxySummary) -> bool:
         """Note a summary; True when it is stuck, or completes one that was."""
-        key = (p.comm_hash, p.seq, p.rank, p.channel, p.peer, p.direction)
         if p.steps_done < p.steps_posted:
-            self.ops[key] = p
+            self.ops[(p.comm_hash, p.seq, p.rank, p.channel, p.peer, p.direction)] = p
             if len(self.ops) > self.limit:
                 self.ops.pop(next(iter(self.ops)))
             return True
+        if not self.ops:  # nothing stuck (nearly always): nothing to complete
+            return False
+        key = (p.comm_hash, p.seq, p.rank, p.channel, p.peer, p.direction)
         return self.ops.pop(key, None) is not None
 
 
@@ -129,6 +131,10 @@ class StepFolder:
         Hard bound on the steps held open; the oldest is sent beyond it.
     """
 
+    # the communicator's placer; also for one pickled by a version without it (a flow
+    # resumed across an upgrade), which finds it in the topology
+    _placer: Placer | None = None
+
     def __init__(self, give_up_steps: int = 2, max_open_steps: int = 8) -> None:
         if give_up_steps < 1 or max_open_steps < 1:
             raise ValueError("give_up_steps and max_open_steps must be at least 1")
@@ -138,6 +144,7 @@ class StepFolder:
 
     def _reset(self) -> None:
         self.topo: Topology | None = None
+        self._placer: Placer | None = None  # the communicator's, from the topology
         self.comm_hash = -1
         self.job = ""
         self.role = CommRole.OTHER
@@ -156,23 +163,34 @@ class StepFolder:
         self.topo, self.role = topo, schedule.comm.role
         self.comm_hash, self.job = schedule.comm.comm_hash, schedule.comm.job
         self.per_step = topo.instances_per_step(self.comm_hash)
+        self._placer = topo.placer(self.comm_hash)
 
     def update(self, inst: Instance) -> tuple[list[AlignedCollective], list[Any]]:
         """A complete instance: (stored rows, items for the job)."""
-        self._saw(inst)
-        key = inst.key
+        self._name(inst)
+        arrival = inst.arrival
+        a_min, a_max, e_max = min(arrival), max(arrival), max(inst.end)
+        if a_max > self._last_arrival:
+            self._last_arrival = a_max
+        if e_max > self._last_end:
+            self._last_end = e_max
         topo = self.topo
-        if topo is None or not self.per_step or key in self._partial:
-            self._partial.discard(key)
+        if topo is None or not self.per_step or (self._partial and inst.key in self._partial):
+            self._partial.discard(inst.key)
             return [], [inst]
-        pos = topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender, inst.receiver)
+        if inst.sender < 0 and inst.comm_hash == self.comm_hash:  # a collective: its seq says
+            placer = self._placer or topo.placer(inst.comm_hash)
+            pos = None if placer is None else placer.at(inst.seq)
+        else:
+            pos = topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender, inst.receiver)
         if pos is None:
             return [], [inst]
         part = self._parts.get(pos.step)
         if part is None:
             part = self._parts[pos.step] = StepPart(pos.step, inst.comm_hash, inst.job)
-        part.fold(inst, pos.phase, pos.microbatch, self.role, topo)
-        rows = [aligned_record(inst.job, topo, inst, pos)]
+        part.fold(inst, pos.phase, pos.microbatch, self.role, topo, (a_min, a_max, e_max))
+        info = topo.comms.get(inst.comm_hash)
+        rows = [instance_row(inst.job, info, inst, pos, a_min, a_max, e_max)]
         if part.n >= self.per_step:
             return rows, [self._parts.pop(pos.step).seal()]
         if pos.step <= self._newest:
@@ -213,11 +231,6 @@ class StepFolder:
     def _name(self, inst: Instance) -> None:
         if self.comm_hash < 0:  # no schedule yet: the first instance says whose folder this is
             self.comm_hash, self.job = inst.comm_hash, inst.job
-
-    def _saw(self, inst: Instance) -> None:
-        self._name(inst)
-        self._last_arrival = max(self._last_arrival, max(inst.arrival))
-        self._last_end = max(self._last_end, max(inst.end))
 
     @property
     def n_open(self) -> int:

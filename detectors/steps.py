@@ -97,30 +97,41 @@ class StepPart:
     _borrowed: set[int] | None = field(default=None, compare=False, repr=False)
 
     def fold(
-        self, inst: Instance, phase: str, mb: int | None, role: CommRole, topo: Topology
+        self,
+        inst: Instance,
+        phase: str,
+        mb: int | None,
+        role: CommRole,
+        topo: Topology,
+        extent: tuple[int, int, int] | None = None,
     ) -> None:
         """Add one complete instance placed at (phase, micro-batch) of this step.
 
         The step's extent, transfers and node spans are updated at once; the instance's
         per-rank figures (arrivals, host lead, waits, the TP wait-time model) are
         computed for all the part's instances together, as arrays, when they are read
-        (:func:`_figures`): a part folds hundreds of instances a step."""
+        (:func:`_figures`): a part folds hundreds of instances a step. ``extent`` is the
+        instance's (first arrival, last arrival, last end) where the caller has it."""
         if self.sealed is not None:
             raise ValueError(f"step {self.step}'s part was sealed: it takes no more instances")
         self.n += 1
-        arr, end = inst.arrival, inst.end
-        a_min, a_max, e_max = min(arr), max(arr), max(end)
+        if extent is None:
+            arr = inst.arrival
+            a_min, a_max, e_max = min(arr), max(arr), max(inst.end)
+        else:
+            a_min, a_max, e_max = extent
         if a_min < self.start:
             self.start = a_min
         if e_max > self.end:
             self.end = e_max
         if a_max > self.last_arrival:
             self.last_arrival = a_max
-        if role is CommRole.DP:
-            self.dp_end = max(self.dp_end, e_max)
+        if role is CommRole.DP and e_max > self.dp_end:
+            self.dp_end = e_max
         if role is CommRole.DP or role is CommRole.PP:
-            x = max(0, e_max - a_max)  # complete: the transfer after the last arrival
-            self.transfer[inst.comm_hash] = max(self.transfer.get(inst.comm_hash, 0), x)
+            x = e_max - a_max if e_max > a_max else 0  # the transfer after the last arrival
+            if x >= self.transfer.get(inst.comm_hash, 0):
+                self.transfer[inst.comm_hash] = x
         grouped = role is CommRole.TP and len(inst.ranks) >= 2
         adds = (_WAITS if role is not CommRole.PP else 0) | (_WAIT_MODEL if grouped else 0)
         self.folded.append((inst, adds))
@@ -140,8 +151,10 @@ class StepPart:
         if span is None:
             nodes[key] = [a_max, e_max]
         else:
-            span[0] = min(span[0], a_max)
-            span[1] = max(span[1], e_max)
+            if a_max < span[0]:
+                span[0] = a_max
+            if e_max > span[1]:
+                span[1] = e_max
         if e_max > self.replica_end.get(replica, 0):
             self.replica_end[replica] = e_max
 
@@ -282,8 +295,31 @@ def _figures(p: StepPart) -> np.ndarray:
         itertools.chain.from_iterable(map(attrgetter(name), insts)), np.int64, m
     )
     rank, arr, end, enq = col("ranks"), col("arrival"), col("end"), col("enqueue")
+    k = int(sizes[0])
+    if k and (sizes == k).all():
+        by_rank = rank.reshape(n, k)
+        if (by_rank == by_rank[0]).all():  # the same members in every instance: the usual
+            return _member_figures(  # case, a group's part, whose figures are reductions
+                by_rank[0], arr.reshape(n, k), end.reshape(n, k), enq.reshape(n, k),
+                flags[::k], base,
+            )  # fmt: skip
+    return _any_figures(rank, arr, end, enq, flags, sizes, base)
+
+
+def _any_figures(
+    rank: np.ndarray,
+    arr: np.ndarray,
+    end: np.ndarray,
+    enq: np.ndarray,
+    flags: np.ndarray,
+    sizes: np.ndarray,
+    base: int,
+) -> np.ndarray:
+    """:func:`_figures` of any part: its instances' members, arrivals, ends, enqueue
+    times and flags one after another, ``sizes`` members an instance."""
+    m = len(rank)
     starts = np.cumsum(sizes) - sizes
-    inst = np.repeat(np.arange(len(insts)), sizes)
+    inst = np.repeat(np.arange(len(sizes)), sizes)
     a_min = np.minimum.reduceat(arr, starts)
     a_max = np.maximum.reduceat(arr, starts)
     who, at = np.unique(rank, return_inverse=True)
@@ -313,6 +349,48 @@ def _figures(p: StepPart) -> np.ndarray:
         last - base,
     ]
     return np.array(rows, dtype=np.float64)
+
+
+def _member_figures(
+    who: np.ndarray,
+    arr: np.ndarray,
+    end: np.ndarray,
+    enq: np.ndarray,
+    flags: np.ndarray,
+    base: int,
+) -> np.ndarray:
+    """:func:`_figures` of a part whose instances all have the members ``who``: arrivals,
+    ends and enqueue times an instance a row, a member a column; ``flags`` an instance's
+    (see :meth:`StepPart.fold`). Equal to the general computation, bit for bit: its sums
+    of integers are exact either way, and the one sum of fractions (lateness) adds the
+    instances in their order, as ``np.bincount`` does."""
+    n, k = arr.shape
+    waits = ((flags & _WAITS) > 0)[:, None]
+    tp = (flags & _WAIT_MODEL) > 0
+    a_min = arr.min(axis=1)
+    rel = arr - a_min[:, None]  # small: exact in a float
+    mean = rel.sum(axis=1) / k
+    lateness = np.where(tp[:, None], rel - mean[:, None], 0.0)
+    blame = np.zeros(k)
+    if k >= 2 and tp.any():
+        # exclusive blame: the last to arrive (the highest rank among ties) for the time
+        # after the one before it
+        order = np.argsort(arr[tp], axis=1, kind="stable")
+        late, before = order[:, -1], order[:, -2]
+        rows = np.arange(len(order))
+        got = arr[tp][rows, late] - arr[tp][rows, before]
+        blame = np.bincount(late, weights=got, minlength=k)
+    rows_out = [
+        who,
+        (arr - enq).sum(axis=0),
+        np.full(k, n),
+        np.where(waits, arr.max(axis=1)[:, None] - arr, 0).sum(axis=0),
+        np.cumsum(lateness, axis=0)[-1],  # in instance order
+        blame,
+        arr.min(axis=0) - base,
+        np.maximum(end.max(axis=0), 0) - base,
+    ]
+    return np.array(rows_out, dtype=np.float64)
 
 
 class StepWatermark:

@@ -834,3 +834,56 @@ def test_a_communicator_pickled_before_its_counts_existed_resumes_counting() -> 
     old.update(mine[100:150] + mine[:3])  # three of them again: late
     (s,) = old.stats()
     assert (s.records, s.late_records) == (53, 3)
+
+
+def test_a_folder_pickled_before_it_kept_its_placer_folds_the_same() -> None:
+    """A communicator saved by a version whose step folder looked its placer up for every
+    instance resumes folding exactly as one that never stopped."""
+    from detectors.comm import CommAnalyzer
+    from detectors.parts import ScheduleBook
+    from schemas.records import Collective, CommInfo, JobInfo
+    from schemas.units import CommRole
+
+    recs = list(build("healthy", scale="tiny", seed=0, steps=4).records())
+    book = ScheduleBook()
+    schedules = [s for r in recs if isinstance(r, JobInfo | CommInfo) for s in book.update(r)]
+    comm_hash = next(s.comm.comm_hash for s in schedules if s.comm.role is CommRole.TP)
+    mine = [r for r in recs if isinstance(r, Collective) and r.comm_hash == comm_hash]
+    mine_sched = [s for s in schedules if s.comm.comm_hash == comm_hash]
+    whole, resumed = CommAnalyzer(), CommAnalyzer()
+    half = len(mine) // 2
+    first = whole.update([*mine_sched, *mine[:half]])
+    assert first == resumed.update([*mine_sched, *mine[:half]])
+    assert first[0], "the schedule was known: instances were folded into rows"
+    del resumed.folder.__dict__["_placer"]  # as the older version pickled it
+    resumed = pickle.loads(pickle.dumps(resumed))
+    assert resumed.update(mine[half:]) == whole.update(mine[half:])
+    assert resumed.flush() == whole.flush()
+
+
+def test_a_groups_step_figures_equal_the_general_computation_bit_for_bit() -> None:
+    """Parts whose instances all have the same members (nearly every part: a TP or DP
+    group's, a pipeline pair's) take a shorter computation of their per-rank figures;
+    it must give exactly what the general one gives, ties and rounding included."""
+    from detectors.steps import _any_figures, _member_figures
+
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        k = int(rng.choice([1, 2, 3, 4, 8]))
+        n = int(rng.choice([1, 2, 5, 32, 256]))
+        who = np.sort(rng.choice(64, size=k, replace=False))
+        arr = 10**18 + rng.integers(0, 10**9, size=(n, k))
+        late = rng.random((n, k)) < 0.2
+        arr = arr + late * rng.integers(0, 10**7, size=(n, k))
+        if rng.random() < 0.3:  # ties for the last arrival
+            arr[:, -1] = arr[:, 0]
+        enq = arr - rng.integers(0, 10**6, size=(n, k))
+        end = arr.max(axis=1, keepdims=True) + rng.integers(0, 10**6, size=(n, k))
+        flags = rng.integers(0, 4, size=n)
+        base = int(arr.min())
+        dense = _member_figures(who, arr, end, enq, flags, base)
+        general = _any_figures(
+            np.tile(who, n), arr.ravel(), end.ravel(), enq.ravel(), np.repeat(flags, k),
+            np.full(n, k), base,
+        )  # fmt: skip
+        assert np.array_equal(dense, general), (k, n)
