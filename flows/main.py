@@ -208,12 +208,34 @@ _NOT_FOR_JOB = _STORED_ONLY | {LinkSample}
 
 
 def comm_records_by_comm(d: Decoded) -> list[tuple[str, list[Collective | ProxySummary]]]:
+    """A poll's collectives and proxy summaries, per (job, communicator), in log order.
+
+    >>> from schemas.records import Heartbeat
+    >>> from schemas.units import CollOp, DType
+    >>> def coll(comm, seq):
+    ...     return Collective(job="j", node="n", rank=0, comm_hash=comm, comm_size=2,
+    ...         rank_in_comm=0, op=CollOp.ALL_REDUCE, seq=seq, count=1, size_bytes=2,
+    ...         dtype=DType.BFLOAT16, enqueue_ns=1)
+    >>> recs = [coll(7, 0), Heartbeat(job="j", node="n", rank=0, ts_ns=1), coll(9, 0),
+    ...         coll(7, 1)]
+    >>> d = Decoded(recs, [], [], 0, frozenset(map(type, recs)))
+    >>> [(key, [r.seq for r in g]) for key, g in comm_records_by_comm(d)]
+    [('j:0000000000000007', [0, 1]), ('j:0000000000000009', [0])]
+    """
     if d.kinds.isdisjoint(_COMM_KINDS):  # another topic's batch: nothing to look at
         return []
+    records: list[Any] = d.records
+    if not d.kinds <= _COMM_KINDS:  # a topic holding others too
+        records = [r for r in records if isinstance(r, Collective | ProxySummary)]
     groups: dict[tuple[str, int], list[Collective | ProxySummary]] = {}
-    for r in d.records:
-        if isinstance(r, Collective | ProxySummary):
-            groups.setdefault((r.job, r.comm_hash), []).append(r)
+    get = groups.get
+    for r in records:  # the comm topic's hot loop: no list made for a key already there
+        k = (r.job, r.comm_hash)
+        g = get(k)
+        if g is None:
+            groups[k] = [r]
+        else:
+            g.append(r)
     return [(comm_key(*k), g) for k, g in groups.items()]
 
 
