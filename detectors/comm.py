@@ -106,14 +106,13 @@ class CommAnalyzer:
 
         proxies: list[ProxySummary] = []
         for item in items:
-            kind = type(item)
-            if kind is Collective:
+            if isinstance(item, Collective):
                 batch.append(item)
-            elif kind is ProxySummary:
-                proxies.append(item)  # type: ignore[arg-type]
+            elif isinstance(item, ProxySummary):
+                proxies.append(item)
             else:
                 align()
-                self.folder.learn(item)  # type: ignore[arg-type]
+                self.folder.learn(item)
         align()
         if proxies:
             self._proxies(proxies, forward)

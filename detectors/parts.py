@@ -178,7 +178,7 @@ class StepFolder:
         if topo is None or not self.per_step or (self._partial and inst.key in self._partial):
             self._partial.discard(inst.key)
             return [], [inst]
-        if inst.sender < 0 and inst.comm_hash == self.comm_hash:  # a collective: its seq says
+        if inst.sender < 0 and inst.comm_hash == self.comm_hash:  # a collective: placed by seq
             placer = self._placer or topo.placer(inst.comm_hash)
             pos = None if placer is None else placer.at(inst.seq)
         else:
