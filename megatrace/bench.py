@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import resource
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -295,6 +296,18 @@ def pipeline(
         say(f"{a:<{w0}}  {b:>{w1}}  {c}".rstrip())
 
 
+def _paired(role: list[float], raw: list[float]) -> str:
+    """A role's rate over raw's round by round (each round measures raw, then the roles,
+    within a minute): the median and range of those ratios. A shared machine's speed
+    drifts, and moves the two runs of a round alike, which best against best does not see.
+
+    >>> _paired([100.0, 90.0, 120.0], [200.0, 150.0, 300.0])
+    'paired rounds 50% (40%-60%)'
+    """
+    ratios = sorted(a / b for a, b in zip(role, raw, strict=True))
+    return f"paired rounds {statistics.median(ratios):.0%} ({ratios[0]:.0%}-{ratios[-1]:.0%})"
+
+
 def _pipeline(
     settings: Settings,
     stack: Stack,
@@ -380,11 +393,12 @@ def _pipeline(
     ]
     for role, count, raw in roles:
         got, cpu, start = best[role.value]
+        paired = _paired([r[0] for r in runs[role.value]], [r[0] for r in runs[raw]])
         rows += [
             (
                 f"flow, role {role.value} (one process)",
                 f"{got:,.0f} records/s",
-                f"{got / best[raw][0]:.0%} of raw, {spread(role.value)}; "
+                f"{got / best[raw][0]:.0%} of raw, {spread(role.value)}; {paired}; "
                 f"first record read after {start:.2f} s",
             ),
             (f"  CPU per record, role {role.value}", "µs", cpu.per_record(count)),
