@@ -375,10 +375,11 @@ def _member_figures(
     if k >= 2 and tp.any():
         # exclusive blame: the last to arrive (the highest rank among ties) for the time
         # after the one before it
-        order = np.argsort(arr[tp], axis=1, kind="stable")
+        grouped = arr[tp]
+        order = np.argsort(grouped, axis=1, kind="stable")
         late, before = order[:, -1], order[:, -2]
         rows = np.arange(len(order))
-        got = arr[tp][rows, late] - arr[tp][rows, before]
+        got = grouped[rows, late] - grouped[rows, before]
         blame = np.bincount(late, weights=got, minlength=k)
     rows_out = [
         who,
