@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import os
 import resource
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -263,12 +262,12 @@ def pipeline(
     """Raw consume+decode, ClickHouse parsing the raw rows alone, then the flow in each
     role on the same records, then latency.
 
-    Each throughput is measured ``repeat`` times, alternating, and the best is kept
-    (a shared 2-core machine moved single runs by 20-30%): the ratios are best against
-    best, and each row shows the range. Every measure runs with the flow's garbage
-    collector settings (:func:`~flows.main.tune_gc`): with Python's own, the raw consumer
-    decoded 15-20% slower, and a first round that measured raw before any flow had set
-    them made raw's range 324-471k records/s in one run. Its topics are deleted
+    Each throughput is measured ``repeat`` times, alternating, and the best is kept (a
+    shared machine moves single runs): the ratios are best against best, and each row
+    shows the range. Every measure runs with the flow's garbage collector settings
+    (:func:`~flows.main.tune_gc`): with Python's own, the raw consumer decoded 15-20%
+    slower, and a first round that measured raw before any flow had set them made raw's
+    range 324-540k records/s in one session (454-486k in one run since). Its topics are deleted
     afterwards: the local broker keeps what it holds in memory, and each run publishes
     some 700,000 records."""
     tune_gc()
@@ -298,18 +297,6 @@ def pipeline(
     w1 = max(len(b) for _, b, _ in rows)
     for a, b, c in rows:
         say(f"{a:<{w0}}  {b:>{w1}}  {c}".rstrip())
-
-
-def _paired(role: list[float], raw: list[float]) -> str:
-    """A role's rate over raw's round by round (each round measures raw, then the roles,
-    within a minute): the median and range of those ratios. A shared machine's speed
-    drifts, and moves the two runs of a round alike, which best against best does not see.
-
-    >>> _paired([100.0, 90.0, 120.0], [200.0, 150.0, 300.0])
-    'paired rounds 50% (40%-60%)'
-    """
-    ratios = sorted(a / b for a, b in zip(role, raw, strict=True))
-    return f"paired rounds {statistics.median(ratios):.0%} ({ratios[0]:.0%}-{ratios[-1]:.0%})"
 
 
 def _pipeline(
@@ -397,12 +384,11 @@ def _pipeline(
     ]
     for role, count, raw in roles:
         got, cpu, start = best[role.value]
-        paired = _paired([r[0] for r in runs[role.value]], [r[0] for r in runs[raw]])
         rows += [
             (
                 f"flow, role {role.value} (one process)",
                 f"{got:,.0f} records/s",
-                f"{got / best[raw][0]:.0%} of raw, {spread(role.value)}; {paired}; "
+                f"{got / best[raw][0]:.0%} of raw, {spread(role.value)}; "
                 f"first record read after {start:.2f} s",
             ),
             (f"  CPU per record, role {role.value}", "µs", cpu.per_record(count)),
