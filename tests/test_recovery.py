@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,23 @@ print(json.dumps(out))
 """
 
 
+def _wait_for_a_commit(store: Path, flow: subprocess.Popen[bytes], timeout_s: float = 120) -> int:
+    """Wait until the flow's recovery store holds a committed epoch (it is mid-run: some of
+    its input is stored, and a restart resumes from there) or the flow ended; return the
+    epoch (0: none). A fixed sleep was too long once the flow got faster."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and flow.poll() is None:
+        try:
+            with closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=0.1)) as c:
+                (epoch,) = c.execute("SELECT max(commit_epoch) FROM commits").fetchone()
+            if epoch:
+                return int(epoch)
+        except sqlite3.OperationalError:
+            pass  # not made yet, or being written
+        time.sleep(0.02)
+    return 0
+
+
 def test_killed_flow_resumes_without_loss_or_duplicates(settings: Settings, tmp_path: Path) -> None:
     run = build("story", scale="demo", seed=2, steps=36)
     records = list(run.records())
@@ -63,8 +82,9 @@ def test_killed_flow_resumes_without_loss_or_duplicates(settings: Settings, tmp_
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     first = subprocess.Popen(flow, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    time.sleep(4.0)
+    epoch = _wait_for_a_commit(tmp_path / "rec" / "part-0.sqlite3", first)
     assert first.poll() is None, "the flow finished before it could be killed: test proves nothing"
+    assert epoch, "the flow committed nothing before it was killed"
     os.kill(first.pid, signal.SIGKILL)
     first.wait(10)
     second = subprocess.run(flow, capture_output=True, timeout=300, env=env)
