@@ -241,10 +241,12 @@ class AnalyzeLogic(StatefulBatchLogic[list[Any], list[msgspec.Struct], tuple[Job
         return self.analyzer, self.analyzer.coll_now_ns
 
 
-Rows = tuple[list[bytes], int]  # one table's rows (JSON), the oldest producer time (ms, 0: none)
+#: one table's rows (records; JSON in a snapshot of an older version), the oldest producer
+#: time (ms, 0: none)
+TableRows = tuple[list[Any], int]
 
 
-class RowBatchLogic(StatefulBatchLogic[Rows, Rows, Rows]):
+class RowBatchLogic(StatefulBatchLogic[TableRows, TableRows, TableRows]):
     """Per ClickHouse table: the flow's own rows gathered into few, large inserts.
 
     Emits once ``max_rows`` are gathered, when the oldest has waited ``max_ms``, and at
@@ -253,13 +255,13 @@ class RowBatchLogic(StatefulBatchLogic[Rows, Rows, Rows]):
     step's one row of a job, inserted alone, would make a part a step).
     """
 
-    def __init__(self, max_rows: int, max_ms: int, resume: Rows | None) -> None:
+    def __init__(self, max_rows: int, max_ms: int, resume: TableRows | None) -> None:
         self.max_rows = max_rows
         self.max_wait = timedelta(milliseconds=max_ms)
         self.rows, self.produced_ms = resume if resume is not None else ([], 0)
         self.since = datetime.now(UTC) if self.rows else None
 
-    def on_batch(self, values: list[Rows]) -> tuple[list[Rows], bool]:
+    def on_batch(self, values: list[TableRows]) -> tuple[list[TableRows], bool]:
         for rows, produced_ms in values:
             self.rows += rows
             if produced_ms and (not self.produced_ms or produced_ms < self.produced_ms):
@@ -270,19 +272,19 @@ class RowBatchLogic(StatefulBatchLogic[Rows, Rows, Rows]):
             return self._emit(), StatefulBatchLogic.RETAIN
         return [], StatefulBatchLogic.RETAIN
 
-    def on_notify(self) -> tuple[list[Rows], bool]:
+    def on_notify(self) -> tuple[list[TableRows], bool]:
         return self._emit(), StatefulBatchLogic.RETAIN
 
-    def on_eof(self) -> tuple[list[Rows], bool]:
+    def on_eof(self) -> tuple[list[TableRows], bool]:
         return self._emit(), StatefulBatchLogic.RETAIN
 
     def notify_at(self) -> datetime | None:
         return None if self.since is None else self.since + self.max_wait
 
-    def snapshot(self) -> Rows:
+    def snapshot(self) -> TableRows:
         return list(self.rows), self.produced_ms
 
-    def _emit(self) -> list[Rows]:
+    def _emit(self) -> list[TableRows]:
         out = [(self.rows, self.produced_ms)] if self.rows else []
         self.rows, self.produced_ms, self.since = [], 0, None
         return out

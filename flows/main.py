@@ -47,11 +47,13 @@ from flows.logic import (
     MergeLogic,
     NodeLogic,
     RowBatchLogic,
-    Rows,
+    TableRows,
     schedules,
 )
 from flows.sinks import AsyncClickHouseSink, ClickHouseSink
 from flows.webhooks import WebhookSink
+from infra.clickhouse import Rows
+from infra.rowbinary import plan_for
 from schemas.codec import SchemaError, dead_letter, decode, encode
 from schemas.config import AlertSettings, ClickHouseSettings, DetectSettings, Settings
 from schemas.records import (
@@ -283,16 +285,16 @@ def schedules_by_comm(
     return [(comm_key(s.comm.job, s.comm.comm_hash), [s]) for s in kv[1]]
 
 
-def aligned_by_table(kv: tuple[str, AlignOut]) -> list[tuple[str, Rows]]:
+def aligned_by_table(kv: tuple[str, AlignOut]) -> list[tuple[str, TableRows]]:
     return by_table(kv[1].rows)
 
 
-def by_table(records: list[msgspec.Struct]) -> list[tuple[str, Rows]]:
-    """Records produced here, as JSON rows keyed by their table."""
+def by_table(records: list[msgspec.Struct]) -> list[tuple[str, TableRows]]:
+    """Records produced here, keyed by their table."""
     return [(table, (rows, 0)) for table, rows in as_rows(records)[0].items()]
 
 
-def table_rows(kv: tuple[str, Rows]) -> tuple[str, tuple[dict[str, list[bytes]], int]]:
+def table_rows(kv: tuple[str, TableRows]) -> tuple[str, tuple[dict[str, Rows], int]]:
     """A table's gathered rows, keyed by the table, as the ClickHouse sink takes them."""
     table, (rows, produced_ms) = kv
     return table, ({table: rows}, produced_ms)
@@ -323,14 +325,17 @@ def rekey_by_job(kv: tuple[str, list[Any]]) -> tuple[str, list[Any]]:
     return kv[1][0].job, kv[1]
 
 
-def rows_of(d: Decoded) -> tuple[str, tuple[dict[str, list[bytes]], int]]:
-    """The records' original JSON per ClickHouse table, keyed by the partition read."""
+def rows_of(d: Decoded) -> tuple[str, tuple[dict[str, Rows], int]]:
+    """The records per ClickHouse table, keyed by the partition read: the records
+    themselves where the table is written as ``RowBinary``, else their original JSON."""
     if len(d.kinds) == 1:  # one kind of record, as most topics hold: one table
         (kind,) = d.kinds
-        return d.part, ({TABLE_FOR[kind].name: d.raw}, d.produced_ms)
-    rows: dict[str, list[bytes]] = {}
+        table = TABLE_FOR[kind].name
+        return d.part, ({table: d.records if plan_for(table) else d.raw}, d.produced_ms)
+    rows: dict[str, list[Any]] = {}
     for rec, raw in zip(d.records, d.raw, strict=True):
-        rows.setdefault(TABLE_FOR[type(rec)].name, []).append(raw)
+        table = TABLE_FOR[type(rec)].name
+        rows.setdefault(table, []).append(rec if plan_for(table) else raw)
     return d.part, (rows, d.produced_ms)
 
 
@@ -338,11 +343,11 @@ def dead_of(d: Decoded) -> list[DeadLetter]:
     return d.dead
 
 
-def as_rows(records: list[msgspec.Struct]) -> tuple[dict[str, list[bytes]], int]:
-    """Records produced here, as JSON rows per table."""
-    rows: dict[str, list[bytes]] = {}
+def as_rows(records: list[msgspec.Struct]) -> tuple[dict[str, Rows], int]:
+    """Records produced here, per table (the insert encodes them)."""
+    rows: dict[str, list[Any]] = {}
     for rec in records:
-        rows.setdefault(TABLE_FOR[type(rec)].name, []).append(encode(rec))
+        rows.setdefault(TABLE_FOR[type(rec)].name, []).append(rec)
     return rows, 0
 
 

@@ -1,9 +1,10 @@
 """Bytewax sinks: ClickHouse (embedded or server) for batches of schema records.
 
-Items carry each row as a record's JSON, as it came from Kafka or as the flow
-encoded it (ClickHouse parses it itself), with the producer time of the oldest
-record (or 0), which lets a caller measure end-to-end latency through
-``on_write``. Tables are ReplacingMergeTree on natural keys, so an at-least-once
+Items carry each table's rows, as the records themselves (the insert encodes
+them as ``RowBinary``, see :func:`~infra.clickhouse.insert_rows`) or as their JSON
+as it came from Kafka (where the compiled encoder was not built), with the producer
+time of the oldest record (or 0), which lets a caller measure end-to-end latency
+through ``on_write``. Tables are ReplacingMergeTree on natural keys, so an at-least-once
 replay after recovery does not duplicate.
 
 Two sinks, one guarantee: nothing Bytewax considers written is lost.
@@ -41,10 +42,10 @@ from bytewax.outputs import (
     StatelessSinkPartition,
 )
 
-from infra.clickhouse import connect, insert_json
+from infra.clickhouse import Rows, connect, insert_rows
 from schemas.config import ClickHouseSettings
 
-Timed = tuple[dict[str, list[bytes]], int]
+Timed = tuple[dict[str, Rows], int]  # rows per table, the oldest producer time (ms, 0: none)
 OnWrite = Callable[[int, int, int], None]  # (records, oldest producer ms, stored ms)
 _CLICKHOUSE = ClickHouseSettings()  # the defaults' one home
 
@@ -53,8 +54,8 @@ class SinkError(RuntimeError):
     """An insert into ClickHouse failed; the flow must stop and resume from its recovery."""
 
 
-def _by_table(items: list[Timed]) -> dict[str, list[bytes]]:
-    merged: dict[str, list[bytes]] = {}
+def _by_table(items: list[Timed]) -> dict[str, Rows]:
+    merged: dict[str, list[Any]] = {}
     for rows, _ in items:
         for table, batch in rows.items():
             merged.setdefault(table, []).extend(batch)
@@ -64,7 +65,7 @@ def _by_table(items: list[Timed]) -> dict[str, list[bytes]]:
 def _insert(client: Any, database: str, items: list[Timed], on_write: OnWrite | None) -> None:
     """One insert per table for ``items``, then ``on_write`` per item."""
     for table, batch in _by_table(items).items():
-        insert_json(client, database, table, batch)
+        insert_rows(client, database, table, batch)
     if on_write is not None:
         now_ms = time.time_ns() // 1_000_000
         for rows, produced_ms in items:
