@@ -186,3 +186,28 @@ def test_a_record_with_bytes_has_no_plan_and_goes_as_json() -> None:
     with pytest.raises(TypeError, match="bytes field"):
         rowbinary.Plan.of(TABLES["dead_letters"])
     assert rowbinary.plan_for("dead_letters") is None
+
+
+@pytest.mark.parametrize("encoder_built", [True, False])
+def test_a_poll_goes_to_its_tables_as_records_or_as_their_json(
+    monkeypatch: pytest.MonkeyPatch, encoder_built: bool
+) -> None:
+    """The comm topic holds two kinds: each goes to its table, in order, as the records
+    (written as RowBinary) or, where the encoder was not built, as the JSON read."""
+    import flows.main
+    from flows.main import Decoded, rows_of
+    from schemas.records import Collective, ProxySummary
+
+    by_type = {type(r): r for r in every_record()}
+    coll, proxy = by_type[Collective], by_type[ProxySummary]
+    recs = [coll, proxy, msgspec.structs.replace(coll, seq=coll.seq + 1)]
+    raws = [encode(r) for r in recs]
+    if not encoder_built:
+        monkeypatch.setattr(flows.main, "plan_for", lambda table: None)
+    elif rowbinary._native is None:
+        pytest.skip("the compiled encoder was not built (no C compiler)")
+    d = Decoded(recs, raws, [], 7, frozenset(map(type, recs)), "0-megatrace.comm")
+    part, (rows, produced_ms) = rows_of(d)
+    want = recs if encoder_built else raws
+    assert (part, produced_ms) == ("0-megatrace.comm", 7)
+    assert rows == {"collective_events": [want[0], want[2]], "proxy_events": [want[1]]}
