@@ -124,7 +124,8 @@ class FlowConfig:
 class Decoded:
     """One poll's records, decoded; refused ones kept as dead letters.
 
-    ``raw`` keeps each valid record's original JSON (what the raw tables store).
+    ``raw`` keeps each valid record's original JSON (what the raw tables store where
+    the RowBinary encoder was not built; elsewhere they are written from the records).
     """
 
     records: list[msgspec.Struct]

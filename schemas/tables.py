@@ -4,7 +4,8 @@ Every table is a ``ReplacingMergeTree`` ordered by the record's natural key, so
 replaying the same input (an at-least-once restart) never duplicates a row
 once merged; queries that must be exact read with ``FINAL``. Verdicts replace
 by ``revision``, so the latest update of an incident wins. Rows are inserted
-as the records' own JSON (``JSONEachRow``), parsed by ClickHouse itself.
+as ``RowBinary`` written from the records by these column types
+(``infra/rowbinary.py``), or as the records' own JSON (``JSONEachRow``).
 Timestamps are kept as ``Int64`` nanoseconds exactly as on the wire, and each
 gets a ``DateTime64(9, 'UTC')`` column materialized from it (``ts_ns`` ->
 ``ts``) for partitioning, TTL and Grafana's time filters. Enums are
@@ -104,7 +105,7 @@ def time_column(field_name: str) -> str:
 
 @dataclass(frozen=True)
 class Table:
-    """One ClickHouse table holding one record type (rows are inserted as JSON)."""
+    """One ClickHouse table holding one record type."""
 
     name: str
     record: type[msgspec.Struct]
