@@ -124,8 +124,10 @@ def test_a_list_mixing_json_and_records_is_stored_whole(ch: Any, database: str) 
     hb = next(r for r in every_record() if isinstance(r, Heartbeat))
     rows = [encode(msgspec.structs.replace(hb, ts_ns=1)), msgspec.structs.replace(hb, ts_ns=2)]
     assert insert_rows(ch, database, "heartbeats", rows) == 2
+    later = [msgspec.structs.replace(hb, ts_ns=3), encode(msgspec.structs.replace(hb, ts_ns=4))]
+    assert insert_rows(ch, database, "heartbeats", later) == 2  # a record first, then JSON
     got = ch.query(f"SELECT ts_ns FROM {database}.heartbeats ORDER BY ts_ns").result_rows
-    assert got == [(1,), (2,)]
+    assert got == [(1,), (2,), (3,), (4,)]
 
 
 @compiled
