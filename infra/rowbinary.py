@@ -34,7 +34,6 @@ from functools import cache
 from typing import Any
 
 import msgspec
-import msgspec.inspect as mi
 
 from schemas.tables import TABLES, Table
 
@@ -61,32 +60,36 @@ def _split_args(inner: str) -> list[str]:
     return out
 
 
-def _code(ch_type: str, record: Any) -> Code:
-    """The code of a ClickHouse column type; ``record`` is the msgspec type the values
-    of a ``Tuple`` are (a Struct type), where the type names one."""
+def _code(ch_type: str, py: Any) -> Code:
+    """The code of a ClickHouse column type whose values are of Python type ``py``
+    (without ``Annotated`` and ``| None``; a Struct type for a ``Tuple``)."""
     name, _, rest = ch_type.partition("(")
     args = _split_args(rest[:-1]) if rest else []
     if not args and name in _SCALAR:
+        if name == "String" and py in (bytes, bytearray, memoryview):
+            raise TypeError("a bytes field: JSON writes it as base64 text, so JSON only")
         return _SCALAR[name]
     if name == "LowCardinality" and len(args) == 1:
-        return _code(args[0], record)
+        return _code(args[0], py)
     if name == "Nullable" and len(args) == 1:
-        return (NULLABLE, _code(args[0], record))
+        return (NULLABLE, _code(args[0], py))
     if name == "Array" and len(args) == 1:
-        return (ARRAY, _code(args[0], _item_type(record)))
+        return (ARRAY, _code(args[0], *_args(py, 1)))
     if name == "Map" and len(args) == 2:
-        return (MAP, _code(args[0], None), _code(args[1], None))
-    if name == "Tuple" and isinstance(record, type) and issubclass(record, msgspec.Struct):
+        key, value = _args(py, 2)
+        return (MAP, _code(args[0], key), _code(args[1], value))
+    if name == "Tuple" and isinstance(py, type) and issubclass(py, msgspec.Struct):
         names = [a.split(" ", 1)[0] for a in args]
-        if tuple(names) != record.__struct_fields__:
-            raise TypeError(f"{ch_type} does not match {record.__name__}'s fields")
-        return (TUPLE, _struct_plan(record, [a.split(" ", 1)[1] for a in args]))
+        if tuple(names) != py.__struct_fields__:
+            raise TypeError(f"{ch_type} does not match {py.__name__}'s fields")
+        return (TUPLE, _struct_plan(py, [a.split(" ", 1)[1] for a in args]))
     raise TypeError(f"no RowBinary code for ClickHouse type {ch_type}")
 
 
-def _item_type(list_type: Any) -> Any:
-    args = typing.get_args(list_type)
-    return _plain(args[0]) if args else None
+def _args(generic: Any, n: int) -> list[Any]:
+    """The ``n`` type arguments of ``list[T]`` or ``dict[K, V]``, plain (None: unknown)."""
+    args = typing.get_args(generic)
+    return [_plain(a) for a in args] if len(args) == n else [None] * n
 
 
 def _plain(t: Any) -> Any:
@@ -107,24 +110,11 @@ def _struct_plan(record: type[msgspec.Struct], ch_types: Sequence[str]) -> Struc
         descr = next((k.__dict__[name] for k in record.__mro__ if name in k.__dict__), None)
         if not isinstance(descr, types.MemberDescriptorType):
             raise TypeError(f"{record.__name__}.{name} is not a slot")
-        fields.append((descr, _code(ch_type, hints[name])))
+        try:
+            fields.append((descr, _code(ch_type, hints[name])))
+        except TypeError as err:
+            raise TypeError(f"{record.__name__}.{name}: {err}") from None
     return record, tuple(fields)
-
-
-def _has_bytes(t: mi.Type) -> bool:
-    if isinstance(t, mi.BytesType | mi.ByteArrayType | mi.MemoryViewType):
-        return True
-    if isinstance(t, mi.Metadata):
-        return _has_bytes(t.type)
-    if isinstance(t, mi.UnionType):
-        return any(map(_has_bytes, t.types))
-    if isinstance(t, mi.ListType):
-        return _has_bytes(t.item_type)
-    if isinstance(t, mi.DictType):
-        return _has_bytes(t.key_type) or _has_bytes(t.value_type)
-    if isinstance(t, mi.StructType):
-        return any(_has_bytes(f.type) for f in t.fields)
-    return False
 
 
 @dataclass(frozen=True)
@@ -138,8 +128,6 @@ class Plan:
     @classmethod
     def of(cls, table: Table) -> Plan:
         """The plan of ``table`` (a TypeError where a column type has no code)."""
-        if _has_bytes(mi.type_info(table.record)):
-            raise TypeError(f"{table.record.__name__} has a bytes field: JSON only")
         names = [n for n, _ in table.columns]
         return cls(tuple(names), _struct_plan(table.record, [t for _, t in table.columns]))
 
