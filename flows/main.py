@@ -334,14 +334,15 @@ def rows_of(d: Decoded) -> tuple[str, tuple[dict[str, Rows], int]]:
         table = TABLE_FOR[kind].name
         return d.part, ({table: d.records if plan_for(table) else d.raw}, d.produced_ms)
     tables = {kind: TABLE_FOR[kind].name for kind in d.kinds}
-    rows: dict[str, list[Any]] = {name: [] for name in tables.values()}
-    if all(map(plan_for, rows)):  # every table written from the records
+    binary = {name: plan_for(name) is not None for name in tables.values()}
+    rows: dict[str, list[Any]] = {name: [] for name in binary}
+    if all(binary.values()):  # every table written from the records
         for rec in d.records:
             rows[tables[type(rec)]].append(rec)
     else:
         for rec, raw in zip(d.records, d.raw, strict=True):
             table = tables[type(rec)]
-            rows[table].append(rec if plan_for(table) else raw)
+            rows[table].append(rec if binary[table] else raw)
     return d.part, (rows, d.produced_ms)
 
 

@@ -18,17 +18,15 @@ from typing import Any
 import numpy as np
 
 from detectors.align import core_name as align_core
-from flows.main import Role, build_flow, flow_config, tune_gc
+from flows.main import Decoded, Role, build_flow, flow_config, rows_of, tune_gc
 from infra.clickhouse import Rows, init_db, insert_rows
 from infra.kafka import consumer_config, delete_topics, ensure_topics, producer_config
 from infra.rowbinary import core_name as rows_core
-from infra.rowbinary import plan_for
 from infra.stack import Stack
 from producers.publish import KafkaPublisher
 from producers.sim.scenarios import build
 from schemas.codec import decode, encode
 from schemas.config import Settings
-from schemas.tables import TABLE_FOR
 from schemas.topics import Topics
 
 
@@ -333,11 +331,11 @@ def _pipeline(
     pub.flush()
     produce_rate = n / (time.perf_counter() - t0)
     detect_topics = [t for t in topics.inputs if t != topics.kernel]
+    # the raw rows per table as the flow hands them to its sink (one poll of them all)
+    _, (raw_rows, _) = rows_of(
+        Decoded(recs, list(map(encode, recs)), [], 0, frozenset(map(type, recs)))
+    )
     # name -> () -> (records/s, CPU, seconds to the first record read)
-    raw_rows: dict[str, list[Any]] = {}  # as the flow hands them to its sink
-    for r in recs:
-        table = TABLE_FOR[type(r)].name
-        raw_rows.setdefault(table, []).append(r if plan_for(table) else encode(r))
     measures: dict[str, Callable[[], tuple[float, _Cpu, float]]] = {
         "raw": functools.partial(_raw_consume, settings, stack, list(topics.inputs), n),
         "raw detect": functools.partial(_raw_consume, settings, stack, detect_topics, n_detect),
