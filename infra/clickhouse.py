@@ -169,8 +169,10 @@ def insert_rows(
     if plan is not None and not isinstance(rows[0], bytes):
         try:
             block = rowbinary.encode(plan, rows)
-        except TypeError:  # not all of them are this table's records
-            pass
+        except TypeError:
+            if not any(isinstance(r, bytes) for r in rows):
+                raise  # a record that cannot be written: its field is named
+            # some are JSON: the whole list goes as JSON below
         else:
             client.raw_insert(
                 f"{database}.{into or table}",

@@ -213,3 +213,16 @@ def test_a_poll_goes_to_its_tables_as_records_or_as_their_json(
     want = recs if encoder_built else raws
     assert (part, produced_ms) == ("0-megatrace.comm", 7)
     assert rows == {"collective_events": [want[0], want[2]], "proxy_events": [want[1]]}
+
+
+@compiled
+@pytest.mark.integration
+def test_a_record_that_cannot_be_written_is_refused_by_name_not_sent_as_json(
+    ch: Any, database: str
+) -> None:
+    kernel = next(r for r in every_record() if isinstance(r, Kernel))
+    bad = msgspec.structs.replace(kernel)
+    msgspec.structs.force_setattr(bad, "rank", "3")
+    with pytest.raises(TypeError, match=r"Kernel\.rank"):
+        insert_rows(ch, database, "kernel_events", [kernel, bad])
+    assert ch.query(f"SELECT count() FROM {database}.kernel_events").result_rows == [(0,)]
