@@ -57,6 +57,15 @@ class _Sent:
     at_ns: int
 
 
+def level_of(v: Verdict, settings: AlertSettings) -> AlertLevel:
+    """Hangs are critical; otherwise by the throughput the incident costs."""
+    if v.kind == VerdictKind.HANG or v.severity >= settings.critical:
+        return AlertLevel.CRITICAL
+    if v.severity >= settings.warning:
+        return AlertLevel.WARNING
+    return AlertLevel.INFO
+
+
 class AlertGate:
     def __init__(self, settings: AlertSettings | None = None) -> None:
         self.settings = settings or AlertSettings()
@@ -76,12 +85,7 @@ class AlertGate:
         self._ignored: set[str] = set()  # incidents over the cap: never announced
 
     def level(self, v: Verdict) -> AlertLevel:
-        """Hangs are critical; otherwise by the throughput the incident costs."""
-        if v.kind == VerdictKind.HANG or v.severity >= self.settings.critical:
-            return AlertLevel.CRITICAL
-        if v.severity >= self.settings.warning:
-            return AlertLevel.WARNING
-        return AlertLevel.INFO
+        return level_of(v, self.settings)
 
     def update(self, v: Verdict) -> list[Alert]:
         """The alerts this verdict revision calls for (none, or one)."""
@@ -127,4 +131,4 @@ class AlertGate:
         )
 
 
-__all__ = ["AlertGate"]
+__all__ = ["AlertGate", "level_of"]

@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from detectors import texts
 from detectors.align import Instance, Key, aligned_record
 from detectors.changepoint import ShiftDetector
 from detectors.fusion import VerdictBook
@@ -460,21 +461,19 @@ class JobAnalyzer:
         out = self._link_severity(duration, rep)
         cause = fields.pop("cause")
         who = (
-            f"rank {fields['rank']} (GPU {fields['gpu']}) on {fields['node']}"
+            texts.who(fields["rank"], fields.get("gpu"), fields.get("node"))
             if "rank" in fields
             else f"host {fields.get('node')}"
             if culprit != "job"
             else "an unlocalised part of the job"
         )
-        where = (
-            f", {fields['phase'].value} micro-batch {fields['microbatch']}"
-            if fields.get("phase")
-            else ""
-        )
+        phase = fields.get("phase")
+        where = texts.where(None, phase.value if phase else None, fields.get("microbatch"),
+                            fields.get("pp_stage"))  # fmt: skip
         fields["summary"] = (
             f"slowdown: {who} - iteration {ratio:.2f}x slower since step "
-            f"{onset} ({severity:.0%} throughput lost to it), cause {cause.value}"
-            f"{where}, PP stage {fields.get('pp_stage')}"
+            f"{onset} ({texts.percent(severity)} throughput lost to it), cause "
+            f"{cause.value.replace('_', ' ')}{f', {where}' if where else ''}"
         )
         fields["evidence"] = {
             **fields.get("evidence", {}),
@@ -597,11 +596,12 @@ class JobAnalyzer:
             "mean_burst_ratio": float(np.mean([r for _, r, _ in bursts])),
             "burst_period_steps": float(np.mean(np.diff([b[0] for b in bursts]))),
         }
+        who = texts.who(fields.get("rank"), fields.get("gpu"), fields.get("node"))
         fields["summary"] = (
-            f"intermittent slowdown: rank {fields.get('rank')} on "
-            f"{fields.get('node')} - {len(bursts)} bursts of "
+            f"intermittent slowdown: {who or 'an unlocalised part of the job'} - "
+            f"{texts.plural(len(bursts), 'burst')} of "
             f"~{fields['evidence']['mean_burst_ratio']:.2f}x since step "
-            f"{first} ({severity:.0%} throughput lost)"
+            f"{first} ({texts.percent(severity)} throughput lost)"
         )
         reps = [r for r in self.recent if r.step == first]
         v = self.book.report(
@@ -925,12 +925,10 @@ class JobAnalyzer:
         on_link = diag.link is not None and diag.cause != Cause.COMPUTE
         culprit = f"link:{diag.link[0]}->{diag.link[1]}" if on_link else f"rank:{rank}"
         call = op.value if op else "its next collective"
-        where = (
-            f"{fields['phase'].value} micro-batch {fields['microbatch']}, "
-            f"PP stage {fields.get('pp_stage')}, step {fields['step']}"
-            if pos
-            else "an unknown position"
-        )
+        phase = fields["phase"]
+        where = texts.where(fields["step"], phase.value if phase else None,
+                            fields["microbatch"], fields.get("pp_stage"))  # fmt: skip
+        where = where or "an unknown position"
         if diag.cause == Cause.COMPUTE and diag.link is not None:
             producing = rank == diag.link[0]
             summary = (
@@ -944,7 +942,8 @@ class JobAnalyzer:
             summary = (
                 f"hang: rank {rank} on {fields['node']} (GPU {fields['gpu']}) never "
                 f"joined {call} on the {role.value} communicator (seq {diag.seq}) - "
-                f"{where}; {len(diag.waiting)} ranks of that call wait on it"
+                f"{where}; {texts.plural(len(diag.waiting), 'rank')} of that call "
+                f"{'waits' if len(diag.waiting) == 1 else 'wait'} on it"
             )
         else:
             summary = (

@@ -37,6 +37,7 @@ from bytewax.connectors.stdio import StdOutSink
 from bytewax.dataflow import Dataflow
 
 from detectors.alerting import AlertGate
+from detectors.console import IncidentLog
 from detectors.parts import CommProgress, CommSchedule, shard_of
 from detectors.steps import StepPart
 from flows.kafka_source import BrokerHealth, RawBatch, RawKafkaSource, part_name
@@ -378,8 +379,11 @@ def gate_alerts(
     return gate, gate.update(v)
 
 
-def verdict_line(v: Verdict) -> str:
-    return f"[{v.status.value:>8}] {v.job} {v.verdict_id} r{v.revision}: {v.summary}"
+def console_lines(log: IncidentLog | None, v: Verdict) -> tuple[IncidentLog, list[str]]:
+    """Per job: the console's lines about a verdict revision (only the changes that matter)."""
+    log = log or IncidentLog(show_job=True)
+    line = log.update(v)
+    return log, [line] if line is not None else []
 
 
 def input_topics(cfg: FlowConfig) -> list[str]:
@@ -514,6 +518,9 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], health: BrokerHealth) 
         )
         op.output("alerts_to_webhooks", op.key_rm("alerts", alerts), WebhookSink(cfg.alerts))
     if cfg.console:
-        op.output(
-            "verdicts_to_console", op.map("verdict_line", verdicts, verdict_line), StdOutSink()
-        )
+        # (job, Verdict) -> (job, line): an incident's opening, changes that matter, resolution
+        lines = op.stateful_flat_map(
+            "console", op.key_on("verdicts_by_job_console", verdicts, lambda v: v.job),
+            console_lines,
+        )  # fmt: skip
+        op.output("verdicts_to_console", op.key_rm("console_lines", lines), StdOutSink())

@@ -676,31 +676,35 @@ def gpu_check(out: str) -> None:
 
 @cli.command("analyze")
 @click.argument("path", type=click.Path(exists=True))
-@click.option("--json", "as_json", is_flag=True, help="One verdict per line as JSON.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Every verdict revision, one per line, as JSON."
+)
 def analyze(path: str, as_json: bool) -> None:
     """Run the detectors over recorded records (a JSON-lines file or a simulate directory)."""
+    from detectors.console import IncidentLog
     from detectors.replay import Replay
     from schemas.codec import SchemaError, read_jsonl
     from schemas.records import Verdict
 
     p = Path(path)
     files = [p / "records.jsonl"] if p.is_dir() else [p]
-    latest: dict[str, Verdict] = {}
+    log = IncidentLog()
     replay = Replay()
     try:
         for f in files:
             for out in replay.run(read_jsonl(f)):
-                if isinstance(out, Verdict):
-                    latest[out.verdict_id] = out
-                    if not as_json:
-                        click.echo(f"[{out.status.value:>8}] {out.summary}")
+                if not isinstance(out, Verdict):
+                    continue
+                if as_json:  # every revision, as the verdicts table keeps them
+                    click.echo(json.dumps(_verdict_json(out)))
+                elif (line := log.update(out)) is not None:
+                    click.echo(line)
     except SchemaError as e:
         raise click.ClickException(str(e)) from None
-    if as_json:
-        for v in latest.values():
-            click.echo(json.dumps(_verdict_json(v)))
-    elif not latest:
-        click.echo("no verdicts: the job looks healthy")
+    if not as_json:
+        click.echo("")
+        for line in log.summary():
+            click.echo(line)
 
 
 def _verdict_json(v: Any) -> dict[str, Any]:
@@ -743,6 +747,8 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
     """The main job: a simulated cluster with injected faults, end to end on the local stack."""
     from bytewax.testing import run_main
 
+    from detectors.console import summary_table
+    from detectors.texts import plural
     from flows.main import build_flow, tune_gc
     from infra.clickhouse import insert_records, read_records
     from producers.sim.scenarios import build
@@ -762,7 +768,7 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
     # the flow reads this run's records only (the local broker keeps earlier demos' too)
     starts: dict[str, int] = {}
     n = _publish(obj, run.records(), "      publishing", starts)
-    click.echo(f"      {n} records published")
+    click.echo(f"      {n:,} records published")
     client = s.clickhouse()
     db_name = obj.settings.clickhouse.database
     insert_records(client, db_name, run.labels)
@@ -774,21 +780,24 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
         run_main(
             build_flow(_flow_config(obj, tail=False, start_offsets=starts, on_read=polls.append))
         )
-    click.echo(f"      done in {time.monotonic() - t0:.1f}s ({sum(polls)} records read)")
+    click.echo(f"      done in {time.monotonic() - t0:.1f} s ({sum(polls):,} records read)")
     click.echo("[4/4] verdicts in ClickHouse beside the injected ground truth:")
     verdicts = list(
         read_records(
             client, db_name, "verdicts", "job = {j:String}", {"j": sp.job}, order_by="onset_ns"
         )
     )
+    click.echo("  injected:")
     for lab in run.labels:
-        where = lab.link or f"rank {lab.rank}" if lab.rank is not None else lab.node
+        where = lab.link or (f"rank {lab.rank}" if lab.rank is not None else lab.node)
+        kind, cause = lab.kind.value.replace("_", " "), lab.cause.value.replace("_", " ")
         click.echo(
-            f"  truth   {lab.kind.value:<22} {lab.cause.value:<13} {where} "
-            f"from step {lab.onset_step} (cost {lab.throughput_cost:.0%})"
+            f"    {kind} of {where} ({cause}) from step {lab.onset_step}, "
+            f"cost {lab.throughput_cost:.0%}"
         )
-    for v in verdicts:
-        click.echo(f"  verdict {v.kind.value:<22} {v.cause.value:<13} {v.summary}")
+    click.echo("  found:")
+    for line in summary_table(verdicts):
+        click.echo(f"    {line}")
     ((n_steps, mean_ms, cut, after_close),) = client.query(
         f"SELECT count(), round(avg(duration_ns) / 1e6, 1), countIf(instances < "
         f"expected_instances), max(late_instances) FROM {db_name}.steps FINAL "
@@ -796,9 +805,9 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
         parameters={"j": sp.job},
     ).result_rows
     click.echo(
-        f"  {n_steps} steps analysed (mean {mean_ms} ms; {cut} closed without some of their "
-        f"collectives, {after_close} collectives came after their step closed); query them in "
-        f"{_redact(s.clickhouse_url())} database {db_name}"
+        f"  {plural(n_steps, 'step')} analysed (mean {mean_ms} ms; {cut:,} closed without "
+        f"some of their collectives, {plural(after_close, 'collective')} came after their "
+        f"step closed); query them in {_redact(s.clickhouse_url())} database {db_name}"
     )
     ((comms, read, late, unordered, partial),) = client.query(
         "SELECT count(), sum(records), sum(late_records), sum(out_of_order_records), "
@@ -806,13 +815,18 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
         parameters={"j": sp.job},
     ).result_rows
     click.echo(
-        f"  alignment: {read} collective records on {comms} communicators, {late} late, "
-        f"{unordered} out of order, {partial} collectives reported partial"
+        f"  alignment: {plural(read, 'collective record')} on {plural(comms, 'communicator')}, "
+        f"{late:,} late, {unordered:,} out of order, {plural(partial, 'collective')} reported "
+        "partial"
     )
     from megatrace.report import write_report
 
     page = write_report(client, db_name, sp.job, Path(obj.settings.stack.state_dir) / "reports")
     click.echo(f"  report with pictures: {page}")
+    click.echo(
+        "  the local stack stays up for queries and reports (`megatrace stack status`); "
+        "`megatrace stack down` stops it"
+    )
 
 
 @cli.command("report")

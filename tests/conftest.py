@@ -6,6 +6,7 @@ and each test gets its own database; each test also gets its own topic prefix.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import time
 from collections.abc import Iterator
@@ -21,6 +22,11 @@ from schemas.config import Settings, load_settings
 from schemas.topics import Topics
 
 _counter = itertools.count()
+
+#: Helper scripts that import an optional extra at the top: ``--doctest-modules`` imports
+#: every module, so without the extra they are left out of the collection (the tests that
+#: run them skip themselves, saying which extra they need).
+collect_ignore = [] if importlib.util.find_spec("torch") else ["torch_job.py"]
 
 
 @pytest.fixture(scope="session")

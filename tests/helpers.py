@@ -140,3 +140,15 @@ class PersistentBroker:
             self._proc.terminate()
             self._proc.wait(30)
             self._proc = None
+
+
+def latest_verdicts(json_lines: str) -> list[dict]:
+    """``megatrace analyze --json`` prints every revision: each incident's newest one, in
+    the order the incidents were first told."""
+    import json
+
+    latest: dict[str, dict] = {}
+    for line in json_lines.splitlines():
+        v = json.loads(line)
+        latest[v["verdict_id"]] = v
+    return list(latest.values())

@@ -55,6 +55,7 @@ def test_schema_export_writes_json_schema(tmp_path) -> None:
 
 @pytest.mark.integration
 def test_the_readme_demo_names_every_injected_culprit_and_runs_again_cleanly(tmp_path) -> None:
+    import itertools
     import re
     import subprocess
     import sys
@@ -71,14 +72,26 @@ def test_the_readme_demo_names_every_injected_culprit_and_runs_again_cleanly(tmp
                 timeout=300,
             )
             assert res.returncode == 0, res.stderr[-2000:]
-            published = re.search(r"(\d+) records published", res.stdout)
-            read = re.search(r"\((\d+) records read\)", res.stdout)
+            published = re.search(r"([\d,]+) records published", res.stdout)
+            read = re.search(r"\(([\d,]+) records read\)", res.stdout)
             assert published and read and published[1] == read[1], res.stdout[-3000:]
-            lines = [ln for ln in res.stdout.splitlines() if ln.startswith("  verdict ")]
-            assert len(lines) == 3, res.stdout[-3000:]
-            text = "\n".join(lines)
-            assert "node-1/mlx5_2->node-2/mlx5_2" in text
-            assert "rank 15" in text and "rank 5 on node-1" in text and "micro-batch 3" in text
+            after = res.stdout.split("  found:\n")[1].splitlines()
+            found = list(itertools.takewhile(lambda ln: ln.startswith("    "), after))
+            assert found[0].strip() == "3 incidents:", res.stdout[-3000:]
+            rows = {ln.split()[0]: ln for ln in found[2:]}  # kind -> its row in the table
+            assert "node-1/mlx5_2->node-2/mlx5_2" in rows["link"]
+            assert "rank 15 " in rows["slowdown"] and "rank 5 (GPU 1) on node-1" in rows["hang"]
+            (hang_opened,) = [
+                ln for ln in res.stdout.splitlines() if ln.startswith("[open") and "hang:" in ln
+            ]
+            assert "forward micro-batch 3" in hang_opened
+            # a person reads one line per incident change that matters, not every revision
+            told = [
+                ln
+                for ln in res.stdout.splitlines()
+                if ln.startswith(("[open", "[update", "[resolved"))
+            ]
+            assert 3 <= len(told) <= 6, told
             # the hung step is closed without all its collectives (on a loaded machine a
             # step whose partition was read late may be given up on too)
             cut = re.search(r"(\d+) closed without some of their collectives", res.stdout)
@@ -142,3 +155,31 @@ def test_run_says_plainly_when_its_broker_or_topics_are_not_there(
     res = subprocess.run([*cmd, "--once"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert f"cannot reach Kafka at {away}" in res.stderr
+
+
+def test_analyze_tells_each_incident_change_once_and_ends_with_a_table(tmp_path) -> None:
+    """The demo's job offline: every revision stays in ``--json``; the console prints a line
+    per change that matters and one summary table, with no unknown field spelt out."""
+    from producers.sim.scenarios import build
+    from schemas.codec import write_jsonl
+
+    run = build("story", scale="demo", seed=0)
+    write_jsonl(tmp_path / "records.jsonl", run.records(emit_kernels=False))
+    runner = CliRunner()
+    every = runner.invoke(cli, ["analyze", str(tmp_path), "--json"])
+    assert every.exit_code == 0, every.output
+    revisions = [json.loads(line) for line in every.output.splitlines()]
+    incidents = {v["verdict_id"] for v in revisions}
+    assert len(incidents) == 3 and len(revisions) > len(incidents)
+
+    res = runner.invoke(cli, ["analyze", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    told = [ln for ln in lines if ln.startswith("[")]
+    assert len([ln for ln in told if ln.startswith("[open")]) == 3
+    assert len(told) <= len(revisions), told
+    table = lines[lines.index("3 incidents:") :]
+    assert table[1].split() == ["kind", "culprit", "cause", "from", "step", "cost", "status"]
+    assert {row.split()[0] for row in table[2:]} == {"link", "slowdown", "hang"}
+    for bad in ("None", "1 ranks", " 1 collectives"):
+        assert bad not in res.output

@@ -14,7 +14,7 @@ from producers.flight_recorder import DumpFormatError, read_dump
 from producers.sim.scenarios import build
 from schemas.records import Collective, CommInfo
 from schemas.units import CollOp
-from tests.helpers import megatron_args
+from tests.helpers import latest_verdicts, megatron_args
 
 _NAMES = {
     CollOp.ALL_REDUCE: "nccl:all_reduce",
@@ -88,7 +88,7 @@ def analyze(tmp_path: Path, *args: str) -> list[dict]:
     assert res.exit_code == 0, res.output
     res = runner.invoke(cli, ["analyze", str(out), "--json"])
     assert res.exit_code == 0, res.output
-    return [json.loads(line) for line in res.output.splitlines()]
+    return latest_verdicts(res.output)
 
 
 def test_dumps_with_the_megatron_config_name_the_rank_and_the_phase(hang, tmp_path: Path) -> None:

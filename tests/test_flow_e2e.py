@@ -16,7 +16,7 @@ from producers.sim.scenarios import build
 from schemas.config import Settings
 from schemas.records import Collective
 from schemas.units import CollOp, VerdictKind
-from tests.helpers import flow_config, publisher
+from tests.helpers import flow_config, latest_verdicts, publisher
 
 pytestmark = pytest.mark.integration
 
@@ -136,7 +136,7 @@ def test_analyze_reads_what_simulate_wrote(tmp_path) -> None:
     assert res.exit_code == 0, res.output
     res = runner.invoke(cli, ["analyze", str(tmp_path), "--json"])
     assert res.exit_code == 0, res.output
-    lines = [json.loads(x) for x in res.output.splitlines()]
+    lines = latest_verdicts(res.output)
     truth = json.loads((tmp_path / "labels.jsonl").read_text().splitlines()[0])
     (v,) = lines
     assert (v["kind"], v["cause"], v["link"]) == ("hang", "network_link", truth["link"])

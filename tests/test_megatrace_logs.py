@@ -22,7 +22,7 @@ from producers.megatrace_logs import (
 )
 from producers.sim.scenarios import build
 from schemas.records import Collective, CommInfo, LinkSample
-from tests.helpers import megatron_args
+from tests.helpers import latest_verdicts, megatron_args
 
 CSV_HEADER = (
     "Time,Group,FromRank,ToRank,DevIndex,Func,FuncTimes,SrcIP,DstIP,Bandwidth,"
@@ -79,7 +79,7 @@ def test_importing_megatrace_logs_names_the_slow_rank(
         assert "inferred: tp communicator from the rank layout and call sizes" in res.output
     res = runner.invoke(cli, ["analyze", str(out), "--json"])
     assert res.exit_code == 0, res.output
-    verdicts = [json.loads(line) for line in res.output.splitlines()]
+    verdicts = latest_verdicts(res.output)
     (slow,) = [v for v in verdicts if v["kind"] == "slowdown"]
     label = run.labels[0]
     assert slow["rank"] == label.rank and abs(slow["onset_step"] - label.onset_step) <= 2

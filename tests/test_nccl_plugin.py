@@ -5,7 +5,6 @@ with ctypes (no GPU): records reach the node agent, decode with the schemas, and
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import time
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from schemas.records import (
 )
 from schemas.topics import Topics
 from schemas.units import CommRole
-from tests.helpers import consume_all, wait_until_delivered
+from tests.helpers import consume_all, latest_verdicts, wait_until_delivered
 
 COMM = 0x5EED_C0FFEE
 
@@ -231,7 +230,7 @@ def _analyze(records: list[Any], tmp_path: Path) -> list[dict]:
     write_jsonl(path, records)
     res = CliRunner().invoke(cli, ["analyze", str(path), "--json"])
     assert res.exit_code == 0, res.output
-    return [json.loads(line) for line in res.output.splitlines()]
+    return latest_verdicts(res.output)
 
 
 @pytest.mark.integration

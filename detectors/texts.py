@@ -1,0 +1,109 @@
+"""How verdicts read: pure functions that turn a verdict's fields into words.
+
+Unknown fields are left out rather than printed as ``None``, and counts agree with
+their nouns.
+
+>>> plural(1, "rank"), plural(3, "rank"), plural(2, "micro-batch")
+('1 rank', '3 ranks', '2 micro-batches')
+>>> where(step=32, phase="forward", microbatch=3, pp_stage=1)
+'forward micro-batch 3, PP stage 1, step 32'
+>>> where(step=None, phase="dp_sync", microbatch=None, pp_stage=None)
+'gradient sync'
+>>> who(rank=15, gpu=3, node="node-3")
+'rank 15 (GPU 3) on node-3'
+>>> who(rank=None, gpu=None, node="node-3")
+'node-3'
+>>> percent(0.153), percent(0.004), percent(1.0)
+('15%', '0.4%', '100%')
+"""
+
+from __future__ import annotations
+
+from schemas.records import Verdict
+from schemas.units import Cause, VerdictKind
+
+_PLURALS = {"micro-batch": "micro-batches", "is": "are", "waits": "wait"}
+_PHASES = {
+    "forward": "forward",
+    "backward": "backward",
+    "dp_sync": "gradient sync",
+    "optimizer": "optimizer",
+    "transfer": "transfer",
+}
+
+
+def plural(n: int, noun: str) -> str:
+    """``n`` and ``noun``, the noun in the plural unless ``n`` is 1."""
+    return f"{n:,} {noun if n == 1 else _PLURALS.get(noun, noun + 's')}"
+
+
+def percent(x: float) -> str:
+    """A fraction as a person writes it: whole percents, a decimal below 1%."""
+    p = 100 * x
+    return f"{p:.1f}%" if 0 < p < 1 else f"{p:.0f}%"
+
+
+def where(
+    step: int | None = None,
+    phase: str | None = None,
+    microbatch: int | None = None,
+    pp_stage: int | None = None,
+) -> str:
+    """The position in the schedule, with only what is known ('' when nothing is)."""
+    parts = []
+    name = _PHASES.get(phase or "", "")
+    if name and microbatch is not None:
+        parts.append(f"{name} micro-batch {microbatch}")
+    elif name:
+        parts.append(name)
+    elif microbatch is not None:
+        parts.append(f"micro-batch {microbatch}")
+    if pp_stage is not None:
+        parts.append(f"PP stage {pp_stage}")
+    if step is not None:
+        parts.append(f"step {step}")
+    return ", ".join(parts)
+
+
+def who(rank: int | None, gpu: int | None, node: str | None) -> str:
+    """A rank with its GPU and node, or the node alone ('' when neither is known)."""
+    if rank is None:
+        return node or ""
+    gpu_text = f" (GPU {gpu})" if gpu is not None else ""
+    return f"rank {rank}{gpu_text}" + (f" on {node}" if node else "")
+
+
+def culprit(v: Verdict) -> str:
+    """Who or what a verdict blames, in a few words."""
+    ranks = list(getattr(v, "culprit_ranks", None) or [])
+    if len(ranks) > 1:
+        return "ranks " + ", ".join(map(str, ranks))
+    if v.cause in (Cause.NETWORK_LINK, Cause.NIC) and v.link:
+        return v.link
+    if v.rank is not None:
+        return who(v.rank, v.gpu, v.node)
+    if v.node:
+        return f"host {v.node}"
+    if v.link:
+        return v.link
+    return "unlocalised"
+
+
+def kind(v: Verdict) -> str:
+    """The verdict's kind in words ('link degradation')."""
+    return v.kind.value.replace("_", " ")
+
+
+def cause(v: Verdict) -> str:
+    """The cause in words ('network link'; '' when unknown)."""
+    return "" if v.cause is Cause.UNKNOWN else v.cause.value.replace("_", " ")
+
+
+def cost(v: Verdict) -> str:
+    """What the incident costs, as a share of throughput ('' for nothing measured)."""
+    if v.kind is VerdictKind.HANG:
+        return "all"
+    return percent(v.severity) if v.severity > 0 else ""
+
+
+__all__ = ["cause", "cost", "culprit", "kind", "percent", "plural", "where", "who"]
