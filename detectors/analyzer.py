@@ -54,7 +54,7 @@ from schemas.records import (
 from schemas.units import Cause, CollOp, Phase, VerdictKind
 
 #: A culprit whose sends wait this many times longer than usual on their own data
-#: (SendGPUWait) is confirmed as a GPU producing late (method.md's decision table).
+#: (SendGPUWait) is confirmed as a GPU producing late (the decision table of docs/method.md).
 GPU_WAIT_CONFIRMS = 3.0
 
 
@@ -621,7 +621,7 @@ class JobAnalyzer:
     # ------------------------------------------------------------------ links
     def _track_gpu_wait(self, rank: int, wait_ns: float, baseline_windows: int = 4) -> None:
         """A sender's SendGPUWait per send: a baseline from its first windows after the
-        warm-up, then a moving average (the GPU column of method.md's decision table)."""
+        warm-up, then a moving average (the GPU column of the decision table of docs/method.md)."""
         t = self.gpu_wait.get(rank)
         if t is None:
             t = self.gpu_wait[rank] = [0.0, 0.0, wait_ns]
@@ -687,7 +687,7 @@ class JobAnalyzer:
             last = self.recent[-1]
             per_step = max(self.expected_step_ns() or last.duration_ns, 1)
             step = last.step + 1 + int(max(0, ev.onset_ns - last.end_ns) // per_step)
-        # method.md's decision table, last row: several slow links leaving one NIC are that NIC
+        # docs/method.md's decision table, last row: several slow links leaving one NIC are that NIC
         siblings = sorted(
             {d for (u, d) in self.link_culprits if u == ev.src_rank and d != ev.dst_rank}
         )

@@ -2,7 +2,7 @@
 
 Each baseline sees the same record stream and says what its rule would have
 reported, with the time it would have said it. They are deliberately the
-published rules (method.md section 6), not tuned versions:
+published rules (docs/method.md, section 8), not tuned versions:
 
 * :class:`LatestArrival` (Holistic Trace Analysis): each iteration, the rank whose
   gradient-sync NCCL kernel starts last; a rank that is last in most

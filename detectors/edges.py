@@ -1,4 +1,4 @@
-"""Which end of a transfer is to blame, from its proxy wait states (method.md's table).
+"""Which end of a transfer is to blame, from its proxy wait states (docs/method.md, section 6).
 
 NCCL's proxy thread records where each transfer step waited. On an edge
 u -> v:

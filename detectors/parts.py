@@ -107,7 +107,7 @@ class EdgeThroughput(NamedTuple):
     bytes over time in SendWait, the measure the NCCL plugin's link samples use (the
     network's share of the transfer). The job uses it for sources that send no link
     samples of their own. ``gpu_wait_ns`` is the mean SendGPUWait per send: how long the
-    sender's data was not there yet (its GPU's share; method.md's decision table)."""
+    sender's data was not there yet (its GPU's share; the decision table of docs/method.md)."""
 
     job: str
     src_rank: int

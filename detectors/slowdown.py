@@ -214,7 +214,8 @@ class SlowdownLocalizer:
 
 def _medians(samples: dict[tuple, list[float]]) -> dict[tuple, float]:
     """Each key's median, computed for all keys with as many samples at once
-    (thousands of nodes at 4,096 ranks: one numpy call each cost 160 ms).
+    (thousands of nodes at 4,096 ranks: a numpy call per key would dominate the step's
+    analysis; ``megatrace bench analyze`` times it).
 
     >>> _medians({"a": [3.0, 1.0, 2.0], "b": [5.0, 7.0], "c": [4.0, 6.0]})
     {'a': 2.0, 'b': 6.0, 'c': 5.0}

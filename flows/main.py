@@ -403,7 +403,7 @@ def tune_gc() -> None:
 
     The flow keeps many small objects alive (open collectives, step accumulators),
     so the default generation-0 threshold makes the collector walk them over and
-    over: raising it made the detect role 20% faster (``megatrace bench pipeline``).
+    over; ``megatrace bench pipeline`` runs every measure under these settings.
     """
     gc.set_threshold(50_000, 20, 100)
 

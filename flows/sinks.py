@@ -98,9 +98,9 @@ class InsertThread:
     """Inserts handed over by :meth:`submit`, in order, on a thread of its own.
 
     Submissions are gathered into one insert per table until ``batch_rows`` rows
-    are queued or the oldest has waited ``batch_ms``: each insert makes a part, and
-    costs the embedded engine 13-18 ms of CPU whether it holds 1 row or 100 (measured
-    on 2 cores), so inserting every poll as it came spent its time on inserts. Rows
+    are queued or the oldest has waited ``batch_ms``: each insert makes a part and
+    costs the engine a fixed amount of CPU whatever its size, so inserting every poll
+    as it came would spend the engine's time on inserts. Rows
     gathered already go in as soon as the thread is free with ``batch_rows=1``.
     :meth:`wait` returns once a submission is stored, and inserts at once what it
     waits for; both raise :class:`SinkError` after a failed insert. The thread has a

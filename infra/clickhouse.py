@@ -130,8 +130,8 @@ def init_db(client: Any, database: str, retention_days: int) -> list[str]:
 _JSON_INSERT = {
     "input_format_skip_unknown_fields": 1,
     "date_time_input_format": "best_effort",
-    # measured on 2 cores (`megatrace bench pipeline`): parallel parsing costs more than it
-    # saves on the flow's batches; a replaced row is merged away later anyway
+    # the flow's batches are small for parallel parsing, whose threads compete with the
+    # flow's on a small machine; a replaced row is merged away later anyway
     "input_format_parallel_parsing": 0,
     "optimize_on_insert": 0,
 }

@@ -100,28 +100,24 @@ def producer_config(kafka: KafkaSettings, bootstrap: str) -> dict[str, Any]:
 
 
 def consumer_config(kafka: KafkaSettings, bootstrap: str) -> dict[str, Any]:
-    """A consumer that keeps up under backlog (no 0.5-1 s stalls) and commits nothing itself.
+    """A consumer that keeps up under backlog and commits nothing itself.
+
+    ``fetch.queue.backoff.ms``: librdkafka's default backs off for long once its
+    queue is full, and a consumer under backlog then stalls for a good part of a
+    second at a time; a short backoff keeps it fetching.
 
     ``fetch.wait.max.ms``: a flow holds a consumer per topic partition, and each idle
-    one asks again whenever its fetch expires; the local broker spends ~0.4 ms of CPU
-    an empty fetch and does not answer a waiting fetch the moment records come (Kafka
-    does). Measured here with the flow's 17 consumers (`megatrace bench pipeline`'s
-    records; latency at 20k records/s, role all):
-
-    ====  ==============  =================  ===============  ===========
-    ms    idle broker     role store         role all         latency p50
-    ====  ==============  =================  ===============  ===========
-    50    13% of a core   150-164k rec/s     114-118k rec/s   210 ms
-    200   5%              176-197k           125-127k         280 ms
-    500   3%              176-186k           133-145k         390-490 ms
-    ====  ==============  =================  ===============  ===========
+    one asks again whenever its fetch expires; an empty fetch costs the broker CPU,
+    and a broker that does not answer a waiting fetch the moment records come (the
+    local one) adds up to this wait to the latency. 200 ms trades the two; the
+    pipeline bench (``megatrace bench pipeline``) prints both the rates and the
+    latency it gives.
 
     ``queued.min.messages`` / ``queued.max.messages.kbytes``: what a consumer fetches
     ahead of the flow, per partition. librdkafka's defaults (100,000 messages, 64 MB)
-    let the flow's 17 consumers hold up to 1 GB read ahead, and their threads spent
-    1.6-1.9 µs of CPU a record in role all (0.4 in role store, which keeps up); two
-    polls' worth (10,000 records, 8 MB) bounds that to 136 MB and cut it to 0.6-1.0 µs
-    (the broker's share too: 2.4-2.8 -> 2.0-2.2 µs), measured side by side here.
+    let a flow's consumers hold a gigabyte read ahead, whose threads then spend their
+    CPU refilling queues the flow is not reading; two polls' worth (10,000 records,
+    8 MB) is enough to keep the flow fed.
     """
     conf: dict[str, Any] = {
         "group.id": "megatrace",

@@ -266,11 +266,9 @@ def pipeline(
     Each throughput is measured ``repeat`` times, alternating, and the best is kept (a
     shared machine moves single runs): the ratios are best against best, and each row
     shows the range. Every measure runs with the flow's garbage collector settings
-    (:func:`~flows.main.tune_gc`): with Python's own, the raw consumer decoded 15-20%
-    slower, and a first round that measured raw before any flow had set them made raw's
-    range 324-540k records/s in one session (454-486k in one run since). Its topics are deleted
-    afterwards: the local broker keeps what it holds in memory, and each run publishes
-    some 700,000 records."""
+    (:func:`~flows.main.tune_gc`), the raw consumer's too, so that raw and the roles
+    are measured alike. Its topics are deleted afterwards: the local broker keeps what
+    it holds in memory, and each run publishes some 700,000 records."""
     tune_gc()
     stack = Stack(settings)
     stack.up()

@@ -1,7 +1,7 @@
 """Read the original MEGATRACE collector's logs: per-rank NCCL call logs, the per-NIC
 throughput CSV, and the Megatron configuration.
 
-Call logs have one line per NCCL call (method.md section 4)::
+Call logs have one line per NCCL call, as the original tool writes them::
 
     [save_count 3] [1718000000.123456789] [Rank 5] Fun AllReduce Data 4096 stream 0x7f3c \
     opCount 12 groupHash -4242

@@ -59,9 +59,9 @@ class Record(Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
 
     Records are not tracked by Python's cyclic garbage collector (``gc=False``): they
     hold plain values and never a reference back to one another, so they cannot be
-    part of a cycle, and a flow decodes hundreds of thousands a second (tracked, they
-    cost role ``all`` 0.44-0.52 s of collections per 498,000 records; untracked,
-    0.13-0.16 s: ``megatrace bench pipeline``'s records).
+    part of a cycle, and a flow decodes hundreds of thousands a second: tracked, each
+    would be walked by every collection while it lives (``megatrace bench pipeline``
+    shows what the flow spends).
     """
 
     v: Version = SCHEMA_VERSION

@@ -73,7 +73,7 @@ def test_hang_with_everyone_joined_is_the_network_and_proxies_name_the_edge() ->
 
 
 def test_proxy_wait_states_say_which_end_of_a_stuck_transfer_stopped() -> None:
-    """method.md's decision table, on hand-built summaries of one edge 0 -> 1."""
+    """the decision table of docs/method.md, on hand-built summaries of one edge 0 -> 1."""
     from detectors.edges import edge_cause
 
     def end(rank: int, direction: Direction, **waits: int) -> ProxySummary:
@@ -418,7 +418,7 @@ def test_other_job_and_source_shapes_are_analysed_like_any_other(
 
 
 def test_a_senders_wait_on_its_own_data_is_evidence_against_its_baseline() -> None:
-    """method.md's decision table on edges that are slow, not stuck: a slow link's
+    """the decision table of docs/method.md on edges that are slow, not stuck: a slow link's
     sender does not wait on its data (SendGPUWait at its baseline); a sender whose
     windows show it waiting far longer than usual is reported so."""
     from detectors.parts import EdgeThroughput

@@ -231,7 +231,7 @@ class GPUStallInTransfer(NetworkHang):
 
     Like a network hang the transfer is posted and never completes, but the
     sender's proxy waits for its GPU (SendGPUWait), not for the network: the
-    culprit is the sending GPU, not the link (method.md's decision table).
+    culprit is the sending GPU, not the link (the decision table of docs/method.md).
     """
 
     def label(self, spec: JobSpec, onset_ns: int) -> FaultLabel:
