@@ -55,7 +55,7 @@ from flows.sinks import AsyncClickHouseSink, ClickHouseSink
 from flows.webhooks import WebhookSink
 from infra.clickhouse import Rows
 from infra.rowbinary import plan_for
-from schemas.codec import SchemaError, dead_letter, decode, encode
+from schemas.codec import SchemaError, dead_letter, decode_input, encode
 from schemas.config import AlertSettings, ClickHouseSettings, DetectSettings, Settings
 from schemas.records import (
     Alert,
@@ -70,6 +70,7 @@ from schemas.records import (
 )
 from schemas.tables import TABLE_FOR, TABLES
 from schemas.topics import Topics
+from schemas.units import DeadLetterReason
 
 _CLICKHOUSE = ClickHouseSettings()  # the defaults' one home
 
@@ -174,8 +175,9 @@ def decode_batch(batch: RawBatch) -> Decoded:
             continue
         raw = m.value() or b""
         try:
-            rec = decode(raw)
-        except SchemaError as err:
+            rec = decode_input(raw)
+        except Exception as exc:  # a SchemaError; anything else too: never a poison pill
+            err = exc if isinstance(exc, SchemaError) else _undecodable(exc)
             produced_ms = m.timestamp()[1]
             dead.append(
                 dead_letter(
@@ -195,6 +197,12 @@ def decode_batch(batch: RawBatch) -> Decoded:
     kinds = frozenset(map(type, records))
     part = part_name(batch.topic, batch.partition)
     return Decoded(records, kept, dead, batch.produced_ms, kinds, part)
+
+
+def _undecodable(exc: Exception) -> SchemaError:
+    return SchemaError(
+        DeadLetterReason.MALFORMED, f"could not be decoded ({type(exc).__name__}: {exc})"[:500]
+    )
 
 
 def comm_key(job: str, comm_hash: int) -> str:

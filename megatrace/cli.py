@@ -294,7 +294,11 @@ def run(
 @click.option("--socket", "socket_path", help="Unix datagram socket local producers send to.")
 @click.option("--tail", "tails", multiple=True, help="Glob of JSON-lines files to follow.")
 @click.option("--spool-dir", help="On-disk queue of accepted, undelivered records.")
-@click.option("--spool-max-mb", type=int, help="Spool bound; beyond it records are dropped.")
+@click.option(
+    "--spool-max-mb",
+    type=click.IntRange(min=1),
+    help="Spool bound (undelivered MiB); beyond it records are dropped.",
+)
 @click.option("--health-file", help="JSON file the agent writes its health to.")
 @click.option("--health-interval-s", type=float, help="Seconds between health reports.")
 @click.pass_obj
@@ -302,21 +306,29 @@ def agent(obj: _Ctx, **flags: Any) -> None:
     """The node agent: local producers -> spool -> Kafka, nothing lost on broker outages."""
     from infra.kafka import producer_config
     from producers.agent import NodeAgent
+    from producers.spool import SpoolError
 
     over = {k: (list(v) if k == "tails" else v) for k, v in flags.items() if v not in (None, ())}
     if "tails" in over:
         over["tail"] = over.pop("tails")
     if "socket_path" in over:
         over["socket"] = over.pop("socket_path")
-    cfg = msgspec.structs.replace(obj.settings.agent, **over)
+    try:
+        cfg = msgspec.structs.replace(obj.settings.agent, **over)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     st = obj.stack()
     bootstrap = st.bootstrap()
-    node_agent = NodeAgent(
-        cfg,
-        producer_config(obj.settings.kafka, bootstrap),
-        st.topics,
-        Path(obj.settings.stack.state_dir),
-    )
+    try:
+        node_agent = NodeAgent(
+            cfg,
+            producer_config(obj.settings.kafka, bootstrap),
+            st.topics,
+            Path(obj.settings.stack.state_dir),
+        )
+    except SpoolError as e:
+        raise click.ClickException(str(e)) from None
+    cfg = node_agent.settings  # with its paths resolved
     done = _stop_on_signal()
     node_agent.start()
     click.echo(
@@ -326,15 +338,20 @@ def agent(obj: _Ctx, **flags: Any) -> None:
     )
     while not done.wait(cfg.health_interval_s):
         h = node_agent.write_health()
+        dead = [name for name, up in h.threads.items() if not up]
         click.echo(
             f"agent: in {h.accepted} out {h.delivered} refused {h.refused} dropped {h.dropped} "
-            f"spool {h.spool_bytes / 2**20:.1f} MiB (undelivered {h.pending_bytes / 2**10:.0f} KiB)"
-            f" broker {'up' if h.broker_up else 'DOWN'}",
+            f"lost {h.lost} spool {h.spool_bytes / 2**20:.1f} MiB (undelivered "
+            f"{h.pending_bytes / 2**10:.0f} KiB) broker {'up' if h.broker_up else 'DOWN'}"
+            + (f"; UNHEALTHY: {', '.join(dead)} stopped ({h.last_error})" if dead else ""),
             err=True,
         )
     node_agent.stop()
     h = node_agent.snapshot()
-    click.echo(f"agent stopped: in {h.accepted} out {h.delivered} dropped {h.dropped}", err=True)
+    click.echo(
+        f"agent stopped: in {h.accepted} out {h.delivered} dropped {h.dropped} lost {h.lost}",
+        err=True,
+    )
 
 
 def _publish(
@@ -692,7 +709,7 @@ def analyze(path: str, as_json: bool) -> None:
     replay = Replay()
     try:
         for f in files:
-            for out in replay.run(read_jsonl(f)):
+            for out in replay.run(read_jsonl(f, inputs=True)):
                 if not isinstance(out, Verdict):
                     continue
                 if as_json:  # every revision, as the verdicts table keeps them

@@ -28,15 +28,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from producers.spool import Position, Spool
+from producers.spool import Position, Spool, SpoolError
 from producers.tail import new_lines
-from schemas.codec import SchemaError, dead_letter, decode, encode
+from schemas.codec import SchemaError, dead_letter, decode_input, encode
 from schemas.config import AgentSettings
 from schemas.topics import Topics, message_key
 from schemas.units import DeadLetterReason
@@ -111,9 +111,14 @@ class AgentClient:
 
 @dataclass
 class AgentHealth:
+    """What the agent is doing. ``dropped``: refused because the spool was full;
+    ``lost``: accepted, then unreadable from a damaged spool; ``threads``: each of the
+    agent's threads and whether it runs (a dead one makes the agent unhealthy)."""
+
     accepted: int = 0
     refused: int = 0
     dropped: int = 0
+    lost: int = 0
     delivered: int = 0
     delivery_errors: int = 0
     inflight: int = 0
@@ -121,7 +126,12 @@ class AgentHealth:
     pending_bytes: int = 0
     broker_up: bool = False
     last_error: str = ""
+    threads: dict[str, bool] = field(default_factory=dict)
     ts: float = 0.0
+
+    @property
+    def healthy(self) -> bool:
+        return all(self.threads.values())
 
 
 class NodeAgent:
@@ -134,12 +144,15 @@ class NodeAgent:
         topics: Topics,
         state_dir: Path,
     ) -> None:
+        settings = settings.paths(state_dir)
         self.settings = settings
         self.topics = topics
         self.node = settings.node or socket.gethostname()
         self.state_dir = Path(state_dir)
-        self.spool = Spool(settings.spool_dir, max_bytes=settings.spool_max_mb << 20)
         self.health = AgentHealth()
+        self.spool = Spool(
+            settings.spool_dir, max_bytes=settings.spool_max_mb << 20, on_loss=self._lost
+        )
         self._producer_config = {
             "compression.type": "lz4",
             "linger.ms": "20",
@@ -168,33 +181,55 @@ class NodeAgent:
         obj.setdefault("node", self.node)
         return msgspec.json.encode(obj)
 
+    def _lost(self, what: str, entries: int) -> None:
+        """Accepted records the spool could not read back (damaged on disk)."""
+        self.health.lost += entries
+        self.health.last_error = f"spool damaged: {what}"
+        log.error(
+            "agent spool: %s; %d accepted record(s) lost (%d so far)",
+            what,
+            entries,
+            self.health.lost,
+        )
+
+    def _frame(self, line: bytes, source: str) -> tuple[bytes, bool]:
+        """One input line as its spool frame, and whether it was refused (a dead letter)."""
+        raw = line
+        err: SchemaError | None = None
+        for _ in range(3):  # stamping may supply job, then node
+            try:
+                rec = decode_input(raw)
+                return pack(self.topics.for_record(rec), message_key(rec), raw), False
+            except SchemaError as e:
+                err = e
+                stamped = self._stamp(raw, e)
+                if stamped is None or stamped == raw:
+                    break
+                raw = stamped
+        assert err is not None
+        dead = dead_letter(raw, err, now_ns=time.time_ns(), step_id=f"agent:{source}")
+        return pack(self.topics.deadletter, None, encode(dead)), True
+
     def accept(self, lines: Iterable[bytes], source: str = "socket") -> int:
-        """Validate, stamp and spool lines; return how many were spooled."""
+        """Validate, stamp and spool lines; return how many were spooled. A line that
+        cannot be read becomes a dead letter; none stops the agent."""
         frames: list[bytes] = []
         refused = 0
         for line in lines:
             raw = line.strip()
             if not raw:
                 continue
-            rec = None
-            err: SchemaError | None = None
-            for _ in range(3):  # stamping may supply job, then node
-                try:
-                    rec = decode(raw)
-                    break
-                except SchemaError as e:
-                    err = e
-                    stamped = self._stamp(raw, e)
-                    if stamped is None or stamped == raw:
-                        break
-                    raw = stamped
-            if rec is not None:
-                frames.append(pack(self.topics.for_record(rec), message_key(rec), raw))
-                continue
-            assert err is not None
-            refused += 1
-            dead = dead_letter(raw, err, now_ns=time.time_ns(), step_id=f"agent:{source}")
-            frames.append(pack(self.topics.deadletter, None, encode(dead)))
+            try:
+                entry, bad = self._frame(raw, source)
+            except Exception as exc:  # a defect, not the line's: still kept, never fatal
+                log.exception("agent: a line from %s could not be handled", source)
+                err = SchemaError(
+                    DeadLetterReason.MALFORMED, f"could not be handled ({type(exc).__name__})"
+                )
+                dead = dead_letter(raw, err, now_ns=time.time_ns(), step_id=f"agent:{source}")
+                entry, bad = pack(self.topics.deadletter, None, encode(dead)), True
+            frames.append(entry)
+            refused += bad
         with self._lock:
             taken = self.spool.append(frames)
             self.health.accepted += taken
@@ -210,21 +245,32 @@ class NodeAgent:
                 )
         return taken
 
+    def _bind(self) -> socket.socket:
+        path = Path(self.settings.socket)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+            sock.bind(str(path))
+        except OSError as e:
+            raise SpoolError(f"the agent cannot listen on {path}: {e}") from None
+        sock.settimeout(0.2)
+        return sock
+
     def _serve_socket(self) -> None:
         path = Path(self.settings.socket)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        sock.bind(str(path))
-        sock.settimeout(0.2)
+        sock = self._sock
         try:
             while not self._stop.is_set():
                 try:
                     data = sock.recv(_MAX_DATAGRAM)
                 except TimeoutError:
                     continue
-                self.accept(data.split(b"\n"), "socket")
+                try:
+                    self.accept(data.split(b"\n"), "socket")
+                except Exception:  # e.g. the spool's disk: say so, keep listening
+                    log.exception("agent: a datagram could not be spooled")
         finally:
             sock.close()
             path.unlink(missing_ok=True)
@@ -251,7 +297,34 @@ class NodeAgent:
 
     def _serve_tail(self) -> None:
         while not self._stop.wait(0.2):
-            self.tail_once()
+            try:
+                self.tail_once()
+            except Exception:
+                log.exception("agent: tailing failed; trying again")
+                self._stop.wait(1.0)
+
+    def _guarded(self, target: Any) -> Any:
+        """A thread's body that reports its death in the health, and restarts the
+        publisher (the spool keeps what it has not delivered) rather than leaving it dead."""
+        name = target.__name__.strip("_")
+
+        def run() -> None:
+            self.health.threads[name] = True
+            while True:
+                try:
+                    target()
+                    return
+                except Exception as exc:
+                    self.health.last_error = f"{name}: {type(exc).__name__}: {exc}"
+                    log.exception("agent: its %s thread failed", name)
+                    if name != "publish" or self._stop.is_set():
+                        self.health.threads[name] = False
+                        return
+                    self._stop.wait(1.0)
+                    with self._lock:
+                        self.spool.rewind()  # resend what was in flight
+
+        return run
 
     # ------------------------------------------------------------------ output
     def _publish(self) -> None:
@@ -344,24 +417,33 @@ class NodeAgent:
             self.health.spool_bytes = self.spool.size_bytes
             self.health.pending_bytes = self.spool.pending()
         self.health.ts = time.time()
-        return AgentHealth(**asdict(self.health))
+        alive = {t.name.removeprefix("agent-_"): t.is_alive() for t in self._threads}
+        for name, up in alive.items():
+            if not up and not self._stop.is_set():
+                self.health.threads[name] = False
+        return AgentHealth(**{**asdict(self.health), "threads": dict(self.health.threads)})
 
     def write_health(self) -> AgentHealth:
         h = self.snapshot()
         path = Path(self.settings.health_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(h)))
+        tmp.write_text(json.dumps({**asdict(h), "healthy": h.healthy}))
         os.replace(tmp, path)
         return h
 
     def start(self) -> None:
+        """Listen on the socket (at once: a producer may send as soon as this returns) and
+        start the agent's threads."""
         self._drain_deadline = float("inf")
+        self._sock = self._bind()
         targets = [self._publish, self._serve_socket]
         if self.settings.tail:
             targets.append(self._serve_tail)
         for target in targets:
-            t = threading.Thread(target=target, name=f"agent-{target.__name__}", daemon=True)
+            t = threading.Thread(
+                target=self._guarded(target), name=f"agent-{target.__name__}", daemon=True
+            )
             t.start()
             self._threads.append(t)
 

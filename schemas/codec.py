@@ -27,7 +27,7 @@ from typing import Annotated, Any, TypeVar, Union
 
 import msgspec
 
-from schemas.records import ALL_TYPES, DeadLetter
+from schemas.records import ALL_TYPES, EVENT_TYPES, DeadLetter
 from schemas.units import SCHEMA_VERSION, DeadLetterReason
 
 #: Schema versions each record tag accepts. A new version adds a line here.
@@ -35,11 +35,15 @@ SUPPORTED_VERSIONS: dict[str, frozenset[int]] = {
     t.__struct_config__.tag: frozenset({SCHEMA_VERSION}) for t in ALL_TYPES
 }
 _BY_TAG: dict[str, type[msgspec.Struct]] = {t.__struct_config__.tag: t for t in ALL_TYPES}
+#: The tags node producers may send (everything else is megatrace's own output).
+INPUT_TAGS: frozenset[str] = frozenset(t.__struct_config__.tag for t in EVENT_TYPES)
 
 AnyRecord = Union[*ALL_TYPES]
+InputRecord = Union[*EVENT_TYPES]
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(AnyRecord)
+_input_decoder = msgspec.json.Decoder(InputRecord)
 _raw_decoder = msgspec.json.Decoder()
 _T = TypeVar("_T", bound=msgspec.Struct)
 _PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
@@ -63,15 +67,43 @@ def encode(record: msgspec.Struct) -> bytes:
 
 
 def decode(raw: bytes | str) -> Any:
-    """Decode and validate one record; raise :class:`SchemaError` on any problem."""
+    """Decode and validate one record of any type; raise :class:`SchemaError` on any
+    problem."""
+    return _decode(raw, _decoder, None)
+
+
+def decode_input(raw: bytes | str) -> Any:
+    """Decode and validate one record that a node producer may send (job metadata and
+    node events): a record type only megatrace's analysis writes (a verdict, a fault
+    label, a dead letter...) is refused, so that nobody can plant one through an input.
+
+    >>> try:
+    ...     decode_input(b'{"type":"label","job":"j","fault_id":"f","kind":"hang",'
+    ...                  b'"cause":"compute","onset_step":1,"onset_ns":1}')
+    ... except SchemaError as e:
+    ...     print(e.reason.value, e.field)
+    not_an_input type
+    """
+    return _decode(raw, _input_decoder, INPUT_TAGS)
+
+
+def _decode(raw: bytes | str, decoder: msgspec.json.Decoder, tags: frozenset[str] | None) -> Any:
     try:
-        rec = _decoder.decode(raw)
+        rec = decoder.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise _explain(raw, exc) from None
+        raise _explain(raw, exc, tags) from None
+    except RecursionError:
+        raise _too_deep() from None
     tag = rec.__struct_config__.tag
     if rec.v not in SUPPORTED_VERSIONS[tag]:
         raise _unknown_version(tag, rec.v)
     return rec
+
+
+def _too_deep() -> SchemaError:
+    return SchemaError(
+        DeadLetterReason.MALFORMED, "JSON nested deeper than a record can be (refused unread)"
+    )
 
 
 def decode_as(raw: bytes | str, cls: type[_T]) -> _T:
@@ -95,26 +127,45 @@ def _unknown_version(tag: str, version: object) -> SchemaError:
     )
 
 
-def _explain(raw: bytes | str, exc: Exception) -> SchemaError:
-    """Slow path: turn a failed decode into a precise, typed error."""
+def _explain(raw: bytes | str, exc: Exception, tags: frozenset[str] | None) -> SchemaError:
+    """Slow path: turn a failed decode into a precise, typed error. Every value is
+    checked for its type before it is used: a bad record must not break the
+    explanation of why it is bad."""
     try:
         obj = _raw_decoder.decode(raw)
     except msgspec.DecodeError as e:
         return SchemaError(DeadLetterReason.MALFORMED, f"not valid JSON: {e}")
+    except RecursionError:
+        return _too_deep()
     if not isinstance(obj, dict):
         return SchemaError(
             DeadLetterReason.MALFORMED, f"a record is a JSON object, got {type(obj).__name__}"
         )
     tag = obj.get("type")
-    if tag not in _BY_TAG:
-        known = ", ".join(sorted(_BY_TAG))
+    if not isinstance(tag, str) or tag not in _BY_TAG:
+        known = ", ".join(sorted(tags if tags is not None else _BY_TAG))
+        shown = repr(tag) if isinstance(tag, str | int | float | None) else type(tag).__name__
         return SchemaError(
             DeadLetterReason.UNKNOWN_TYPE,
-            f"unknown record type {tag!r} (known: {known})",
+            f"unknown record type {shown[:80]} (known: {known})",
+            "type",
+        )
+    if tags is not None and tag not in tags:
+        return SchemaError(
+            DeadLetterReason.NOT_AN_INPUT,
+            f"record type {tag!r} is written by megatrace's analysis, not accepted as input "
+            f"(inputs: {', '.join(sorted(tags))})",
             "type",
         )
     cls = _BY_TAG[tag]
     version = obj.get("v", SCHEMA_VERSION)
+    if type(version) is not int:
+        return SchemaError(
+            DeadLetterReason.WRONG_TYPE,
+            f"field 'v' of {tag} record is the schema version, an integer, not "
+            f"{type(version).__name__}",
+            "v",
+        )
     if version not in SUPPORTED_VERSIONS[tag]:
         return _unknown_version(tag, version)
     fields = {f.name: f for f in msgspec.structs.fields(cls)}
@@ -190,14 +241,16 @@ def write_jsonl(path: Path, records: Iterable[msgspec.Struct]) -> int:
     return n
 
 
-def read_jsonl(path: Path) -> Iterator[Any]:
-    """Read a JSON-lines file of records; a bad line raises :class:`SchemaError` with its number."""
+def read_jsonl(path: Path, inputs: bool = False) -> Iterator[Any]:
+    """Read a JSON-lines file of records (``inputs``: only what a node producer may send,
+    see :func:`decode_input`); a bad line raises :class:`SchemaError` with its number."""
+    read = decode_input if inputs else decode
     with open(path, "rb") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                yield decode(line)
+                yield read(line)
             except SchemaError as e:
                 raise SchemaError(e.reason, f"{path}:{lineno}: {e}", e.field) from None
 

@@ -217,21 +217,41 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     ``tail``: globs of JSON-lines files to follow. ``spool_dir``/``spool_max_mb``:
     the on-disk queue of accepted, undelivered records (full: new records are
     dropped and counted). ``health_file``: where health is written every
-    ``health_interval_s``. ``stall_s``: records in flight with no delivery for
-    this long are taken back and sent again from the spool with a fresh
+    ``health_interval_s``. ``socket``, ``spool_dir`` and ``health_file`` left empty
+    are ``agent.sock``, ``spool/`` and ``agent-health.json`` in the stack's state
+    directory (``stack.state_dir``). ``stall_s``: records in flight with no delivery
+    for this long are taken back and sent again from the spool with a fresh
     producer (a wedged producer, e.g. after the broker lost its producer state).
     """
 
     job: str = ""
     node: str = ""
-    socket: str = ".megatrace/agent.sock"
+    socket: str = ""
     tail: list[str] = msgspec.field(default_factory=list)
-    spool_dir: str = ".megatrace/spool"
+    spool_dir: str = ""
     spool_max_mb: int = 1024
     max_inflight: int = 50_000
     health_interval_s: float = 10.0
-    health_file: str = ".megatrace/agent-health.json"
+    health_file: str = ""
     stall_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.spool_max_mb < 1:
+            raise ValueError(f"agent.spool_max_mb must be at least 1, not {self.spool_max_mb}")
+        if self.max_inflight < 1 or self.health_interval_s <= 0 or self.stall_s <= 0:
+            raise ValueError(
+                "agent.max_inflight must be at least 1, health_interval_s and stall_s above 0"
+            )
+
+    def paths(self, state_dir: str | Path) -> AgentSettings:
+        """These settings with the empty paths filled in under ``state_dir``."""
+        base = Path(state_dir)
+        return msgspec.structs.replace(
+            self,
+            socket=self.socket or str(base / "agent.sock"),
+            spool_dir=self.spool_dir or str(base / "spool"),
+            health_file=self.health_file or str(base / "agent-health.json"),
+        )
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

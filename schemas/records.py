@@ -26,6 +26,7 @@ from __future__ import annotations
 from msgspec import Struct, field
 
 from schemas.units import (
+    COMM_HASH_END,
     SCHEMA_VERSION,
     AlertLevel,
     Cause,
@@ -47,11 +48,19 @@ from schemas.units import (
     Rank,
     Schedule,
     Seq,
+    SeqOrNone,
     TimeNs,
     VerdictKind,
     VerdictStatus,
     Version,
 )
+
+
+def _u64(name: str, value: int | None) -> None:
+    """A communicator hash must fit its unsigned 64-bit column (msgspec bounds stop at
+    int64)."""
+    if value is not None and value >= COMM_HASH_END:
+        raise ValueError(f"{name} {value} does not fit in 64 bits")
 
 
 class Record(Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
@@ -136,6 +145,7 @@ class CommInfo(Record, frozen=True, kw_only=True, tag="comm"):
     inferred: bool = False
 
     def __post_init__(self) -> None:
+        _u64("comm_hash", self.comm_hash)
         if not self.ranks:
             raise ValueError("a communicator needs at least one member rank")
 
@@ -169,6 +179,7 @@ class Collective(NodeEvent, frozen=True, kw_only=True, tag="coll"):
     nchannels: Count | None = None
 
     def __post_init__(self) -> None:
+        _u64("comm_hash", self.comm_hash)
         if self.rank_in_comm >= self.comm_size:
             raise ValueError(
                 f"rank_in_comm {self.rank_in_comm} is not below comm_size {self.comm_size}"
@@ -212,6 +223,7 @@ class ProxySummary(NodeEvent, frozen=True, kw_only=True, tag="proxy"):
     nic: str = ""
 
     def __post_init__(self) -> None:
+        _u64("comm_hash", self.comm_hash)
         if self.steps_done > self.steps_posted:
             raise ValueError(
                 f"steps_done {self.steps_done} exceeds steps_posted {self.steps_posted}"
@@ -237,6 +249,7 @@ class Kernel(NodeEvent, frozen=True, kw_only=True, tag="kernel"):
     pg_name: str | None = None
 
     def __post_init__(self) -> None:
+        _u64("comm_hash", self.comm_hash)
         if self.end_ns < self.start_ns:
             raise ValueError(f"end_ns {self.end_ns} is before start_ns {self.start_ns}")
 
@@ -245,8 +258,11 @@ class CommProgress(Struct, frozen=True, kw_only=True):
     """Latest sequence numbers one rank issued and completed on one communicator (-1: none)."""
 
     comm_hash: CommHash
-    issued_seq: int = -1
-    completed_seq: int = -1
+    issued_seq: SeqOrNone = -1
+    completed_seq: SeqOrNone = -1
+
+    def __post_init__(self) -> None:
+        _u64("comm_hash", self.comm_hash)
 
 
 class Heartbeat(NodeEvent, frozen=True, kw_only=True, tag="hb"):
@@ -278,6 +294,9 @@ class LinkSample(NodeEvent, frozen=True, kw_only=True, tag="link"):
     wr_posted: Count = 0
     wr_completed: Count = 0
     outstanding_bytes: Count = 0
+
+    def __post_init__(self) -> None:
+        _u64("comm_hash", self.comm_hash)
 
 
 # --------------------------------------------------------------------------- results

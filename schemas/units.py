@@ -18,17 +18,28 @@ MAX_RANK = 1 << 20
 #: Current schema version of every record type.
 SCHEMA_VERSION = 1
 
+#: The largest value of an ``Int64`` column: a larger count cannot be stored.
+MAX_INT64 = (1 << 63) - 1
+#: The last nanosecond ClickHouse's ``DateTime`` reaches (2106-02-07 06:28:15 UTC): the
+#: tables' partitions and retention are computed in it, and a later time would wrap.
+MAX_TIME_NS = (1 << 32) * 1_000_000_000 - 1
+
 TimeNs = Annotated[
     int,
     Meta(
         ge=0,
-        le=(1 << 63) - 1,
-        description="Nanoseconds since the Unix epoch (host clock unless `clock` says otherwise).",
+        le=MAX_TIME_NS,
+        description="Nanoseconds since the Unix epoch (host clock unless `clock` says "
+        "otherwise), before 2106-02-07.",
         extra={"clickhouse": "DateTime64(9, 'UTC')"},
     ),
 ]
-DurationNs = Annotated[int, Meta(ge=0, description="A duration in nanoseconds.")]
+DurationNs = Annotated[int, Meta(ge=0, le=MAX_INT64, description="A duration in nanoseconds.")]
 Rank = Annotated[int, Meta(ge=0, le=MAX_RANK, description="Global rank in the job.")]
+#: Communicator hashes are unsigned 64-bit: below this (checked by the records that carry
+#: one, as msgspec bounds stop at int64).
+COMM_HASH_END = 1 << 64
+
 CommHash = Annotated[
     int,
     Meta(
@@ -37,9 +48,13 @@ CommHash = Annotated[
         extra={"clickhouse": "UInt64"},
     ),
 ]
-Seq = Annotated[int, Meta(ge=0, description="Per-communicator operation sequence number.")]
-Count = Annotated[int, Meta(ge=0)]
-Positive = Annotated[int, Meta(ge=1)]
+Seq = Annotated[
+    int, Meta(ge=0, le=MAX_INT64, description="Per-communicator operation sequence number.")
+]
+#: A sequence number or -1 for none.
+SeqOrNone = Annotated[int, Meta(ge=-1, le=MAX_INT64)]
+Count = Annotated[int, Meta(ge=0, le=MAX_INT64)]
+Positive = Annotated[int, Meta(ge=1, le=MAX_INT64)]
 JobId = Annotated[str, Meta(min_length=1, max_length=128, description="Job identifier.")]
 NodeName = Annotated[str, Meta(min_length=1, max_length=256, description="Host name.")]
 Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
@@ -227,3 +242,11 @@ class DeadLetterReason(StrEnum):
     WRONG_TYPE = "wrong_type"
     OUT_OF_RANGE = "out_of_range"
     INCONSISTENT = "inconsistent"
+    #: a record type only megatrace's analysis writes (a verdict, a label), sent as input
+    NOT_AN_INPUT = "not_an_input"
+    #: a rank or communicator outside the job's layout: never evidence
+    OUT_OF_LAYOUT = "out_of_layout"
+    #: older than the tables' retention: ClickHouse would drop it at insert
+    RETENTION = "retention"
+    #: a row the store refused even alone
+    REFUSED_BY_STORE = "refused_by_store"
