@@ -39,9 +39,11 @@ from detectors.parts import CommProgress, EdgeThroughput, StuckProxies
 from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepAssembler, StepPart, StepReport
 from detectors.topology import Topology
+from schemas.codec import encode
 from schemas.config import DetectSettings
 from schemas.records import (
     CommInfo,
+    DeadLetter,
     Heartbeat,
     JobInfo,
     LinkSample,
@@ -51,7 +53,7 @@ from schemas.records import (
     StepSummary,
     event_time,
 )
-from schemas.units import Cause, CollOp, Phase, VerdictKind
+from schemas.units import Cause, CollOp, DeadLetterReason, Phase, VerdictKind
 
 #: A culprit whose sends wait this many times longer than usual on their own data
 #: (SendGPUWait) is confirmed as a GPU producing late (the decision table of docs/method.md).
@@ -119,11 +121,14 @@ class JobAnalyzer:
         self.hb_progress_ns = 0
         self.hb_now_ns = 0
         self._hang_detected_ns = 0
+        self.refused = 0  # items naming ranks outside the layout (kept as dead letters)
 
     # ------------------------------------------------------------------ inputs
     def update(self, item: Any) -> list[msgspec.Struct]:
         handle = _HANDLERS.get(type(item))
         if handle is not None and self.topo is not None and not self._early:
+            if (refused := self._outside(item)) is not None:
+                return [refused]
             return handle(self, item)  # the usual case: the job is known, nothing held back
         if self.topo is None and not isinstance(item, JobInfo):
             if isinstance(item, RankInfo | CommInfo):
@@ -140,7 +145,46 @@ class JobAnalyzer:
         if handle is None:  # a record the analysis only keeps time by
             self.now_ns = max(self.now_ns, event_time(item))
             return out
+        if self.topo is not None and (refused := self._outside(item)) is not None:
+            return [*out, refused]
         return out + handle(self, item)
+
+    def _outside(self, item: Any) -> DeadLetter | None:
+        """A dead letter (reason ``out_of_layout``) for an item naming a rank outside the
+        job's layout, or a communicator's member that is not one: a record of another
+        job, or a corrupt one, is never evidence (it once made a false hang)."""
+        assert self.topo is not None
+        world = self.topo.job.world_size
+        ranks = _ranks_of(item)
+        if not ranks:
+            return None
+        bad = next((r for r in ranks if r >= world), None)
+        why = f"rank {bad} is outside job {self.job}'s {world} ranks"
+        if bad is None and isinstance(item, Instance):
+            info = self.topo.comms.get(item.comm_hash)
+            if info is None:
+                return None
+            members = set(info.ranks)
+            bad = next((r for r in item.ranks if r not in members), None)
+            if bad is None and item.comm_size == len(info.ranks):
+                return None
+            why = (
+                f"rank {bad} is not a member of communicator {item.comm_hash:016x}"
+                if bad is not None
+                else f"communicator {item.comm_hash:016x} has {len(info.ranks)} members, "
+                f"not {item.comm_size}"
+            )
+        elif bad is None:
+            return None
+        self.refused += 1
+        return DeadLetter(
+            ts_ns=event_time(item) if isinstance(item, msgspec.Struct) else _item_time(item),
+            reason=DeadLetterReason.OUT_OF_LAYOUT,
+            error=f"{why}: not used as evidence",
+            field="rank",
+            step_id="analyze",
+            raw=encode(item) if isinstance(item, msgspec.Struct) else _describe(item),
+        )
 
     def _record_time(self, rec: Any) -> None:
         self.now_ns = max(self.now_ns, event_time(rec))
@@ -994,6 +1038,38 @@ class JobAnalyzer:
             return []
         cp = critical_path(rep.node_durations(d), self.topo.job.pp, self.topo.job.num_microbatches)
         return [f"{ph[0].upper()}{mb}s{s}" for s, ph, mb in cp.path]
+
+
+def _ranks_of(item: Any) -> tuple[int, ...]:
+    """The ranks an item speaks of (checked against the layout)."""
+    match item:
+        case Instance():
+            return item.ranks
+        case Heartbeat():
+            return (item.rank,)
+        case ProxySummary():
+            return (item.rank, item.peer)
+        case LinkSample():
+            return (item.rank, item.src_rank, item.dst_rank)
+        case EdgeThroughput():
+            return (item.src_rank, item.dst_rank)
+        case NodeDigest():
+            return tuple(r for ev, _ in item.links for r in (ev.src_rank, ev.dst_rank))
+    return ()
+
+
+def _item_time(item: Any) -> int:
+    if isinstance(item, Instance):
+        return max(item.arrival)
+    return int(getattr(item, "ts_ns", 0))
+
+
+def _describe(item: Any) -> bytes:
+    """An item the flow made (not a record) as JSON, for its dead letter."""
+    if isinstance(item, Instance):
+        keys = ("comm_hash", "seq", "op", "sender", "comm_size", "ranks", "arrival")
+        return msgspec.json.encode({"instance": {k: getattr(item, k) for k in keys}})
+    return msgspec.json.encode({type(item).__name__: repr(item)[:2000]})
 
 
 #: What the job does with each kind of item (anything else only moves its clock).

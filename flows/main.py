@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -115,6 +116,10 @@ class FlowConfig:
     batch_ms: int = _CLICKHOUSE.batch_ms
     #: the raw tables' inserts gather ``batch_rows`` rows, or wait this long at most
     raw_batch_ms: int = _CLICKHOUSE.raw_batch_ms
+    #: records older than this are refused (the tables' TTL would drop them); 0: keep all
+    retention_days: int = 0
+    #: an insert ClickHouse cannot take is tried again for this long, then the flow stops
+    clickhouse_outage_wait_s: float = _CLICKHOUSE.outage_wait_s
 
     @property
     def consumer(self) -> dict[str, Any]:
@@ -160,16 +165,40 @@ def flow_config(
         batch_rows=settings.clickhouse.batch_rows,
         batch_ms=settings.clickhouse.batch_ms,
         raw_batch_ms=settings.clickhouse.raw_batch_ms,
+        retention_days=settings.clickhouse.retention_days,
+        clickhouse_outage_wait_s=settings.clickhouse.outage_wait_s,
     )
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
 
-def decode_batch(batch: RawBatch) -> Decoded:
+def decode_batch(batch: RawBatch, retention_days: int = 0) -> Decoded:
     """Decode a poll's messages; a refused one becomes a dead letter stamped with its
-    Kafka time, so refusing it again (a replay, another role) gives the same row."""
+    Kafka time, so refusing it again (a replay, another role) gives the same row.
+
+    With ``retention_days``, a record older than the tables' retention is refused too
+    (reason ``retention``): ClickHouse would drop it at insert, and nothing derived from
+    it would be kept either."""
     records: list[msgspec.Struct] = []
     kept: list[bytes] = []
     dead: list[DeadLetter] = []
+    cutoff = time.time_ns() - retention_days * _DAY_NS if retention_days else 0
+    time_of = _TIME_OF
+
+    def refuse(m: Any, raw: bytes, err: SchemaError) -> None:
+        produced_ms = m.timestamp()[1]
+        dead.append(
+            dead_letter(
+                raw,
+                err,
+                now_ns=produced_ms * 1_000_000 if produced_ms > 0 else time.time_ns(),
+                step_id="decode",
+                topic=batch.topic,
+                partition=batch.partition,
+                offset=m.offset(),
+                key=m.key(),
+            )
+        )
+
     for m in batch.messages:
         if m.error() is not None:
             continue
@@ -177,26 +206,32 @@ def decode_batch(batch: RawBatch) -> Decoded:
         try:
             rec = decode_input(raw)
         except Exception as exc:  # a SchemaError; anything else too: never a poison pill
-            err = exc if isinstance(exc, SchemaError) else _undecodable(exc)
-            produced_ms = m.timestamp()[1]
-            dead.append(
-                dead_letter(
-                    raw,
-                    err,
-                    now_ns=produced_ms * 1_000_000 if produced_ms > 0 else time.time_ns(),
-                    step_id="decode",
-                    topic=batch.topic,
-                    partition=batch.partition,
-                    offset=m.offset(),
-                    key=m.key(),
-                )
-            )
+            refuse(m, raw, exc if isinstance(exc, SchemaError) else _undecodable(exc))
+            continue
+        if cutoff and time_of[type(rec)](rec) < cutoff:
+            refuse(m, raw, _expired(rec, retention_days))
             continue
         records.append(rec)
         kept.append(raw)
     kinds = frozenset(map(type, records))
     part = part_name(batch.topic, batch.partition)
     return Decoded(records, kept, dead, batch.produced_ms, kinds, part)
+
+
+_DAY_NS = 86_400_000_000_000
+#: each record type's time, which its table's partition and retention go by
+_TIME_OF = {cls: operator.attrgetter(t.time_field) for cls, t in TABLE_FOR.items()}
+
+
+def _expired(rec: Any, retention_days: int) -> SchemaError:
+    table = TABLE_FOR[type(rec)]
+    return SchemaError(
+        DeadLetterReason.RETENTION,
+        f"{table.time_field} is older than the tables' retention of {retention_days} days "
+        f"(clickhouse.retention_days): ClickHouse would drop it at insert; set it to 0, or "
+        f"longer, to keep old recordings",
+        table.time_field,
+    )
 
 
 def _undecodable(exc: Exception) -> SchemaError:
@@ -431,7 +466,9 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
     )
     raw = op.input("kafka_in", flow, source)
     # RawBatch -> Decoded(records, dead letters)
-    decoded = op.map("decode", raw, decode_batch)
+    decoded = op.map(
+        "decode", raw, functools.partial(decode_batch, retention_days=cfg.retention_days)
+    )
     # list[DeadLetter] -> dead_letters table (and the dead-letter topic)
     dead = op.map("dead", op.filter("with_dead", decoded, has_dead), dead_of)
     op.output("dead_to_clickhouse", op.map("dead_rows", dead, as_rows), ch)
@@ -452,6 +489,7 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
             on_write=cfg.on_stored,
             batch_rows=cfg.batch_rows,
             batch_ms=cfg.raw_batch_ms,
+            outage_wait_s=cfg.clickhouse_outage_wait_s,
         )
         op.output("records_to_clickhouse", op.map("rows", decoded, rows_of), raw_sink)
     if cfg.role != Role.STORE:
@@ -507,7 +545,10 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], health: BrokerHealth) 
     )
     # (table, rows) -> that table, inserted off the flow's thread as soon as it is free
     # (batch_rows already gathered them); its snapshot waits for them
-    own_sink = AsyncClickHouseSink(cfg.clickhouse_url, cfg.database, own_tables, batch_rows=1)
+    own_sink = AsyncClickHouseSink(
+        cfg.clickhouse_url, cfg.database, own_tables, batch_rows=1,
+        outage_wait_s=cfg.clickhouse_outage_wait_s,
+    )  # fmt: skip
     op.output("own_rows_to_clickhouse", op.map("table_rows", batched, table_rows), own_sink)
     # list[AlignedCollective | StepSummary | RankStep | Verdict] -> verdicts announced
     verdicts = op.flat_map("verdicts", results, verdicts_of)

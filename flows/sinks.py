@@ -30,6 +30,7 @@ Two sinks, one guarantee: nothing Bytewax considers written is lost.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -42,12 +43,24 @@ from bytewax.outputs import (
     StatelessSinkPartition,
 )
 
-from infra.clickhouse import Rows, connect, insert_rows
+from infra.clickhouse import (
+    ClickHouseError,
+    Rows,
+    StoreUnavailable,
+    connect,
+    insert_rows,
+    store_rows,
+)
+from schemas.codec import encode
 from schemas.config import ClickHouseSettings
+from schemas.records import DeadLetter
+from schemas.tables import TABLES
+from schemas.units import DeadLetterReason
 
 Timed = tuple[dict[str, Rows], int]  # rows per table, the oldest producer time (ms, 0: none)
 OnWrite = Callable[[int, int, int], None]  # (records, oldest producer ms, stored ms)
 _CLICKHOUSE = ClickHouseSettings()  # the defaults' one home
+log = logging.getLogger(__name__)
 
 
 class SinkError(RuntimeError):
@@ -63,13 +76,38 @@ def _by_table(items: list[Timed]) -> dict[str, Rows]:
 
 
 def _insert(client: Any, database: str, items: list[Timed], on_write: OnWrite | None) -> None:
-    """One insert per table for ``items``, then ``on_write`` per item."""
+    """One insert per table for ``items``, then ``on_write`` per item. Rows ClickHouse
+    refuses for what they hold, even alone, are kept as dead letters (reason
+    ``refused_by_store``, the record's JSON as its bytes), and the rest stored; a store
+    that cannot take inserts raises :class:`~infra.clickhouse.StoreUnavailable`."""
+    refused: list[DeadLetter] = []
     for table, batch in _by_table(items).items():
-        insert_rows(client, database, table, batch)
+        for row, error in store_rows(client, database, table, batch):
+            refused.append(_refused(table, row, error))
+    if refused:
+        insert_rows(client, database, "dead_letters", refused)
+        log.error(
+            "ClickHouse refused %d row(s) even alone, kept as dead letters (reason "
+            "refused_by_store), the first of %s: %s",
+            len(refused),
+            refused[0].step_id.removeprefix("store:"),
+            refused[0].error,
+        )
     if on_write is not None:
         now_ms = time.time_ns() // 1_000_000
         for rows, produced_ms in items:
             on_write(sum(map(len, rows.values())), produced_ms, now_ms)
+
+
+def _refused(table: str, row: Any, error: str) -> DeadLetter:
+    raw = row if isinstance(row, bytes) else encode(row)
+    return DeadLetter(
+        ts_ns=TABLES[table].time_ns(row),  # the row's own time: the same letter on a replay
+        reason=DeadLetterReason.REFUSED_BY_STORE,
+        error=f"ClickHouse refused this {table} row: {error}",
+        step_id=f"store:{table}",
+        raw=raw,
+    )
 
 
 class _ClickHousePartition(StatelessSinkPartition[Timed]):
@@ -118,9 +156,11 @@ class InsertThread:
         max_pending_rows: int,
         batch_rows: int,
         batch_ms: int,
+        outage_wait_s: float = _CLICKHOUSE.outage_wait_s,
     ) -> None:
         if max_pending_rows < 1 or batch_rows < 1 or batch_ms < 1:
             raise ValueError("max_pending_rows, batch_rows and batch_ms must be at least 1")
+        self.outage_wait_s = outage_wait_s
         self.url = url
         self.database = database
         self.on_write = on_write
@@ -135,6 +175,7 @@ class InsertThread:
         self._stored = 0
         self._wanted = 0  # the newest ticket someone waits for: insert it now
         self._error: BaseException | None = None
+        self._reported = False  # the error was raised to the flow once: never again
         self._users = 0
         self._thread: threading.Thread | None = None
 
@@ -164,11 +205,15 @@ class InsertThread:
         n = sum(map(len, item[0].values()))
         with self._cond:
             self._raise()
-            while self._pending_rows + n > self.max_pending_rows and self._queue:
+            while (
+                self._pending_rows + n > self.max_pending_rows
+                and self._queue
+                and self._error is None
+            ):
                 self._wanted = max(self._wanted, self._queue[-1][0])  # make room now
                 self._cond.notify_all()
                 self._cond.wait()  # backpressure: the flow waits for room
-                self._raise()
+            self._raise()
             if not self._queue:
                 self._oldest = time.monotonic()
             self._submitted += 1
@@ -184,14 +229,18 @@ class InsertThread:
             if self._stored < ticket:
                 self._wanted = max(self._wanted, ticket)
                 self._cond.notify_all()
-            while self._stored < ticket:
-                self._raise()
+            while self._stored < ticket and self._error is None:
                 self._cond.wait()
             self._raise()
 
     def _raise(self) -> None:
-        if self._error is not None:
-            raise SinkError(f"an insert into ClickHouse failed: {self._error}") from self._error
+        """Raise a failed insert's error in the flow's thread, once: Bytewax stops the flow
+        on it, and closing the sink's partitions on the way out must not raise it again
+        (an error raised while Bytewax unwinds aborts the process instead of ending it)."""
+        if self._error is None or self._reported:
+            return
+        self._reported = True
+        raise SinkError(f"an insert into ClickHouse failed: {self._error}") from self._error
 
     def _due(self) -> float:
         """Seconds until the queue is due for its insert (0: now)."""
@@ -217,8 +266,7 @@ class InsertThread:
                     self._cond.wait(due)
                 batch, self._queue = self._queue, []
             try:
-                client = client or connect(self.url)
-                _insert(client, self.database, [item for _, item, _ in batch], self.on_write)
+                client = self._store(client, [item for _, item, _ in batch])
             except BaseException as exc:  # kept and raised in the flow's own thread
                 with self._cond:
                     self._error = exc
@@ -228,6 +276,31 @@ class InsertThread:
                 self._stored = batch[-1][0]
                 self._pending_rows -= sum(n for _, _, n in batch)
                 self._cond.notify_all()
+
+    def _store(self, client: Any, items: list[Timed]) -> Any:
+        """Insert ``items``, trying again while ClickHouse cannot take them, for
+        ``outage_wait_s``; returns the client (made here the first time)."""
+        since = time.monotonic()
+        told = 0.0
+        while True:
+            try:
+                client = client or connect(self.url)
+                _insert(client, self.database, items, self.on_write)
+                return client
+            except (StoreUnavailable, ClickHouseError, OSError) as exc:
+                waited = time.monotonic() - since
+                if waited >= self.outage_wait_s:
+                    raise StoreUnavailable(
+                        f"ClickHouse could not take inserts for {waited:.0f} s: {exc}"
+                    ) from exc
+                if time.monotonic() - told >= 30:
+                    told = time.monotonic()
+                    log.warning(
+                        "ClickHouse cannot take inserts (%s); trying again for up to %.0f s",
+                        exc,
+                        self.outage_wait_s - waited,
+                    )
+                time.sleep(min(2.0, max(0.05, self.outage_wait_s - waited)))
 
 
 class _AsyncPartition(StatefulSinkPartition[Timed, None]):
@@ -269,6 +342,7 @@ class AsyncClickHouseSink(FixedPartitionedSink[Timed, None]):
         max_pending_rows: int = 100_000,
         batch_rows: int = _CLICKHOUSE.batch_rows,
         batch_ms: int = _CLICKHOUSE.raw_batch_ms,
+        outage_wait_s: float = _CLICKHOUSE.outage_wait_s,
     ) -> None:
         self._list_parts = list_parts
         self._parts: dict[str, int] | None = None  # partition -> its place in the sorted list
@@ -279,6 +353,7 @@ class AsyncClickHouseSink(FixedPartitionedSink[Timed, None]):
             max_pending_rows=max_pending_rows,
             batch_rows=batch_rows,
             batch_ms=batch_ms,
+            outage_wait_s=outage_wait_s,
         )
 
     def _index(self) -> dict[str, int]:

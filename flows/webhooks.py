@@ -129,6 +129,7 @@ class _Endpoint:
         self.stats = EndpointStats()
         self._q: queue.Queue[Alert | None] = queue.Queue(maxsize=queue_size)
         self._sleep = sleep
+        self._stop = threading.Event()  # closing: no more retries, no waits between them
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=f"webhook-{hook.name}", daemon=True)
         self._thread.start()
@@ -158,8 +159,36 @@ class _Endpoint:
                             )
 
     def close(self, timeout_s: float) -> None:
-        self._q.put(None)
+        """Stop: the alert in flight gets its current attempt (at most the endpoint's
+        ``timeout_s``) and no more; alerts still queued are never attempted. Both are
+        said in the log, with their ids. Returns within ``timeout_s``."""
+        self._stop.set()
+        never: list[str] = []
+        with self._lock:
+            while True:
+                try:
+                    a = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                self._q.task_done()
+                if a is not None:
+                    never.append(a.alert_id)
+            self._q.put_nowait(None)  # room: the queue was just emptied
+        if never:
+            self.stats.dropped += len(never)
+            log.warning(
+                "webhook %s: closing with %d alert(s) never attempted: %s",
+                self.hook.name,
+                len(never),
+                ", ".join(never[:10]) + (" ..." if len(never) > 10 else ""),
+            )
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning(
+                "webhook %s: an alert was still being delivered at shutdown (%s); abandoned",
+                self.hook.name,
+                self.stats.last_error or "no answer yet",
+            )
 
     def idle(self) -> bool:
         return self._q.unfinished_tasks == 0
@@ -195,14 +224,28 @@ class _Endpoint:
             except (urllib.error.URLError, TimeoutError, OSError) as e:
                 reason = getattr(e, "reason", e)
                 self.stats.last_error = type(reason).__name__
-            if attempt < hook.max_retries:
+            if attempt < hook.max_retries and not self._stop.is_set():
                 self.stats.retried += 1
                 delay = min(hook.backoff_s * 2**attempt, hook.max_backoff_s)
-                self._sleep(retry_after if retry_after is not None else delay)
+                self._pause(retry_after if retry_after is not None else delay)
+            if self._stop.is_set():
+                break
         self.stats.failed += 1
+        why = "shutting down" if self._stop.is_set() else f"{attempt + 1} attempts"
         log.warning(
-            "webhook %s: gave up on alert %s (%s)", hook.name, a.alert_id, self.stats.last_error
+            "webhook %s: gave up on alert %s after %s (%s)",
+            hook.name,
+            a.alert_id,
+            why,
+            self.stats.last_error,
         )
+
+    def _pause(self, seconds: float) -> None:
+        """Wait between retries; cut short when closing."""
+        if self._sleep is time.sleep:
+            self._stop.wait(seconds)
+        else:  # a test's clock
+            self._sleep(seconds)
 
 
 class WebhookDelivery:
@@ -231,8 +274,12 @@ class WebhookDelivery:
         return False
 
     def close(self, timeout_s: float = 5.0) -> None:
+        """Stop every endpoint (see ``_Endpoint.close``), in ``timeout_s`` in all."""
+        deadline = time.monotonic() + timeout_s
         for ep in self._endpoints:
-            ep.close(timeout_s)
+            ep._stop.set()  # all at once: none waits behind another's retries
+        for ep in self._endpoints:
+            ep.close(max(0.0, deadline - time.monotonic()))
 
 
 class _WebhookPartition(StatelessSinkPartition[Alert]):
@@ -244,8 +291,10 @@ class _WebhookPartition(StatelessSinkPartition[Alert]):
             self.delivery.submit(a)
 
     def close(self) -> None:
-        self.delivery.wait_idle(10.0)
-        self.delivery.close()
+        # the end of a bounded run: a few seconds for what is queued, then stop, saying
+        # what was not delivered (an endpoint that hangs must not hold the run up)
+        self.delivery.wait_idle(5.0)
+        self.delivery.close(5.0)
 
 
 class WebhookSink(DynamicSink[Alert]):

@@ -50,17 +50,40 @@ def connect(url: str) -> Any:
                         f"so {path} cannot be opened too"
                     )
                 Path(path).mkdir(parents=True, exist_ok=True)
-                _embedded[path] = clickhouse_connect.get_client(interface="chdb", path=path)
+                try:
+                    client = clickhouse_connect.get_client(interface="chdb", path=path)
+                except Exception as e:
+                    if (Path(path) / "status").exists():
+                        raise ClickHouseError(
+                            f"the embedded ClickHouse at {path} is in use by another process "
+                            f"(chDB opens a data directory in one process at a time): stop "
+                            f"it, or give this one a directory of its own (--clickhouse-url "
+                            f"chdb:///OTHER_DIR)"
+                        ) from None
+                    raise ClickHouseError(
+                        f"cannot open the embedded ClickHouse at {path}: {_first_line(e)}"
+                    ) from None
+                _embedded[path] = client
             return _embedded[path]
     if parts.scheme in ("http", "https"):
-        return clickhouse_connect.get_client(
-            host=parts.hostname or "localhost",
-            port=parts.port or (8443 if parts.scheme == "https" else 8123),
-            username=unquote(parts.username or "default"),
-            password=unquote(parts.password or ""),
-            database=parts.path.strip("/") or "default",
-            secure=parts.scheme == "https",
-        )
+        from schemas.config import redact_url
+
+        try:
+            return clickhouse_connect.get_client(
+                host=parts.hostname or "localhost",
+                port=parts.port or (8443 if parts.scheme == "https" else 8123),
+                username=unquote(parts.username or "default"),
+                password=unquote(parts.password or ""),
+                database=parts.path.strip("/") or "default",
+                secure=parts.scheme == "https",
+            )
+        except Exception as e:
+            reason = _first_line(e)
+            if "Failed to establish a new connection" in reason or "Max retries" in reason:
+                reason = "connection refused or host unreachable"
+            raise ClickHouseError(
+                f"cannot reach ClickHouse at {redact_url(url)}: {reason}"
+            ) from None
     raise ClickHouseError(
         f"unsupported ClickHouse URL scheme {parts.scheme!r}: use chdb:///DIR or http(s)://..."
     )
@@ -184,6 +207,105 @@ def insert_rows(
             return len(rows)
     json = [r if isinstance(r, bytes) else encode(r) for r in rows]
     return insert_json(client, database, into or table, json)
+
+
+#: ClickHouse refused an insert for having more partitions (days) than it takes at once
+_TOO_MANY_PARTITIONS = 252
+#: error codes about the store itself, not the rows: splitting cannot help
+_STORE_ERRORS = frozenset(
+    {
+        16,  # NO_SUCH_COLUMN_IN_TABLE
+        60,  # UNKNOWN_TABLE
+        81,  # UNKNOWN_DATABASE
+        159,  # TIMEOUT_EXCEEDED
+        164,  # READONLY
+        192,  # UNKNOWN_USER
+        194,  # REQUIRED_PASSWORD
+        202,  # TOO_MANY_SIMULTANEOUS_QUERIES
+        209,  # SOCKET_TIMEOUT
+        210,  # NETWORK_ERROR
+        236,  # ABORTED
+        243,  # NOT_ENOUGH_SPACE
+        497,  # ACCESS_DENIED
+        516,  # AUTHENTICATION_FAILED
+    }
+)
+_DAY_NS = 86_400_000_000_000
+#: most days one insert spans (ClickHouse's ``max_partitions_per_insert_block`` is 100)
+_DAYS_PER_INSERT = 100
+
+#: a row ClickHouse refused even alone, with its message
+Refused = tuple[Any, str]
+
+
+class StoreUnavailable(ClickHouseError):
+    """ClickHouse could not take an insert for a reason of its own (unreachable, read-only,
+    a table missing): not the rows' fault, so splitting them cannot help."""
+
+
+def store_rows(
+    client: Any, database: str, table: str, rows: Rows, *, budget: list[int] | None = None
+) -> list[Refused]:
+    """Insert ``rows``; return the rows ClickHouse refuses for what they hold, each with
+    its message, having stored all the others.
+
+    A refusal for spanning too many days (ClickHouse makes a partition a day, and takes
+    at most 100 in one insert: a backlog of old records) is split per 100 days. Any other
+    refusal of a batch is split in halves until the rows at fault stand alone. A refusal
+    that is about the store (unreachable, a table missing, read-only, full) raises
+    :class:`StoreUnavailable`; so does a batch that needs more than ``budget`` inserts to
+    sort out (a store refusing nearly everything is broken, not the rows)."""
+    # a few bad rows among many take some 2 log2(n) inserts each to find
+    budget = budget if budget is not None else [max(64, len(rows) // 20)]
+    if not rows:
+        return []
+    budget[0] -= 1
+    try:
+        insert_rows(client, database, table, rows)
+        return []
+    except (TypeError, ValueError) as exc:  # a value the encoder cannot write
+        error = f"{type(exc).__name__}: {exc}"
+        code = None
+    except Exception as exc:
+        code = getattr(exc, "code", None)
+        if not isinstance(code, int) or code in _STORE_ERRORS:
+            raise StoreUnavailable(f"{table}: {_first_line(exc)}") from exc
+        error = _first_line(exc)
+    if len(rows) == 1:
+        return [(rows[0], error)]
+    if budget[0] <= 0:
+        raise StoreUnavailable(
+            f"ClickHouse refuses rows of {table} faster than they can be told apart: {error}"
+        )
+    if code == _TOO_MANY_PARTITIONS:
+        parts = _by_days(TABLES[table], rows)
+    else:
+        half = len(rows) // 2
+        parts = [rows[:half], rows[half:]]
+    refused: list[Refused] = []
+    for part in parts:
+        refused += store_rows(client, database, table, part, budget=budget)  # type: ignore[arg-type]
+    return refused
+
+
+def _by_days(table: Any, rows: Rows) -> list[list[Any]]:
+    """``rows`` in groups of at most ``_DAYS_PER_INSERT`` days each, in day order."""
+    days: dict[int, list[Any]] = {}
+    for row in rows:
+        days.setdefault(table.time_ns(row) // _DAY_NS, []).append(row)
+    ordered = [days[d] for d in sorted(days)]
+    if len(ordered) == 1:  # one day and still refused: split it in halves instead
+        half = len(rows) // 2
+        return [list(rows[:half]), list(rows[half:])]
+    return [
+        [r for group in ordered[i : i + _DAYS_PER_INSERT] for r in group]
+        for i in range(0, len(ordered), _DAYS_PER_INSERT)
+    ]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:500]
 
 
 def insert_records(client: Any, database: str, records: Iterable[msgspec.Struct]) -> int:

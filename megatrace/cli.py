@@ -51,7 +51,21 @@ def _overrides(**flags: Any) -> dict[str, Any]:
     return layer
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """The command group: an error the user can act on (ClickHouse unreachable or refusing,
+    the local stack not running) ends the command with its one line, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from infra.clickhouse import ClickHouseError
+        from infra.stack import StackNotRunning
+
+        try:
+            return super().invoke(ctx)
+        except (ClickHouseError, StackNotRunning) as e:
+            raise click.ClickException(str(e)) from None
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML config file.")
 @click.option("--bootstrap-servers", help="Kafka bootstrap servers (default: the local stack).")
 @click.option("--partitions", type=int, help="Partitions per topic when creating topics.")
@@ -277,7 +291,7 @@ def run(
         raise click.ClickException(str(e)) from None
     init_db(obj.stack().clickhouse(), cfg.database, obj.settings.clickhouse.retention_days)
     tune_gc()
-    with _broker_lost_is_an_error():
+    with _flow_errors_are_one_line():
         cli_main(
             build_flow(cfg),
             workers_per_process=workers,
@@ -587,20 +601,30 @@ def import_megatrace_logs(
 
 
 @contextlib.contextmanager
-def _broker_lost_is_an_error() -> Iterator[None]:
-    """A bounded flow whose broker stopped answering (:class:`BrokerLost`, raised inside
-    Bytewax, which wraps it) ends the command with that one line, not a traceback."""
+def _flow_errors_are_one_line() -> Iterator[None]:
+    """A flow that stopped for a reason the user can act on - its broker stayed away
+    (:class:`BrokerLost`), ClickHouse could not take its inserts (:class:`SinkError`) -
+    ends the command with that one line: Bytewax wraps the error, and reports it first
+    as a panic of its worker, which is held back (:mod:`megatrace.stderr`) and printed
+    only for other errors."""
     from flows.kafka_source import BrokerLost
+    from flows.sinks import SinkError
+    from megatrace.stderr import panic_filter, release
 
-    try:
-        yield
-    except Exception as e:
-        cause: BaseException | None = e
-        while cause is not None and not isinstance(cause, BrokerLost):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
+    error: BaseException | None = None
+    with panic_filter() as held:
+        try:
+            yield
+        except Exception as e:
+            error = e
+    cause = error
+    while cause is not None and not isinstance(cause, BrokerLost | SinkError):
+        cause = cause.__cause__ or cause.__context__
+    release(held, explained=cause is not None)
+    if cause is not None:
         raise click.ClickException(str(cause)) from None
+    if error is not None:
+        raise error
 
 
 def _stop_on_signal():
@@ -793,7 +817,7 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
     t0 = time.monotonic()
     tune_gc()
     polls: list[int] = []  # records per poll
-    with _broker_lost_is_an_error():
+    with _flow_errors_are_one_line():
         run_main(
             build_flow(_flow_config(obj, tail=False, start_offsets=starts, on_read=polls.append))
         )
@@ -1034,13 +1058,7 @@ def bench_analyze(scale: str, steps: int) -> None:
 
 
 def main() -> None:
-    from infra.clickhouse import ClickHouseError
-    from infra.stack import StackNotRunning
-
     try:
         cli(standalone_mode=True)
     except KeyboardInterrupt:
         sys.exit(130)
-    except (ClickHouseError, StackNotRunning) as e:  # what to do about it, not a traceback
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)

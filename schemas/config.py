@@ -23,7 +23,6 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
@@ -95,6 +94,9 @@ class ClickHouseSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     #: the raw input records too, by ``batch_rows`` or after this long (shorter: they are
     #: what a dashboard shows first, and what end-to-end latency is measured on)
     raw_batch_ms: int = 200
+    #: an insert that cannot reach ClickHouse is tried again for this long; then the flow
+    #: stops, saying so, and resumes from its last snapshot when started again
+    outage_wait_s: float = 300.0
 
     def __post_init__(self) -> None:
         if min(self.batch_rows, self.batch_ms, self.raw_batch_ms) < 1:
@@ -102,6 +104,8 @@ class ClickHouseSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
                 f"batch_rows, batch_ms and raw_batch_ms must be at least 1, not "
                 f"{self.batch_rows}, {self.batch_ms} and {self.raw_batch_ms}"
             )
+        if self.retention_days < 0 or self.outage_wait_s < 0:
+            raise ValueError("retention_days and outage_wait_s cannot be negative")
 
 
 class StackSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -264,7 +268,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     def public(self) -> dict[str, Any]:
         """A printable view with secrets masked and passwords removed from URLs."""
-        return msgspec.to_builtins(self, enc_hook=_mask)
+        shown = msgspec.to_builtins(self, enc_hook=_mask)
+        _mask_webhooks(shown["alerts"], self.alerts)
+        return shown
 
 
 def _mask(obj: Any) -> Any:
@@ -273,25 +279,62 @@ def _mask(obj: Any) -> Any:
     raise NotImplementedError(type(obj))
 
 
-def redact_url(url: str) -> str:
-    """The URL with what may hold a credential replaced by ``***``: the password,
-    the query, and any path deeper than one segment (webhook tokens live there).
+def _mask_webhooks(shown: dict[str, Any], alerts: AlertSettings) -> None:
+    """A webhook's URL is masked whole past its host: its token may be any part of it."""
+    for hook, settings in zip(shown.get("webhooks", []), alerts.webhooks, strict=True):
+        hook["url"] = redact_url(settings.url.get(), whole_path=True)
+
+
+def redact_url(url: str, whole_path: bool = False) -> str:
+    """The URL with whatever may hold a credential replaced by ``***``: the userinfo's
+    password (the user name alone is kept, unless it is all there is: a token), the
+    query and the fragment, and any path beyond its first segment (a database name);
+    with ``whole_path``, every path segment (a webhook's token may be any of them).
+
+    It is parsed from the right: a password may hold ``/``, ``?`` or ``#`` unencoded, so
+    the authority ends at the last ``@``, and everything after the host is masked
+    rather than read.
 
     >>> redact_url("http://bob:pw@ch:8123/db")
     'http://bob:***@ch:8123/db'
+    >>> redact_url("http://bob:p#w/x?y@ch:8123/db")
+    'http://bob:***@ch:8123/db'
     >>> redact_url("https://hooks.slack.com/services/T0/B0/XYZ")
-    'https://hooks.slack.com/***'
+    'https://hooks.slack.com/services/***'
+    >>> redact_url("https://hooks.example.com/T0KEN", whole_path=True)
+    'https://hooks.example.com/***'
+    >>> redact_url("https://example.com/hook#t0ken")
+    'https://example.com/hook#***'
+    >>> redact_url("https://t0ken@example.com/")
+    'https://***@example.com/'
     """
-    parts = urlsplit(url)
-    if parts.scheme == "chdb":
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "***" if url else ""
+    if scheme == "chdb":
         return url
-    if parts.password is not None:
-        parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
-    if parts.query:
-        parts = parts._replace(query="***")
-    if parts.path.strip("/").count("/") >= 1:
-        parts = parts._replace(path="/***")
-    return urlunsplit(parts)
+    auth = ""
+    at = rest.rfind("@")
+    if at >= 0:
+        userinfo, rest = rest[:at], rest[at + 1 :]
+        user, colon, _ = userinfo.partition(":")
+        auth = f"{user}:***@" if colon and user else "***@"
+    cut = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
+    host, tail = rest[:cut], rest[cut:]
+    shown = ("/***" if tail.strip("/?#") else tail) if whole_path else _first_segment(tail)
+    return f"{scheme}://{auth}{host}{shown}"
+
+
+def _first_segment(tail: str) -> str:
+    """A URL's path, query and fragment with only the first path segment shown."""
+    if not tail:
+        return ""
+    if tail[0] != "/":
+        return tail[0] + "***"  # a query or fragment straight after the host
+    rest = tail[1:]
+    cut = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
+    first, more = rest[:cut], rest[cut:]
+    return f"/{first}" + (more[0] + "***" if more.strip("/") else more)
 
 
 def _dec_hook(tp: type, obj: Any) -> Any:

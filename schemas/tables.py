@@ -162,6 +162,15 @@ class Table:
             f"ORDER BY ({', '.join(self.order_by)}){ttl}"
         )
 
+    def time_ns(self, row: msgspec.Struct | bytes) -> int:
+        """The row's time (its ``time_field``, ns), which its partition and retention go
+        by; a row of JSON is read for it. 0 where it has none."""
+        if isinstance(row, bytes):
+            value = msgspec.json.decode(row).get(self.time_field)
+        else:
+            value = getattr(row, self.time_field, None)
+        return value if isinstance(value, int) else 0
+
     def select_list(self) -> str:
         return ", ".join(self.column_names)
 

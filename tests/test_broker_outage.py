@@ -231,13 +231,13 @@ def test_the_command_line_tells_a_lost_broker_in_one_line() -> None:
     import click
 
     from flows.kafka_source import BrokerLost
-    from megatrace.cli import _broker_lost_is_an_error
+    from megatrace.cli import _flow_errors_are_one_line
 
     lost = pytest.raises(click.ClickException, match="did not answer for 300 s")
-    with lost, _broker_lost_is_an_error():
+    with lost, _flow_errors_are_one_line():
         try:
             raise BrokerLost("the Kafka broker did not answer for 300 s")
         except BrokerLost as e:
             raise RuntimeError("error calling next_batch") from e  # as Bytewax wraps it
-    with pytest.raises(ValueError), _broker_lost_is_an_error():
+    with pytest.raises(ValueError), _flow_errors_are_one_line():
         raise ValueError("anything else goes on as it is")

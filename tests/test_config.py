@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,46 @@ def test_the_readme_configuration_example_is_a_valid_configuration(tmp_path: Pat
     s = load_settings(file=example, env={})
     assert s.kafka.bootstrap_servers == "kafka-1:9092,kafka-2:9092"
     assert s.kafka.outage_wait_s == 300
+
+
+_AWKWARD_PASSWORDS = ["pa#ss-S3CRET", "pa/ss-S3CRET", "pa?ss-S3CRET", "p@ss-S3CRET", "S3CRET"]
+_AWKWARD_HOOKS = [
+    "https://hooks.example.com/S3CRET",  # the token is the only path segment
+    "https://hooks.example.com/hook#S3CRET",  # in the fragment
+    "https://hooks.example.com/hook?token=S3CRET",
+    "https://S3CRET@hooks.example.com/",  # as the user
+    "https://bot:S3CRET@hooks.example.com/",
+    "https://open.feishu.cn/open-apis/bot/v2/hook/S3CRET",
+    "https://hooks.slack.com/services/T0/B0/S3CRET",
+]
+
+
+@pytest.mark.parametrize("password", _AWKWARD_PASSWORDS)
+def test_a_clickhouse_password_never_shows_whatever_it_holds(password: str, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from megatrace.cli import cli
+
+    url = f"http://bob:{password}@ch.internal:8123/metrics"
+    env = {"MEGATRACE_CLICKHOUSE__URL": url, "MEGATRACE_STACK__STATE_DIR": str(tmp_path)}
+    for args in (["config", "show"], ["stack", "status"]):
+        res = CliRunner().invoke(cli, args, env=env)
+        assert res.exit_code == 0, res.output
+        assert "S3CRET" not in res.output, (args, res.output)
+        assert "ch.internal:8123" in res.output
+
+
+@pytest.mark.parametrize("url", _AWKWARD_HOOKS)
+def test_a_webhook_token_never_shows_wherever_it_sits(url: str) -> None:
+    from click.testing import CliRunner
+
+    from megatrace.cli import cli
+
+    hooks = json.dumps([{"name": "oncall", "url": url, "secret": "S3CRET-sign"}])
+    res = CliRunner().invoke(cli, ["config", "show"], env={"MEGATRACE_ALERTS__WEBHOOKS": hooks})
+    assert res.exit_code == 0, res.output
+    assert "S3CRET" not in res.output, res.output
+    (shown,) = json.loads(res.output)["alerts"]["webhooks"]
+    assert (
+        "hooks.example.com" in shown["url"] or "feishu" in shown["url"] or "slack" in shown["url"]
+    )

@@ -281,3 +281,35 @@ def test_the_flow_pages_once_per_incident(settings: Settings, hook: Hook) -> Non
     assert len(ids) == len(set(ids))  # no repeats
     per_incident = {b["verdict"]["verdict_id"] for b in bodies}
     assert len(per_incident) == 3 and len(bodies) <= 6
+
+
+def test_a_hanging_endpoint_does_not_hold_up_shutdown_and_what_is_lost_is_said(
+    hook: Hook, caplog: Any
+) -> None:
+    """A bounded run once took 74 s to end behind an endpoint that never answers
+    (``queue_size = 1``), and the alerts never attempted left no trace."""
+    import time
+
+    hook.release.clear()  # the server accepts and then sits on every request
+    d = WebhookDelivery(AlertSettings(webhooks=[webhook(hook.url, timeout_s=2)], queue_size=1))
+    with caplog.at_level(logging.WARNING):
+        d.submit(alert(verdict(vid="v0")))
+        deadline = time.monotonic() + 5
+        while not hook_in_flight(d) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        d.submit(alert(verdict(vid="v1")))  # waits behind it
+        t0 = time.monotonic()
+        assert not d.wait_idle(1.0)
+        d.close(5.0)
+        took = time.monotonic() - t0
+    hook.release.set()
+    assert took < 6, took
+    assert "1 alert(s) never attempted: v1:open:0" in caplog.text
+    assert "gave up on alert v0:open:0" in caplog.text
+    assert "shutting down" in caplog.text and "t0k3n" not in caplog.text
+
+
+def hook_in_flight(d: WebhookDelivery) -> bool:
+    """The endpoint's thread took the alert off its queue: it is being delivered."""
+    (ep,) = d._endpoints
+    return ep._q.empty() and not ep.idle()
