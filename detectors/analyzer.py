@@ -166,7 +166,8 @@ class JobAnalyzer:
                 return None
             members = set(info.ranks)
             bad = next((r for r in item.ranks if r not in members), None)
-            if bad is None and item.comm_size == len(info.ranks):
+            # a transfer's instance is its two ends, whatever the communicator's size
+            if bad is None and (item.sender >= 0 or item.comm_size == len(info.ranks)):
                 return None
             why = (
                 f"rank {bad} is not a member of communicator {item.comm_hash:016x}"

@@ -268,10 +268,28 @@ def pipeline(
     shows the range. Every measure runs with the flow's garbage collector settings
     (:func:`~flows.main.tune_gc`), the raw consumer's too, so that raw and the roles
     are measured alike. Its topics are deleted afterwards: the local broker keeps what
-    it holds in memory, and each run publishes some 700,000 records."""
+    it holds in memory, and each run publishes some 700,000 records; a local broker it
+    started is stopped (a bounded command leaves no process behind)."""
     tune_gc()
     stack = Stack(settings)
-    stack.up()
+    _, started = stack.up()
+    try:
+        _bench_on(stack, settings, steps, scale, rate, seconds, repeat, say)
+    finally:
+        if started:
+            stack.down()
+
+
+def _bench_on(
+    stack: Stack,
+    settings: Settings,
+    steps: int,
+    scale: str,
+    rate: int,
+    seconds: float,
+    repeat: int,
+    say: Callable[[str], None],
+) -> None:
     boot = stack.bootstrap()
     prefix = f"bench{time.time_ns() % 10**9}."
     made = [Topics(prefix=prefix), Topics(prefix=f"{prefix}lat.")]

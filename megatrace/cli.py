@@ -1013,6 +1013,23 @@ def bench_pipeline(obj: _Ctx, **options: Any) -> None:
     pipeline(obj.settings, say=click.echo, **options)
 
 
+@bench.command("faults")
+@click.option("--lines", default=20_000, show_default=True, help="Hostile input lines.")
+@click.option("--spool-trials", default=300, show_default=True, help="Spool damage trials.")
+@click.option("--kills", default=3, show_default=True, help="kill -9 of the flow, then resumed.")
+@click.option("--pills", default=200, show_default=True, help="Poison pills among a job's records.")
+@click.option("--seed", default=0, show_default=True)
+@click.pass_obj
+def bench_faults(obj: _Ctx, **options: Any) -> None:
+    """Hostile input and faults against the real components: what was tried, survived,
+    lost and duplicated."""
+    from megatrace.faults import faults
+
+    rows = faults(obj.settings, say=click.echo, **options)
+    if any(r.lost or r.survived < r.tried for r in rows):
+        raise SystemExit(1)
+
+
 @bench.command("collector")
 @click.option("--calls", default=20_000, show_default=True)
 def bench_collector(calls: int) -> None:

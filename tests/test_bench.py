@@ -38,3 +38,23 @@ def test_clickhouse_alone_really_parses_a_row_it_is_given(settings: Settings) ->
     rows = {"heartbeats": [b'{"type":"hb","v":1,"job":"j","node":"n","rank":"x"}']}
     with pytest.raises(Exception, match="rank"):
         _engine_alone(settings, Stack(settings), settings.clickhouse.database, rows)
+
+
+@pytest.mark.integration
+def test_bench_pipeline_stops_the_broker_it_started(tmp_path) -> None:
+    """A bounded command leaves no process behind (the demo's stack, which stays up on
+    purpose, says so)."""
+    import subprocess
+    import sys
+
+    state = ["--state-dir", str(tmp_path / "state")]
+    run = [sys.executable, "-m", "megatrace", *state]
+    res = subprocess.run(
+        [*run, "bench", "pipeline", "--steps", "1", "--scale", "tiny", "--seconds", "1",
+         "--rate", "2000", "--repeat", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "records through the paced run" in res.stdout
+    status = subprocess.run([*run, "stack", "status"], capture_output=True, text=True, timeout=60)
+    assert "broker: not running" in status.stdout, status.stdout
