@@ -198,7 +198,7 @@ class InsertThread:
             with self._cond:
                 if self._users <= 0 and self._thread is thread:
                     self._thread = None
-        self._raise()
+        self._raise(closing=True)
 
     def submit(self, item: Timed) -> int:
         """Queue ``item``; return its ticket for :meth:`wait`."""
@@ -223,7 +223,7 @@ class InsertThread:
                 self._cond.notify_all()  # the thread times the first; inserts a full batch
             return self._submitted
 
-    def wait(self, ticket: int) -> None:
+    def wait(self, ticket: int, closing: bool = False) -> None:
         """Block until submission ``ticket`` (and every earlier one) is stored."""
         with self._cond:
             if self._stored < ticket:
@@ -231,13 +231,14 @@ class InsertThread:
                 self._cond.notify_all()
             while self._stored < ticket and self._error is None:
                 self._cond.wait()
-            self._raise()
+            self._raise(closing)
 
-    def _raise(self) -> None:
-        """Raise a failed insert's error in the flow's thread, once: Bytewax stops the flow
-        on it, and closing the sink's partitions on the way out must not raise it again
-        (an error raised while Bytewax unwinds aborts the process instead of ending it)."""
-        if self._error is None or self._reported:
+    def _raise(self, closing: bool = False) -> None:
+        """Raise a failed insert's error in the flow's thread: Bytewax stops the flow on it.
+        Closing the sink's partitions on the way out raises it only if it was never
+        raised (an error raised again while Bytewax unwinds aborts the process instead of
+        ending it)."""
+        if self._error is None or (closing and self._reported):
             return
         self._reported = True
         raise SinkError(f"an insert into ClickHouse failed: {self._error}") from self._error
@@ -287,11 +288,13 @@ class InsertThread:
                 client = client or connect(self.url)
                 _insert(client, self.database, items, self.on_write)
                 return client
-            except (StoreUnavailable, ClickHouseError, OSError) as exc:
+            except (ClickHouseError, OSError) as exc:
+                if isinstance(exc, StoreUnavailable) and not exc.passing:
+                    raise  # an operator must act: trying again cannot help
                 waited = time.monotonic() - since
                 if waited >= self.outage_wait_s:
                     raise StoreUnavailable(
-                        f"ClickHouse could not take inserts for {waited:.0f} s: {exc}"
+                        f"ClickHouse could not take inserts for {waited:.0f} s: {exc}", True
                     ) from exc
                 if time.monotonic() - told >= 30:
                     told = time.monotonic()
@@ -322,7 +325,7 @@ class _AsyncPartition(StatefulSinkPartition[Timed, None]):
 
     def close(self) -> None:
         try:
-            self._inserts.wait(self._last)
+            self._inserts.wait(self._last, closing=True)
         finally:
             self._inserts.release()
 

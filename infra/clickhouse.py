@@ -211,21 +211,27 @@ def insert_rows(
 
 #: ClickHouse refused an insert for having more partitions (days) than it takes at once
 _TOO_MANY_PARTITIONS = 252
-#: error codes about the store itself, not the rows: splitting cannot help
-_STORE_ERRORS = frozenset(
+#: error codes about the store itself, not the rows (splitting cannot help): those that
+#: pass by themselves (tried again), and those an operator must fix (fatal at once)
+_PASSING = frozenset(
     {
-        16,  # NO_SUCH_COLUMN_IN_TABLE
-        60,  # UNKNOWN_TABLE
-        81,  # UNKNOWN_DATABASE
         159,  # TIMEOUT_EXCEEDED
-        164,  # READONLY
-        192,  # UNKNOWN_USER
-        194,  # REQUIRED_PASSWORD
         202,  # TOO_MANY_SIMULTANEOUS_QUERIES
         209,  # SOCKET_TIMEOUT
         210,  # NETWORK_ERROR
         236,  # ABORTED
+        242,  # TABLE_IS_READ_ONLY (a replica catching up)
         243,  # NOT_ENOUGH_SPACE
+    }
+)
+_FATAL = frozenset(
+    {
+        16,  # NO_SUCH_COLUMN_IN_TABLE
+        60,  # UNKNOWN_TABLE
+        81,  # UNKNOWN_DATABASE
+        164,  # READONLY
+        192,  # UNKNOWN_USER
+        194,  # REQUIRED_PASSWORD
         497,  # ACCESS_DENIED
         516,  # AUTHENTICATION_FAILED
     }
@@ -239,8 +245,14 @@ Refused = tuple[Any, str]
 
 
 class StoreUnavailable(ClickHouseError):
-    """ClickHouse could not take an insert for a reason of its own (unreachable, read-only,
-    a table missing): not the rows' fault, so splitting them cannot help."""
+    """ClickHouse could not take an insert for a reason of its own: not the rows' fault,
+    so splitting them cannot help. ``passing``: it may pass by itself (unreachable,
+    overloaded), so the insert is worth trying again; else an operator must act (a
+    table or database missing, no permission)."""
+
+    def __init__(self, message: str, passing: bool) -> None:
+        super().__init__(message)
+        self.passing = passing
 
 
 def store_rows(
@@ -268,14 +280,16 @@ def store_rows(
         code = None
     except Exception as exc:
         code = getattr(exc, "code", None)
-        if not isinstance(code, int) or code in _STORE_ERRORS:
-            raise StoreUnavailable(f"{table}: {_first_line(exc)}") from exc
+        if not isinstance(code, int) or code in _PASSING or code in _FATAL:
+            passing = code not in _FATAL  # no code: the connection, not a statement
+            raise StoreUnavailable(f"{table}: {_first_line(exc)}", passing) from exc
         error = _first_line(exc)
     if len(rows) == 1:
         return [(rows[0], error)]
     if budget[0] <= 0:
         raise StoreUnavailable(
-            f"ClickHouse refuses rows of {table} faster than they can be told apart: {error}"
+            f"ClickHouse refuses rows of {table} faster than they can be told apart: {error}",
+            passing=False,
         )
     if code == _TOO_MANY_PARTITIONS:
         parts = _by_days(TABLES[table], rows)

@@ -533,12 +533,13 @@ def import_kineto(obj: _Ctx, paths: tuple[str, ...], job: str, node: str, to: st
 @click.option(
     "--config",
     "megatron_config",
-    required=True,
     type=click.Path(exists=True),
-    help="Megatron arguments: JSON, YAML, or a text of --flags.",
+    help="Megatron's arguments (JSON, YAML, a text of --flags, its training log) or the "
+    "MEGATRACE analyser's config.yaml; by default the training log or config.yaml found in "
+    "DIRECTORY.",
 )
 @click.option("--job", required=True, help="Job id to give the records.")
-@click.option("--world-size", type=int, help="If the Megatron config does not say.")
+@click.option("--world-size", type=int, help="If the configuration does not say.")
 @click.option(
     "--to",
     default="kafka",
@@ -550,54 +551,66 @@ def import_kineto(obj: _Ctx, paths: tuple[str, ...], job: str, node: str, to: st
 def import_megatrace_logs(
     obj: _Ctx,
     directory: str,
-    megatron_config: str,
+    megatron_config: str | None,
     job: str,
     world_size: int | None,
     to: str,
     follow: bool,
 ) -> None:
-    """The original MEGATRACE tool's per-rank call logs and per-NIC throughput CSV."""
-    from producers.megatrace_logs import (
-        LogFormatError,
-        MegatraceLogReader,
-        follow_dir,
-        import_dir,
+    """A run of the original MEGATRACE collector as it leaves it: per-rank call logs (any
+    variant), per-NIC throughput CSVs, Megatron's training log (its iteration clock);
+    other files and lines are skipped and named."""
+    from producers.megatrace_logs import MegatraceLogReader
+    from producers.megatrace_run import RunReport, follow_dir, import_dir, survey
+    from producers.megatron_config import (
+        ConfigFormatError,
+        config_from_arguments,
         read_megatron_config,
+        read_training_log,
     )
     from schemas.codec import write_jsonl
 
+    report = RunReport()
     try:
-        cfg = read_megatron_config(Path(megatron_config), world_size)
+        cfg = read_megatron_config(Path(megatron_config), world_size) if megatron_config else None
         if follow:
             if to != "kafka":
                 raise click.UsageError("--follow publishes to Kafka (leave --to out)")
             from infra.kafka import producer_config
             from producers.publish import KafkaPublisher
 
+            if cfg is None:  # the training log's arguments, or a config.yaml beside the logs
+                files = survey(Path(directory), RunReport())
+                if files.training is not None:
+                    args = read_training_log(files.training).arguments
+                    cfg = config_from_arguments(args, str(files.training), world_size)
+                elif files.configs:
+                    cfg = read_megatron_config(files.configs[0], world_size)
+                else:
+                    raise click.UsageError(
+                        "no training log or config.yaml in the directory yet: give --config"
+                    )
             st = obj.stack()
             pub = KafkaPublisher(producer_config(obj.settings.kafka, st.bootstrap()), st.topics)
             reader = MegatraceLogReader(cfg, job, eager=True)
             stopping = _stop_on_signal()
             click.echo(f"following {directory} (Ctrl-C to stop)", err=True)
-
-            def emit(records: list) -> None:
-                pub.publish_all(records)
-
-            n = follow_dir(Path(directory), reader, emit, stopping.is_set)
+            n = follow_dir(Path(directory), reader, pub.publish_all, stopping.is_set,
+                           report=report)  # fmt: skip
             pub.flush()
-            inferred = reader.inferred
         else:
-            records, inferred = import_dir(Path(directory), cfg, job)
+            records, report = import_dir(Path(directory), cfg, job, world_size)
             n = (
                 _publish(obj, records, "publishing")
                 if to == "kafka"
                 else write_jsonl(Path(to), records)
             )
-    except LogFormatError as e:
+    except ConfigFormatError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"{n} {'lines' if follow else 'records'} from {directory}")
-    for what, count in sorted(inferred.items()):
-        click.echo(f"  inferred: {what} ({count} calls)")
+    what = "call lines" if follow else "records"
+    click.echo(f"{n:,} {what} from {report.call_logs or 'the'} call logs in {directory}")
+    for line in report.lines_out():
+        click.echo(f"  {line}")
 
 
 @contextlib.contextmanager
@@ -658,7 +671,8 @@ def import_flight_recorder(
 ) -> None:
     """PyTorch Flight Recorder dumps (one file per rank, or a directory of them)."""
     from producers.flight_recorder import DumpFormatError, import_dumps
-    from producers.megatrace_logs import LogFormatError, read_megatron_config
+    from producers.megatron_config import ConfigFormatError as LogFormatError
+    from producers.megatron_config import read_megatron_config
     from schemas.codec import write_jsonl
 
     files = [f for p in map(Path, paths) for f in (sorted(p.iterdir()) if p.is_dir() else [p])]

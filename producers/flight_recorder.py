@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from producers.megatrace_logs import MegatronConfig
+from producers.megatron_config import MegatronConfig
 from producers.torch_collector import comm_hash, megatron_groups
 from schemas.records import Collective, CommInfo, CommProgress, Heartbeat
 from schemas.units import CollOp, CommRole, DType, torch_op

@@ -32,47 +32,30 @@ What the logs do not say is inferred, and every inference is reported
 
 from __future__ import annotations
 
-import csv
-import heapq
-import json
 import re
-import shlex
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import msgspec
 
 from detectors.topology import one_f_one_b
-from producers.tail import new_lines
+from producers.megatron_config import ConfigFormatError, MegatronConfig
 from producers.torch_collector import comm_hash, megatron_groups
-from schemas.records import Collective, CommInfo, JobInfo, LinkSample, RankInfo
-from schemas.units import DTYPE_BYTES, CollOp, CommRole, DType
+from schemas.records import Collective, CommInfo
+from schemas.units import DTYPE_BYTES, CollOp, CommRole
 
 
-class LogFormatError(ValueError):
+class LogFormatError(ConfigFormatError):
     """A line or file that is not in the MEGATRACE format (with the file and line)."""
 
 
 _LINE = re.compile(
     r"^(?:\[save_count \d+\]\s+)?\[(?P<sec>\d+)\.(?P<frac>\d+)\]\s+\[Rank (?P<rank>\d+)\]\s+"
     r"Fun (?P<fun>\w+)\s+Data (?P<data>\d+)\s+stream (?P<stream>\S+)"
-    r"(?:\s+opCount (?P<opc>\S+)\s+groupHash (?P<gh>-?\d+))?\s*$"
+    r"(?:\s+opCount (?P<opc>\S+))?(?:\s+groupHash (?P<gh>-?\d+))?\s*$"
 )
 _FUNCS = {op.value: op for op in CollOp}
-_CSV_FUNCS = {
-    0: CollOp.BROADCAST,
-    1: CollOp.REDUCE,
-    2: CollOp.ALL_GATHER,
-    3: CollOp.REDUCE_SCATTER,
-    4: CollOp.ALL_REDUCE,
-    5: CollOp.SEND,
-    6: CollOp.SEND,
-    7: CollOp.RECV,
-}
 
 
 @dataclass(frozen=True)
@@ -125,135 +108,6 @@ def format_line(
     return line
 
 
-# --------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True)
-class MegatronConfig:
-    """The parts of a Megatron run's configuration the analysis needs."""
-
-    world_size: int
-    tp: int = 1
-    pp: int = 1
-    num_layers: int = 0
-    global_batch_size: int = 0
-    micro_batch_size: int = 1
-    sequence_parallel: bool = False
-    distributed_optimizer: bool = False
-    dtype: DType = DType.BFLOAT16
-    gpus_per_node: int = 8
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
-
-    @property
-    def num_microbatches(self) -> int:
-        if not self.global_batch_size:
-            return 1
-        return max(1, self.global_batch_size // (self.micro_batch_size * self.dp))
-
-    def job_record(self, job: str, ts_ns: int, source: str) -> JobInfo:
-        """The job's layout record."""
-        return JobInfo(
-            job=job,
-            ts_ns=ts_ns,
-            source=source,
-            world_size=self.world_size,
-            tp=self.tp,
-            pp=self.pp,
-            dp=self.dp,
-            num_layers=self.num_layers,
-            global_batch_size=self.global_batch_size,
-            micro_batch_size=self.micro_batch_size,
-            num_microbatches=self.num_microbatches,
-            sequence_parallel=self.sequence_parallel,
-            distributed_optimizer=self.distributed_optimizer,
-            gpus_per_node=self.gpus_per_node,
-        )
-
-    def rank_record(self, job: str, ts_ns: int, rank: int, node: str) -> RankInfo:
-        """Where one rank runs and its Megatron coordinates (tp = r % TP first)."""
-        stage, rest = divmod(rank, self.tp * self.dp)
-        return RankInfo(
-            job=job,
-            ts_ns=ts_ns,
-            rank=rank,
-            node=node,
-            gpu=rank % self.gpus_per_node,
-            nic=f"mlx5_{rank % self.gpus_per_node}",
-            tp_rank=rank % self.tp,
-            pp_stage=stage,
-            dp_rank=rest // self.tp,
-        )
-
-
-_KEYS = {
-    "world_size": ("world_size", "world-size", "WORLD_SIZE"),
-    "tp": ("tensor_model_parallel_size", "tp", "TP"),
-    "pp": ("pipeline_model_parallel_size", "pp", "PP"),
-    "num_layers": ("num_layers", "layers", "NUM_LAYERS"),
-    "global_batch_size": ("global_batch_size", "gbs", "GBS"),
-    "micro_batch_size": ("micro_batch_size", "mbs", "MBS"),
-    "sequence_parallel": ("sequence_parallel",),
-    "distributed_optimizer": ("use_distributed_optimizer", "distributed_optimizer"),
-    "gpus_per_node": ("gpus_per_node", "nproc_per_node", "GPUS_PER_NODE"),
-}
-
-
-def read_megatron_config(path: Path, world_size: int | None = None) -> MegatronConfig:
-    """A JSON or YAML file of Megatron arguments (``tensor_model_parallel_size``...),
-    or a text holding its command-line flags (``--tensor-model-parallel-size 2``...)."""
-    text = Path(path).read_text()
-    raw: dict[str, Any]
-    try:
-        raw = json.loads(text)
-    except ValueError:
-        raw = {}
-        if "--" in text:
-            tokens = shlex.split(text.replace("\\\n", " "), comments=True)
-            for i, tok in enumerate(tokens):
-                if tok.startswith("--"):
-                    nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
-                    flag = nxt == "" or nxt.startswith("--")
-                    raw[tok[2:].replace("-", "_")] = True if flag else nxt
-        else:
-            import yaml
-
-            raw = yaml.safe_load(text) or {}
-    if not isinstance(raw, dict):
-        raise LogFormatError(f"{path}: expected a mapping of Megatron arguments")
-    raw = {str(k).replace("-", "_"): v for k, v in raw.items()}
-    values: dict[str, Any] = {}
-    for name, keys in _KEYS.items():
-        for k in keys:
-            if k.replace("-", "_") in raw:
-                values[name] = raw[k.replace("-", "_")]
-                break
-    if "world_size" not in values:
-        if world_size is None:
-            raise LogFormatError(f"{path}: no world size (world_size), and none given")
-        values["world_size"] = world_size
-    dtype = DType.BFLOAT16 if raw.get("bf16") or not raw.get("fp16") else DType.FLOAT16
-    try:
-        cfg = MegatronConfig(
-            **{
-                k: (v in (True, "true", "True", 1, "1"))
-                if k in ("sequence_parallel", "distributed_optimizer")
-                else int(v)
-                for k, v in values.items()
-            },
-            dtype=dtype,
-        )
-    except (TypeError, ValueError) as e:
-        raise LogFormatError(f"{path}: {e}") from None
-    if cfg.world_size % (cfg.tp * cfg.pp):
-        raise LogFormatError(
-            f"{path}: world size {cfg.world_size} is not a multiple of TP x PP = {cfg.tp * cfg.pp}"
-        )
-    return cfg
-
-
 # --------------------------------------------------------------------------- reader
 
 
@@ -283,6 +137,8 @@ class MegatraceLogReader:
         self.eager = eager
         self.layout = megatron_groups(config.world_size, config.tp, config.pp, config.dp)
         self.inferred: Counter[str] = Counter()
+        #: calls of ranks outside the configured world (left out), per rank
+        self.outside: dict[int, int] = {}
         self._ranks: dict[int, _RankState] = {}
         self._announced: set[int] = set()
         self._group_members: dict[int, set[int]] = {}
@@ -436,10 +292,9 @@ class MegatraceLogReader:
     def feed(self, lines: Iterable[CallLine]) -> list[msgspec.Struct]:
         out: list[msgspec.Struct] = []
         for c in lines:
-            if c.rank >= self.cfg.world_size:
-                raise LogFormatError(
-                    f"rank {c.rank} is outside the configured world of {self.cfg.world_size}"
-                )
+            if c.rank >= self.cfg.world_size:  # another run's log, or the wrong configuration
+                self.outside[c.rank] = self.outside.get(c.rank, 0) + 1
+                continue
             out += self._meta(c.ts_ns)
             st = self._ranks.setdefault(c.rank, _RankState())
             if c.op.is_p2p:
@@ -474,128 +329,4 @@ class MegatraceLogReader:
         return out
 
 
-def read_call_logs(paths: Iterable[Path]) -> Iterator[CallLine]:
-    """Every call line of the given files, each file in its own order."""
-    for path in paths:
-        with open(path, errors="replace") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield parse_line(line)
-                except LogFormatError as e:
-                    raise LogFormatError(f"{path}:{n}: {e}") from None
-
-
-def read_link_csv(path: Path, job: str, cfg: MegatronConfig) -> Iterator[LinkSample]:
-    """The per-NIC throughput CSV (bandwidth in Gb/s)."""
-    with open(path, newline="") as f:
-        for n, row in enumerate(csv.DictReader(f), 2):
-            try:
-                src, dst = int(row["FromRank"]), int(row["ToRank"])
-                dev = int(row["DevIndex"])
-                yield LinkSample(
-                    job=job,
-                    node=f"node-{src // cfg.gpus_per_node}",
-                    rank=src,
-                    ts_ns=_timestamp_ns(row["Timestamp"] or row["Time"]),
-                    window_ns=0,
-                    nic=f"mlx5_{dev}",
-                    src_rank=src,
-                    dst_rank=dst,
-                    dst_node=f"node-{dst // cfg.gpus_per_node}",
-                    dst_nic=f"mlx5_{dev}",
-                    comm_hash=int(row["Group"]) & (2**64 - 1) if row.get("Group") else None,
-                    func=_CSV_FUNCS.get(int(row["Func"])) if row.get("Func") else None,
-                    throughput_gbps=float(row["Bandwidth"]),
-                    wr_posted=int(row.get("SendWrCounter") or 0),
-                    outstanding_bytes=int(row.get("RemainWrDataSize") or 0),
-                )
-            except (KeyError, ValueError) as e:
-                raise LogFormatError(f"{path}:{n}: bad throughput row ({e})") from None
-
-
-def _timestamp_ns(text: str) -> int:
-    if "." in text:
-        sec, frac = text.split(".", 1)
-        return int(sec) * 1_000_000_000 + int((frac + "000000000")[:9])
-    v = int(text)
-    for limit, scale in ((10**17, 1), (10**14, 1_000), (10**11, 1_000_000)):
-        if v > limit:
-            return v * scale
-    return v * 1_000_000_000
-
-
-def import_dir(
-    directory: Path, config: MegatronConfig, job: str
-) -> tuple[list[msgspec.Struct], Counter[str]]:
-    """A one-shot import of a MEGATRACE log directory (``*.log`` call logs, ``*.csv``
-    throughput logs): every record, in the order a live collection would have
-    delivered them (ranks' calls merged by time, layout records first), and
-    what had to be inferred."""
-    reader = MegatraceLogReader(config, job)
-    logs = sorted(p for p in Path(directory).iterdir() if p.suffix in (".log", ".txt"))
-    if not logs:
-        raise LogFormatError(f"{directory}: no call logs (*.log)")
-    per_file = [list(read_call_logs([p])) for p in logs]
-    records = reader.feed(heapq.merge(*per_file, key=lambda c: c.ts_ns))
-    records += reader.finish()
-    for csv_path in sorted(Path(directory).glob("*.csv")):
-        records += list(read_link_csv(csv_path, job, config))
-    layout = (JobInfo, RankInfo, CommInfo)
-    records.sort(key=lambda r: (not isinstance(r, layout), _time(r)))
-    return records, reader.inferred
-
-
-def follow_dir(
-    directory: Path,
-    reader: MegatraceLogReader,
-    emit: Callable[[list[msgspec.Struct]], None],
-    stop: Callable[[], bool],
-    poll_s: float = 0.2,
-) -> int:
-    """Tail a directory of growing call logs (new files too) until ``stop()``;
-    hand the records of each poll to ``emit``; return how many lines were read."""
-    offsets: dict[str, int] = {}
-    lines = 0
-    while True:
-        stopping = stop()  # asked before reading, so what was written before is read
-        batch: list[CallLine] = []
-        for path in sorted(Path(directory).glob("*.log")):
-            data = new_lines(path, offsets)
-            for n, raw in enumerate(data.decode(errors="replace").splitlines(), 1):
-                if raw.strip():
-                    try:
-                        batch.append(parse_line(raw))
-                    except LogFormatError as e:
-                        raise LogFormatError(f"{path}: new line {n}: {e}") from None
-        batch.sort(key=lambda c: c.ts_ns)
-        lines += len(batch)
-        out = reader.feed(batch)
-        if out:
-            emit(out)
-        if stopping:
-            tail = reader.finish()
-            if tail:
-                emit(tail)
-            return lines
-        time.sleep(poll_s)
-
-
-def _time(r: msgspec.Struct) -> int:
-    return getattr(r, "enqueue_ns", None) or getattr(r, "ts_ns", 0)
-
-
-__all__ = [
-    "CallLine",
-    "LogFormatError",
-    "MegatraceLogReader",
-    "MegatronConfig",
-    "follow_dir",
-    "format_line",
-    "import_dir",
-    "parse_line",
-    "read_call_logs",
-    "read_link_csv",
-    "read_megatron_config",
-]
+__all__ = ["CallLine", "LogFormatError", "MegatraceLogReader", "format_line", "parse_line"]

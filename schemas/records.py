@@ -9,7 +9,7 @@ Groups:
 
 * job metadata: :class:`JobInfo`, :class:`RankInfo`, :class:`CommInfo`;
 * node events: :class:`Collective`, :class:`ProxySummary`, :class:`Kernel`,
-  :class:`Heartbeat`, :class:`LinkSample`;
+  :class:`Heartbeat`, :class:`LinkSample`, and :class:`Iteration` markers;
 * analysis results: :class:`AlignedCollective`, :class:`RankStep`,
   :class:`StepSummary`, :class:`Verdict`;
 * plumbing: :class:`DeadLetter`, :class:`FaultLabel` (simulator ground truth).
@@ -299,6 +299,23 @@ class LinkSample(NodeEvent, frozen=True, kw_only=True, tag="link"):
         _u64("comm_hash", self.comm_hash)
 
 
+class Iteration(Record, frozen=True, kw_only=True, tag="iter"):
+    """One training iteration as the job itself reports it (an iteration marker): a
+    line of the training log, the profiler's step, a step hook in the collector.
+
+    ``step`` is the job's own number for it; ``end_ns`` when it ended and
+    ``duration_ns`` how long it took, where the source says; ``rank`` the rank that
+    reported it (a training log is written by one). The analysis places steps by
+    these where a source has them, and reports where they disagree with the calls.
+    """
+
+    step: Count
+    end_ns: TimeNs
+    duration_ns: DurationNs | None = None
+    rank: Rank = 0
+    source: str = ""
+
+
 # --------------------------------------------------------------------------- results
 
 
@@ -510,6 +527,7 @@ EVENT_TYPES: tuple[type[Record], ...] = (
     Kernel,
     Heartbeat,
     LinkSample,
+    Iteration,
 )
 #: Records the analysis produces.
 RESULT_TYPES: tuple[type[Record], ...] = (

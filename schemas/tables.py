@@ -40,6 +40,7 @@ from schemas.records import (
     DeadLetter,
     FaultLabel,
     Heartbeat,
+    Iteration,
     JobInfo,
     Kernel,
     LinkSample,
@@ -203,6 +204,7 @@ _TABLE_LIST: Sequence[Table] = (
         "start_ns",
     ),
     Table("heartbeats", Heartbeat, ("job", "rank", "ts_ns"), "ts_ns"),
+    Table("iterations", Iteration, ("job", "rank", "step", "source"), "end_ns"),
     Table("link_samples", LinkSample, ("job", "src_rank", "dst_rank", "nic", "ts_ns"), "ts_ns"),
     Table(
         "collectives",

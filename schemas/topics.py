@@ -32,6 +32,7 @@ from schemas.records import (
     CommInfo,
     DeadLetter,
     Heartbeat,
+    Iteration,
     JobInfo,
     Kernel,
     LinkSample,
@@ -110,7 +111,7 @@ class Topics(Struct, frozen=True, kw_only=True):
                 return self.kernel
             case LinkSample():
                 return self.link
-            case Heartbeat():
+            case Heartbeat() | Iteration():  # the job's liveness and its clock, in order
                 return self.heartbeat
             case JobInfo() | RankInfo() | CommInfo():
                 return self.meta

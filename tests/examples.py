@@ -13,6 +13,7 @@ from schemas.records import (
     DeadLetter,
     FaultLabel,
     Heartbeat,
+    Iteration,
     JobInfo,
     Kernel,
     LinkSample,
@@ -140,6 +141,14 @@ def every_record(job: str = "job-a") -> list[msgspec.Struct]:
                 CommProgress(comm_hash=H, issued_seq=41, completed_seq=40),
                 CommProgress(comm_hash=7, issued_seq=2, completed_seq=2),
             ],
+        ),
+        Iteration(
+            job=job,
+            step=3,
+            end_ns=T0 + 6000,
+            duration_ns=1_225_600_000,
+            rank=63,
+            source="megatron-log",
         ),
         LinkSample(
             job=job,

@@ -12,14 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from megatrace.cli import cli
-from producers.megatrace_logs import (
-    LogFormatError,
-    MegatraceLogReader,
-    follow_dir,
-    format_line,
-    import_dir,
-    read_megatron_config,
-)
+from producers.megatrace_logs import MegatraceLogReader, format_line
+from producers.megatrace_run import follow_dir, import_dir
+from producers.megatron_config import read_megatron_config
 from producers.sim.scenarios import build
 from schemas.records import Collective, CommInfo, LinkSample
 from tests.helpers import latest_verdicts, megatron_args
@@ -112,19 +107,22 @@ def test_megatron_flags_as_text(tmp_path: Path) -> None:
     assert cfg.sequence_parallel
 
 
-def test_a_bad_line_says_where(tmp_path: Path) -> None:
+def test_a_line_that_is_not_a_call_is_skipped_and_counted(tmp_path: Path) -> None:
     d = tmp_path / "logs"
     d.mkdir()
     (d / "rank_0.log").write_text(
-        "[1.000000001] [Rank 0] Fun AllReduce Data 8 stream 0x1\ngarbage\n"
+        "[1.000000001] [Rank 0] Fun AllReduce Data 8 stream 0x1\n"
+        "NCCL INFO something the library printed\n"
+        "[1.000000002] [Rank 1] Fun AllReduce Data 8 stream 0x1\n"
+        "[1.000000003] [Rank 9] Fun AllReduce Data 8 stream 0x1\n"  # outside the world
     )
     cfg = tmp_path / "c.json"
     cfg.write_text('{"world_size": 2}')
-    with pytest.raises(LogFormatError, match=r"rank_0.log:2: not a MEGATRACE call line"):
-        import_dir(d, read_megatron_config(cfg), "j")
-    (d / "rank_0.log").write_text("[1.000000001] [Rank 9] Fun AllReduce Data 8 stream 0x1\n")
-    with pytest.raises(LogFormatError, match="rank 9 is outside the configured world of 2"):
-        import_dir(d, read_megatron_config(cfg), "j")
+    records, report = import_dir(d, read_megatron_config(cfg), "j")
+    assert sum(isinstance(r, Collective) for r in records) == 2
+    assert report.skipped_lines == {"rank_0.log": 1} and report.outside == {9: 1}
+    said = "\n".join(report.lines_out())
+    assert "skipped 1 line(s) of rank_0.log" in said and "rank 9" in said
 
 
 def test_following_growing_logs(slow_run, tmp_path: Path) -> None:
@@ -152,3 +150,111 @@ def test_following_growing_logs(slow_run, tmp_path: Path) -> None:
     t.join()
     assert n == sum(map(len, files.values()))
     assert sum(isinstance(r, Collective) for r in got) == n
+
+
+# --------------------------------------------------------------------------- a run as released
+
+
+def _training_log(args: dict, ends_ns: list[int], utc_offset_h: int) -> str:
+    """A Megatron training log as it writes one: start-up noise, the arguments block,
+    then an iteration line a step, its time local and to the second."""
+    from datetime import UTC, datetime, timedelta
+
+    lines = ["Global variable initialized: Initialized"] * 40
+    lines.append("------------------------ arguments ------------------------")
+    for k, v in sorted(args.items()):
+        lines.append(f"  {k} {'.' * max(3, 48 - len(k))} {v}")
+    lines.append("-------------------- end of arguments ---------------------")
+    lines += ["> building GPT2BPETokenizer tokenizer ...", "[Rank 0] (after 1 iterations) memory"]
+    for k, end in enumerate(ends_ns[1:], 1):
+        local = datetime.fromtimestamp(end / 1e9, UTC) + timedelta(hours=utc_offset_h)
+        ms = (end - ends_ns[k - 1]) / 1e6
+        lines.append(
+            f" [{local:%Y-%m-%d %H:%M:%S}] iteration {k:8d}/{len(ends_ns) - 1:8d} | consumed "
+            f"samples: {64 * k:12d} | elapsed time per iteration (ms): {ms:.1f} | learning "
+            f"rate: 1.000000E-05 | global batch size:    64 |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def test_a_run_directory_imports_as_the_tool_leaves_it(slow_run, tmp_path: Path) -> None:
+    """Call logs of the oldest variant, the training log beside them (its arguments are the
+    configuration, its iteration lines the clock), and a file that is neither."""
+    from detectors.replay import Replay
+    from schemas.records import Iteration, StepSummary
+
+    run, records = slow_run
+    d = tmp_path / "TP2PP2DP2"
+    config = write_logs(run, records, d, ids=False, save_count=False)
+    steps = sorted(
+        (s for s in Replay().run(records) if isinstance(s, StepSummary)), key=lambda s: s.step
+    )
+    ends = [steps[0].start_ns] + [s.end_ns for s in steps]
+    args = json.loads(config.read_text())
+    (d / "training_performance.log").write_text(_training_log(args, ends, utc_offset_h=8))
+    (d / "README.txt").write_text("how this run was made\n")
+    got, report = import_dir(d, None, "run")
+    assert report.config_from == "the arguments in training_performance.log"
+    assert report.skipped_files == {"README.txt": report.skipped_files["README.txt"]}
+    assert report.utc_offset_s == 8 * 3600 and report.iterations == len(steps)
+    marks = sorted((r for r in got if isinstance(r, Iteration)), key=lambda m: m.step)
+    assert [m.step for m in marks] == list(range(1, len(steps) + 1))
+    # on the calls' clock, to the printed second: each end is placed at the earliest the
+    # printed seconds and the elapsed times allow, which is at most a second early
+    for m, s in zip(marks, steps, strict=True):
+        assert -1_000_000_000 < m.end_ns - s.end_ns <= 2_000_000, (m.step, m.end_ns, s.end_ns)
+        assert abs(m.duration_ns - s.duration_ns) <= 100_000
+    res = CliRunner().invoke(cli, ["import", "megatrace-logs", str(d), "--job", "run",
+                                   "--to", str(tmp_path / "out.jsonl")])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "skipped file README.txt" in res.output and "iteration clock" in res.output
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "[1746686438.086167380] [Rank 4] Fun AllReduce Data 1 stream 0x55c685f62020",
+        "[save_count 2] [1755590106.365162674] [Rank 2] Fun AllReduce Data 1 stream "
+        "0x5585c5844830 opCount 2",
+        "[1755590106.365162674] [Rank 2] Fun AllReduce Data 1 stream 0x5585c5844830 opCount 2",
+        "[save_count 7] [1755590106.365162674] [Rank 2] Fun ReduceScatter Data 260718592 "
+        "stream 0x5585c5844830 opCount 0x1f groupHash -8123412341234123412",
+        "[1755590106.365162674] [Rank 2] Fun Send Data 33554432 stream 0x5585c5844830",
+    ],
+    ids=["neither", "opCount-save_count", "opCount", "both", "send"],
+)
+def test_every_call_line_variant_parses(line: str) -> None:
+    from producers.megatrace_logs import parse_line
+
+    c = parse_line(line)
+    assert c.rank in (2, 4) and c.ts_ns > 1.7e18 and c.stream > 0
+    if "opCount" in line:
+        assert c.op_count is not None
+    assert (c.group_hash is not None) == ("groupHash" in line)
+
+
+def test_a_run_with_opcount_alone_is_analysed(slow_run, tmp_path: Path) -> None:
+    """Every line of this variant was once refused."""
+    run, records = slow_run
+    config = write_logs(run, records, tmp_path / "logs", ids=True, save_count=True)
+    for p in (tmp_path / "logs").glob("*.log"):  # drop groupHash, keep opCount
+        text = p.read_text().splitlines()
+        p.write_text("\n".join(ln.split(" groupHash")[0] for ln in text) + "\n")
+    got, report = import_dir(tmp_path / "logs", read_megatron_config(config), "j")
+    assert not report.skipped_lines
+    assert sum(isinstance(r, Collective) for r in got) == sum(
+        isinstance(r, Collective) for r in records
+    )
+
+
+def test_the_megatrace_analysers_config_yaml(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "isSP: false\nlayers: 32\nppSize: 4\ntpSize: 2\nGBS: 64\nheaders: 32\n"
+        "numRanks: 64\niterations: 50\nslowThreshold: 1\n"
+    )
+    c = read_megatron_config(cfg)
+    assert (c.world_size, c.tp, c.pp, c.dp, c.num_layers, c.num_microbatches) == (
+        64, 2, 4, 8, 32, 8,
+    )  # fmt: skip
+    assert not c.sequence_parallel

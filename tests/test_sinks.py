@@ -108,8 +108,9 @@ def test_a_failed_insert_is_raised_in_the_flow_with_its_cause(
         part.snapshot()
     with pytest.raises(SinkError):  # and again, until the flow stops
         part.write_batch([(_rows(5), 0)])
-    with pytest.raises(SinkError):
-        part.close()
+    # closing (Bytewax unwinding) does not raise what was raised already: raised again
+    # there, it aborted the process instead of ending it
+    part.close()
 
 
 @pytest.mark.parametrize("bad", ["max_pending_rows", "batch_rows", "batch_ms"])

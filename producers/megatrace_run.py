@@ -1,0 +1,332 @@
+"""A run of the original MEGATRACE collector, as the tool leaves it in a directory.
+
+A run directory holds, side by side: one call log per rank (``rank_N.log``, any name:
+files are told apart by what they hold), the per-NIC throughput CSVs, Megatron's
+training log (``training_performance.log``: its ``arguments`` block is the run's own
+configuration, its iteration lines the job's iteration clock), and perhaps the
+analyser's ``config.yaml``. :func:`import_dir` reads it all as it is found: a file
+that is none of these, and a line of a call log that is not a call, is skipped,
+counted and named in the :class:`RunReport`, never fatal. :func:`follow_dir` tails a
+run directory as it grows.
+
+The configuration comes, in order of preference, from the one given, the training
+log's arguments, or a ``config.yaml`` in the directory.
+"""
+
+from __future__ import annotations
+
+import csv
+import heapq
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from producers.megatrace_logs import CallLine, LogFormatError, MegatraceLogReader, parse_line
+from producers.megatron_config import (
+    ConfigFormatError,
+    MegatronConfig,
+    TrainingLog,
+    config_from_arguments,
+    iteration_marks,
+    parse_training_log,
+    read_megatron_config,
+    read_training_log,
+)
+from producers.tail import new_lines
+from schemas.records import CommInfo, JobInfo, LinkSample, RankInfo
+from schemas.units import CollOp
+
+_CSV_FUNCS = {
+    0: CollOp.BROADCAST,
+    1: CollOp.REDUCE,
+    2: CollOp.ALL_GATHER,
+    3: CollOp.REDUCE_SCATTER,
+    4: CollOp.ALL_REDUCE,
+    5: CollOp.SEND,
+    6: CollOp.SEND,
+    7: CollOp.RECV,
+}
+#: how far into a file its kind is decided (a training log's arguments come after some
+#: hundreds of lines of start-up messages)
+_SNIFF_LINES = 4000
+
+
+@dataclass
+class RunReport:
+    """What an import read, inferred and left out."""
+
+    call_logs: int = 0
+    lines: int = 0
+    inferred: Counter[str] = field(default_factory=Counter)
+    skipped_files: dict[str, str] = field(default_factory=dict)  # file -> why
+    skipped_lines: Counter[str] = field(default_factory=Counter)  # file -> how many
+    config_from: str = ""
+    training_log: str = ""
+    iterations: int = 0
+    utc_offset_s: int | None = None
+    outside: dict[int, int] = field(default_factory=dict)  # rank outside the world -> calls
+
+    def lines_out(self) -> list[str]:
+        """The report as a person reads it."""
+        out = [f"config from {self.config_from}"] if self.config_from else []
+        if self.training_log:
+            tz = self.utc_offset_s or 0
+            out.append(
+                f"iteration clock: {self.iterations} iterations from {self.training_log} "
+                f"(its times are local: UTC{tz / 3600:+g} h)"
+            )
+        for what, n in sorted(self.inferred.items()):
+            out.append(f"inferred: {what} ({n:,} calls)")
+        for name, why in sorted(self.skipped_files.items()):
+            out.append(f"skipped file {name}: {why}")
+        for name, n in sorted(self.skipped_lines.items()):
+            out.append(f"skipped {n:,} line(s) of {name}: not call lines")
+        for rank, n in sorted(self.outside.items()):
+            out.append(f"skipped {n:,} call(s) of rank {rank}: outside the configured world")
+        return out
+
+
+def sniff(path: Path) -> str:
+    """What a file of a run directory holds: ``calls``, ``csv``, ``training``,
+    ``config``, or why it is none of these."""
+    if path.suffix == ".csv":
+        with open(path, errors="replace") as f:
+            head = f.readline()
+        return "csv" if "FromRank" in head and "Bandwidth" in head else "a CSV without FromRank"
+    if path.suffix in (".yaml", ".yml", ".json"):
+        try:
+            read_megatron_config(path, world_size=1)
+        except (ConfigFormatError, OSError, ValueError) as e:
+            return f"not a Megatron configuration ({str(e)[:80]})"
+        return "config"
+    calls = others = 0
+    training = False
+    try:
+        with open(path, errors="replace") as f:
+            for n, line in enumerate(f):
+                if n >= _SNIFF_LINES or calls >= 20:
+                    break
+                if not line.strip():
+                    continue
+                if "arguments ---" in line or "elapsed time per iteration" in line:
+                    training = True
+                    break
+                try:
+                    parse_line(line)
+                    calls += 1
+                except LogFormatError:
+                    others += 1
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    if training:
+        return "training"
+    if calls and calls >= others:
+        return "calls"
+    return "not a call log, a throughput CSV, a training log or a configuration"
+
+
+def read_call_log(path: Path, report: RunReport) -> Iterator[CallLine]:
+    """The call lines of one file, in its order; other lines are counted in ``report``."""
+    with open(path, errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                c = parse_line(line)
+            except LogFormatError:
+                report.skipped_lines[path.name] += 1
+                continue
+            report.lines += 1
+            yield c
+
+
+def read_link_csv(path: Path, job: str, cfg: MegatronConfig) -> Iterator[LinkSample]:
+    """The per-NIC throughput CSV (bandwidth in Gb/s)."""
+    with open(path, newline="") as f:
+        for n, row in enumerate(csv.DictReader(f), 2):
+            try:
+                src, dst = int(row["FromRank"]), int(row["ToRank"])
+                dev = int(row["DevIndex"])
+                yield LinkSample(
+                    job=job,
+                    node=f"node-{src // cfg.gpus_per_node}",
+                    rank=src,
+                    ts_ns=_timestamp_ns(row["Timestamp"] or row["Time"]),
+                    window_ns=0,
+                    nic=f"mlx5_{dev}",
+                    src_rank=src,
+                    dst_rank=dst,
+                    dst_node=f"node-{dst // cfg.gpus_per_node}",
+                    dst_nic=f"mlx5_{dev}",
+                    comm_hash=int(row["Group"]) & (2**64 - 1) if row.get("Group") else None,
+                    func=_CSV_FUNCS.get(int(row["Func"])) if row.get("Func") else None,
+                    throughput_gbps=float(row["Bandwidth"]),
+                    wr_posted=int(row.get("SendWrCounter") or 0),
+                    outstanding_bytes=int(row.get("RemainWrDataSize") or 0),
+                )
+            except (KeyError, ValueError) as e:
+                raise LogFormatError(f"{path}:{n}: bad throughput row ({e})") from None
+
+
+def _timestamp_ns(text: str) -> int:
+    if "." in text:
+        sec, frac = text.split(".", 1)
+        return int(sec) * 1_000_000_000 + int((frac + "000000000")[:9])
+    v = int(text)
+    for limit, scale in ((10**17, 1), (10**14, 1_000), (10**11, 1_000_000)):
+        if v > limit:
+            return v * scale
+    return v * 1_000_000_000
+
+
+@dataclass
+class RunFiles:
+    calls: list[Path] = field(default_factory=list)
+    csvs: list[Path] = field(default_factory=list)
+    training: Path | None = None
+    configs: list[Path] = field(default_factory=list)
+
+
+def survey(directory: Path, report: RunReport) -> RunFiles:
+    """The run directory's files by kind; the rest named in ``report``."""
+    files = RunFiles()
+    for path in sorted(p for p in Path(directory).iterdir() if p.is_file()):
+        kind = sniff(path)
+        if kind == "calls":
+            files.calls.append(path)
+        elif kind == "csv":
+            files.csvs.append(path)
+        elif kind == "training" and files.training is None:
+            files.training = path
+        elif kind == "config":
+            files.configs.append(path)
+        else:
+            report.skipped_files[path.name] = (
+                kind if kind != "training" else "a second training log"
+            )
+    return files
+
+
+def _config(
+    files: RunFiles, given: MegatronConfig | None, log: TrainingLog | None, world: int | None,
+    report: RunReport, directory: Path,
+) -> MegatronConfig:  # fmt: skip
+    if given is not None:
+        report.config_from = "the configuration given"
+        return given
+    if log is not None and log.arguments:
+        assert files.training is not None
+        report.config_from = f"the arguments in {files.training.name}"
+        return config_from_arguments(log.arguments, str(files.training), world)
+    for path in files.configs:
+        report.config_from = path.name
+        return read_megatron_config(path, world)
+    raise LogFormatError(
+        f"{directory}: no Megatron configuration: pass --config (Megatron's arguments, its "
+        f"flags, or the MEGATRACE analyser's config.yaml), or keep the training log in the "
+        f"directory"
+    )
+
+
+def import_dir(
+    directory: Path,
+    config: MegatronConfig | None,
+    job: str,
+    world_size: int | None = None,
+) -> tuple[list[msgspec.Struct], RunReport]:
+    """A one-shot import of a run directory (see the module docstring): every record, in
+    the order a live collection would have delivered them (ranks' calls merged by time,
+    layout records first), and what was read, inferred and skipped."""
+    report = RunReport()
+    files = survey(Path(directory), report)
+    if not files.calls:
+        raise LogFormatError(f"{directory}: no call logs (lines like '[<time>] [Rank N] Fun ...')")
+    log = read_training_log(files.training) if files.training else None
+    cfg = _config(files, config, log, world_size, report, Path(directory))
+    reader = MegatraceLogReader(cfg, job)
+    per_file = [list(read_call_log(p, report)) for p in files.calls]
+    report.call_logs = len(per_file)
+    records = reader.feed(heapq.merge(*per_file, key=lambda c: c.ts_ns))
+    records += reader.finish()
+    report.inferred, report.outside = reader.inferred, reader.outside
+    for csv_path in files.csvs:
+        records += list(read_link_csv(csv_path, job, cfg))
+    if log is not None and log.iterations and per_file:
+        last_call = max(f[-1].ts_ns for f in per_file if f)
+        marks, report.utc_offset_s = iteration_marks(log, job, last_call, rank=cfg.world_size - 1)
+        records += marks
+        report.training_log, report.iterations = files.training.name, len(marks)  # type: ignore[union-attr]
+    layout = (JobInfo, RankInfo, CommInfo)
+    records.sort(key=lambda r: (not isinstance(r, layout), _time(r)))
+    return records, report
+
+
+def follow_dir(
+    directory: Path,
+    reader: MegatraceLogReader,
+    emit: Callable[[list[msgspec.Struct]], None],
+    stop: Callable[[], bool],
+    poll_s: float = 0.2,
+    report: RunReport | None = None,
+) -> int:
+    """Tail a run directory as it grows (new files too) until ``stop()``: call logs as
+    calls, the training log as iteration markers; hand the records of each poll to
+    ``emit``; return how many call lines were read."""
+    report = report or RunReport()
+    offsets: dict[str, int] = {}
+    kinds: dict[Path, str] = {}
+    training = TrainingLog()
+    told = 0
+    last_call = 0
+    while True:
+        stopping = stop()  # asked before reading, so what was written before is read
+        batch: list[CallLine] = []
+        for path in sorted(p for p in Path(directory).iterdir() if p.is_file()):
+            if path not in kinds or kinds[path] not in ("calls", "training", "csv", "config"):
+                kinds[path] = sniff(path)  # a file too new to tell may be told later
+            kind = kinds[path]
+            if kind not in ("calls", "training"):
+                if kind not in ("csv", "config"):
+                    report.skipped_files[path.name] = kind
+                continue
+            report.skipped_files.pop(path.name, None)
+            text = new_lines(path, offsets).decode(errors="replace")
+            if kind == "training":
+                training.iterations += parse_training_log(text).iterations
+                continue
+            for raw in text.splitlines():
+                if not raw.strip():
+                    continue
+                try:
+                    batch.append(parse_line(raw))
+                except LogFormatError:
+                    report.skipped_lines[path.name] += 1
+        batch.sort(key=lambda c: c.ts_ns)
+        report.lines += len(batch)
+        if batch:
+            last_call = max(last_call, batch[-1].ts_ns)
+        out: list[msgspec.Struct] = reader.feed(batch)
+        if len(training.iterations) > told and last_call:
+            marks, report.utc_offset_s = iteration_marks(training, reader.job, last_call)
+            out += [m for m in marks if m.step > told]
+            told = len(training.iterations)
+        if out:
+            emit(out)
+        if stopping:
+            tail = reader.finish()
+            if tail:
+                emit(tail)
+            report.inferred, report.outside = reader.inferred, reader.outside
+            return report.lines
+        time.sleep(poll_s)
+
+
+def _time(r: msgspec.Struct) -> int:
+    return getattr(r, "enqueue_ns", None) or getattr(r, "end_ns", None) or getattr(r, "ts_ns", 0)
+
+
+__all__ = ["RunReport", "follow_dir", "import_dir", "read_link_csv", "sniff", "survey"]
