@@ -203,7 +203,7 @@ class Placer(NamedTuple):
     ) -> Position:
         """The position of instance ``seq`` (a transfer's: ``seq`` counts the transfers
         from its sender to its receiver, whose stages say which way it goes)."""
-        if self.per_layer:
+        if self.per_layer and self.per_step:
             step, i = divmod(seq, self.per_step)
             node, k = divmod(i, self.per_node)
             phase, mb = self.order[node]
@@ -215,6 +215,6 @@ class Placer(NamedTuple):
             else:  # a pair's communicator: its stage is the lower one's, which sends down
                 downward = sender_stage is None or sender_stage == self.stage
             return Position(step, FWD if downward else BWD, mb, self.stage)
-        if self.role is CommRole.DP:
+        if self.role is CommRole.DP and self.per_step:
             return Position(seq // self.per_step, Phase.DP_SYNC.value, None, self.stage)
         return Position(0, Phase.UNKNOWN.value, None, self.stage)

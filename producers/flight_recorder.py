@@ -1,33 +1,45 @@
 """Read PyTorch Flight Recorder dumps, so a hang's dumps go through ``megatrace analyze``.
 
-A dump is one file per rank (a pickle, or JSON), named ``<prefix><rank>``,
-holding ``pg_config`` (each process group's member ranks) and ``entries``: the
-ring buffer of the rank's last collectives and point-to-point calls, each with
-its process group, ``collective_seq_id``/``p2p_seq_id``, ``profiling_name``
-(``nccl:all_reduce``...), sizes and dtypes, ``state`` (scheduled, started,
-completed) and timestamps. Every entry becomes a
-:class:`~schemas.records.Collective` (unfinished ones without an end), and
-each rank a :class:`~schemas.records.Heartbeat` at the time of its dump (the
-watchdog's timeout after its oldest unfinished call, or the file's time): the
-dumping process was alive then and had completed what its entries say. So
-the analysis sees who never joined the stuck collective.
+A dump is one file per rank, a pickle or JSON (``torch`` writes both), named with any
+prefix and the rank at its end. What it holds, across PyTorch 2.4 to 2.13 (dump
+versions 2.x):
 
-Pickles are read with a restricted unpickler that builds only plain
-containers and numbers: a dump file cannot run code. Point-to-point entries
-carry no peer: on a two-rank group the peer is the other member, and the n-th
-transfer from a sender in each buffer is paired (ring buffers that wrapped at
-different points can mis-pair them); on larger groups they are skipped and
-counted.
+* ``version``; ``pg_config``: each process group's name, description and member ranks
+  (a list, or a string of one; empty where the backend does not say, as Gloo's);
+  ``pg_status``: each group's last enqueued, started and completed collective, which
+  says how far a rank got even once its ring buffer wrapped;
+* ``entries``: the ring buffer of the rank's last calls, each with its group, its
+  ``collective_seq_id`` (counted from 1, per group) or ``p2p_seq_id``, its
+  ``profiling_name`` (``nccl:all_reduce``, ``nccl:_all_gather_base``, ``gloo:barrier``,
+  ``nccl:send 0->1``, ``nccl:coalesced``...: :data:`~schemas.units.TORCH_OP_NAMES`),
+  sizes and dtypes, ``state`` (scheduled, started, completed), ``retired`` (the work
+  is over), ``time_created_ns`` and the ``time_discovered_*`` times.
+
+Every call becomes a :class:`~schemas.records.Collective` (unfinished ones without an
+end); the ops of a coalesced group (one sequence number, closed by a ``coalesced``
+entry) are one collective instance, or their transfers; a transfer's peer is in its
+name (group ranks), else the other member of a two-rank group. Each rank's progress
+per group (from ``pg_status``, else its entries) becomes a
+:class:`~schemas.records.Heartbeat` at the time of its dump, so the analysis sees who
+never joined the stuck collective. A group's role comes from its description
+(Megatron names them: ``TENSOR_MODEL_PARALLEL_GROUP``...) or the Megatron layout when
+one is given; its members, where the dump lists none, from the ranks that use it.
+
+Pickles are read with a restricted unpickler that builds only plain containers and
+numbers: a dump file cannot run code. Entries that cannot be read are counted with why
+(:attr:`FlightRecorderImport.skipped`), never silently dropped.
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import json
 import math
 import pickle
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +68,16 @@ _DTYPES = {
 _BYTES = {DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.FLOAT16: 2, DType.FLOAT64: 8,
           DType.INT64: 8, DType.INT32: 4, DType.UINT8: 1, DType.INT8: 1}  # fmt: skip
 _RANK = re.compile(r"(\d+)(?:\.\w+)?$")
+_PEERS = re.compile(r"(\d+)\s*(->|<-)\s*(\d+)")
+#: a group's role from the description Megatron (and torch) give it
+_ROLES = (
+    ("TENSOR", CommRole.TP),
+    ("PIPELINE", CommRole.PP),
+    ("EXPERT", CommRole.EP),
+    ("CONTEXT", CommRole.CP),
+    ("DATA_PARALLEL", CommRole.DP),
+    ("default_pg", CommRole.WORLD),
+)
 
 
 class _SafeUnpickler(pickle.Unpickler):
@@ -67,12 +89,15 @@ def read_dump(path: Path) -> tuple[int, dict[str, Any]]:
     """(rank, dump) of one file; the rank from the dump or the end of the file name."""
     raw = Path(path).read_bytes()
     try:
-        dump = json.loads(raw) if raw[:1] in (b"{", b"[") else _SafeUnpickler(_io(raw)).load()
-    except (pickle.UnpicklingError, EOFError, ValueError) as e:
-        if isinstance(e, DumpFormatError):
-            raise
-        raise DumpFormatError(f"{path}: not a Flight Recorder dump ({e})") from None
-    if not isinstance(dump, dict) or "entries" not in dump:
+        if raw[:1] in (b"{", b"["):
+            dump = json.loads(raw)
+        else:
+            dump = _SafeUnpickler(io.BytesIO(raw)).load()
+    except DumpFormatError:
+        raise
+    except Exception as e:  # a pickle of something else, JSON cut short, not a dump at all
+        raise DumpFormatError(f"{path}: not a Flight Recorder dump ({type(e).__name__})") from None
+    if not isinstance(dump, dict) or not isinstance(dump.get("entries"), list):
         raise DumpFormatError(f"{path}: no 'entries' (not a Flight Recorder dump)")
     rank = dump.get("rank")
     if rank is None:
@@ -83,16 +108,102 @@ def read_dump(path: Path) -> tuple[int, dict[str, Any]]:
     return int(rank), dump
 
 
-def _io(raw: bytes) -> Any:
-    import io
-
-    return io.BytesIO(raw)
-
-
 def _ranks(spec: Any) -> tuple[int, ...]:
     if isinstance(spec, str):
         spec = ast.literal_eval(spec) if spec.strip() else []
-    return tuple(int(r) for r in spec)
+    return tuple(sorted(int(r) for r in spec or ()))
+
+
+def _pg(e: dict[str, Any]) -> tuple[str, str]:
+    """An entry's process group: (name, description)."""
+    pg = e.get("process_group")
+    if isinstance(pg, list | tuple) and pg:
+        return str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
+    return str(e.get("pg_id", "")), ""
+
+
+def _time(v: Any) -> int | None:
+    return int(v) if v else None  # JSON dumps write 0 for "not discovered"
+
+
+@dataclass
+class _Call:
+    """One entry (or a coalesced group of them) as the import reads it."""
+
+    op: CollOp
+    pg: str
+    seq: int  # collective_seq_id or p2p_seq_id (from 1)
+    p2p: bool
+    peers: tuple[int, int] | None  # (src, dst) group ranks of a transfer
+    count: int
+    dtype: DType
+    created: int
+    started: int | None
+    ended: int | None
+
+    @property
+    def done(self) -> bool:
+        return self.ended is not None
+
+
+def _call(e: dict[str, Any]) -> _Call | str:
+    """An entry read, or why it cannot be."""
+    name = str(e.get("profiling_name", ""))
+    op = torch_op(name)
+    if op is None:
+        return f"operation {name or '?'}"
+    pg, _ = _pg(e)
+    p2p = bool(e.get("is_p2p", op.is_p2p)) or op.is_p2p
+    seq_key = "p2p_seq_id" if p2p else "collective_seq_id"
+    seq = e.get(seq_key, e.get("seq_id"))
+    if not isinstance(seq, int):
+        return f"{name} without {seq_key}"
+    peers = None
+    if p2p and (m := _PEERS.search(name.split(":", 1)[-1])):
+        a, arrow, b = int(m[1]), m[2], int(m[3])
+        peers = (a, b) if arrow == "->" else (b, a)
+    sizes = e.get("input_sizes") or []
+    count = sum(math.prod(s) for s in sizes if isinstance(s, list | tuple))
+    dtype = _DTYPES.get((e.get("input_dtypes") or ["Byte"])[0], DType.UINT8)
+    state = e.get("state", "scheduled")
+    created = int(e.get("time_created_ns") or 0)
+    started = _time(e.get("time_discovered_started_ns"))
+    completed = _time(e.get("time_discovered_completed_ns"))
+    ended: int | None = None
+    if state == "completed" or e.get("retired"):  # retired: the work is over (Gloo says no more)
+        ended = completed or created + int(float(e.get("duration_ms") or 0) * 1e6)
+    if state == "scheduled":
+        started = None
+    return _Call(op, pg, seq, p2p, peers, count, dtype, created, started, ended)
+
+
+def _coalesce(entries: list[dict[str, Any]]) -> tuple[list[_Call], dict[str, int]]:
+    """A rank's calls in buffer order, a coalesced group's collectives as one (their sizes
+    summed, done when all are); and why entries could not be read."""
+    calls: list[_Call] = []
+    skipped: dict[str, int] = {}
+    group: list[_Call] = []
+    for e in entries:
+        name = str(e.get("profiling_name", ""))
+        if name.split(":", 1)[-1].strip().startswith("coalesced"):
+            colls = [c for c in group if not c.p2p]
+            if len(colls) > 1:
+                first = colls[0]
+                first.count = sum(c.count for c in colls)
+                if not all(c.done for c in colls):
+                    first.ended = None
+                calls = [c for c in calls if c not in colls[1:]]
+            group = []
+            continue
+        c = _call(e)
+        if isinstance(c, str):
+            skipped[c] = skipped.get(c, 0) + 1
+            continue
+        if group and (group[0].pg, group[0].seq, group[0].p2p) != (c.pg, c.seq, c.p2p):
+            group = []
+        group.append(c)
+        calls.append(c)
+    return calls, skipped
 
 
 class FlightRecorderImport:
@@ -103,130 +214,229 @@ class FlightRecorderImport:
         self.config = config
         self.node_of = node_of or (lambda rank: f"host-rank{rank}")
         self.skipped: dict[str, int] = {}
+        self.inferred: dict[str, int] = {}
+
+    def _skip(self, why: str, n: int = 1) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + n
+
+    def _groups(
+        self, dumps: dict[int, dict[str, Any]], calls: dict[int, list[_Call]], world: int
+    ) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Each group's (members, description): from ``pg_config``, else the ranks whose
+        ``pg_status`` or calls name it (all ranks for the default group)."""
+        listed: dict[str, tuple[tuple[int, ...], str]] = {}
+        users: dict[str, set[int]] = {}
+        descs: dict[str, str] = {}
+        for rank, d in dumps.items():
+            for name, pg in (d.get("pg_config") or {}).items():
+                ranks = _ranks(pg.get("ranks")) if isinstance(pg, dict) else ()
+                desc = str(pg.get("desc", "")) if isinstance(pg, dict) else ""
+                if ranks:
+                    listed[str(name)] = (ranks, desc)
+                descs.setdefault(str(name), desc)
+            for name in d.get("pg_status") or {}:
+                users.setdefault(str(name), set()).add(rank)
+            for e in d["entries"]:
+                name, desc = _pg(e)
+                users.setdefault(name, set()).add(rank)
+                if desc:
+                    descs[name] = desc
+        out = dict(listed)
+        for name, ranks in users.items():
+            if name in out or not name:
+                continue
+            desc = descs.get(name, "")
+            if desc == "default_pg" or name == "0":
+                out[name] = (tuple(range(world)), desc or "default_pg")
+            else:
+                out[name] = (tuple(sorted(ranks)), desc)
+                self.inferred["a group's members from the ranks that use it"] = (
+                    self.inferred.get("a group's members from the ranks that use it", 0) + 1
+                )
+        return out
 
     def records(self, dumps: dict[int, dict[str, Any]], dump_times: dict[int, int]) -> list:
-        world = max(
-            [max(dumps) + 1]
-            + [max(_ranks(pg.get("ranks", [])) or (0,)) + 1 for d in dumps.values()
-               for pg in d.get("pg_config", {}).values()]
-        )  # fmt: skip
+        read = {}
+        for rank, d in dumps.items():
+            calls, skipped = _coalesce(d["entries"])
+            read[rank] = calls
+            for why, n in skipped.items():
+                self._skip(why, n)
+        listed = [
+            max(_ranks(pg.get("ranks")) or (0,)) + 1
+            for d in dumps.values()
+            for pg in (d.get("pg_config") or {}).values()
+            if isinstance(pg, dict)
+        ]
+        world = max([max(dumps) + 1, *listed])
         cfg = self.config or MegatronConfig(world_size=world)
         if cfg.world_size < world:
             raise DumpFormatError(
                 f"dumps name rank {world - 1}, beyond the world of {cfg.world_size}"
             )
-        layout = megatron_groups(cfg.world_size, cfg.tp, cfg.pp, cfg.dp)
-        first_ns = min(
-            (e.get("time_created_ns", 0) for d in dumps.values() for e in d["entries"]),
-            default=0,
-        )
+        groups = self._groups(dumps, read, cfg.world_size)
+        layout = megatron_groups(cfg.world_size, cfg.tp, cfg.pp, cfg.dp) if self.config else {}
+        first_ns = min((c.created for cs in read.values() for c in cs), default=0)
         out: list[msgspec.Struct] = [cfg.job_record(self.job, first_ns, "flight-recorder")]
-        groups: dict[str, tuple[int, ...]] = {}
-        for d in dumps.values():
-            for name, pg in d.get("pg_config", {}).items():
-                groups[str(name)] = _ranks(pg.get("ranks", [])) or tuple(range(cfg.world_size))
-        for name, ranks in sorted(groups.items()):
-            role = layout.get(ranks, CommRole.OTHER)
+        hashes: dict[str, int] = {}
+        listed_names = {
+            str(n)
+            for d in dumps.values()
+            for n, pg in (d.get("pg_config") or {}).items()
+            if isinstance(pg, dict) and _ranks(pg.get("ranks"))
+        }
+        for name, (ranks, desc) in sorted(groups.items()):
+            # by name: two groups over the same ranks are two communicators
+            h = hashes[name] = comm_hash(f"pg:{name}", ranks)
             out.append(
                 CommInfo(
                     job=self.job,
                     ts_ns=first_ns,
-                    comm_hash=comm_hash("group", ranks),
-                    role=role,
+                    comm_hash=h,
+                    role=_role(desc, ranks, layout, cfg.world_size),
                     ranks=list(ranks),
-                    name=f"pg {name}",
+                    name=f"pg {name}" + (f" ({desc})" if desc else ""),
                     pp_stage=min(r // (cfg.tp * cfg.dp) for r in ranks),
+                    inferred=name not in listed_names,
                 )
             )
         out += [cfg.rank_record(self.job, first_ns, r, self.node_of(r)) for r in sorted(dumps)]
-        calls: list[Collective] = []
+        colls: list[Collective] = []
+        for rank in sorted(read):
+            colls += self._collectives(rank, read[rank], groups, hashes)
+        _align_transfers(colls)
         for rank, d in sorted(dumps.items()):
-            progress: dict[int, list[int]] = {}
-            p2p_counts: dict[tuple[int, int], int] = {}
-            for e in d["entries"]:
-                c = self._collective(rank, e, groups, p2p_counts)
-                if c is None:
-                    continue
-                calls.append(c)
-                p = progress.setdefault(c.comm_hash, [-1, -1])
-                p[0] = max(p[0], c.seq)
-                if c.end_ns is not None:
-                    p[1] = max(p[1], c.seq)
-            # liveness as the dump tells it: progress up to the last completion, then
-            # none until the dump (the silence that makes a hang)
-            comms = [
-                CommProgress(comm_hash=h, issued_seq=p[0], completed_seq=p[1])
-                for h, p in progress.items()
-            ]
-            last_done = max((c.end_ns for c in calls if c.rank == rank and c.end_ns), default=0)
-            for ts in sorted({last_done, dump_times[rank]} - {0}):
-                out.append(
-                    Heartbeat(
-                        job=self.job, node=self.node_of(rank), rank=rank, ts_ns=ts, comms=comms
-                    )
-                )
-        calls.sort(key=lambda c: c.enqueue_ns)
-        hb = [r for r in out if isinstance(r, Heartbeat)]
+            out += self._liveness(rank, d, [c for c in colls if c.rank == rank], hashes,
+                                  dump_times[rank])  # fmt: skip
+        colls.sort(key=lambda c: c.enqueue_ns)
+        hb = sorted((r for r in out if isinstance(r, Heartbeat)), key=lambda h: h.ts_ns)
         meta = [r for r in out if not isinstance(r, Heartbeat)]
-        return [*meta, *calls, *sorted(hb, key=lambda h: h.ts_ns)]
+        return [*meta, *colls, *hb]
 
-    def _collective(
-        self,
-        rank: int,
-        e: dict[str, Any],
-        groups: dict[str, tuple[int, ...]],
-        p2p_counts: dict[tuple[int, int], int],
-    ) -> Collective | None:
-        op = torch_op(str(e.get("profiling_name", "")))
-        pg = e.get("process_group") or (e.get("pg_id"), "")
-        members = groups.get(str(pg[0]))
-        if op is None or members is None or rank not in members:
-            key = str(e.get("profiling_name", "?"))
-            self.skipped[key] = self.skipped.get(key, 0) + 1
-            return None
-        p2p = op.is_p2p
-        peer = None
-        h = comm_hash("group", members)
-        if p2p:
-            if len(members) != 2:  # the peer is not in the dump: cannot be paired
-                self.skipped["p2p on a group of more than two ranks"] = (
-                    self.skipped.get("p2p on a group of more than two ranks", 0) + 1
+    def _collectives(
+        self, rank: int, calls: list[_Call], groups: dict, hashes: dict[str, int]
+    ) -> list[Collective]:
+        out = []
+        for c in calls:
+            if c.pg not in groups:
+                self._skip("a call on a group no dump describes")
+                continue
+            members, _ = groups[c.pg]
+            if rank not in members:
+                self._skip("a call on a group the rank is not a member of")
+                continue
+            peer = None
+            if c.p2p:
+                if c.peers is not None:
+                    src, dst = c.peers
+                    local = members.index(rank)
+                    other = dst if src == local else src
+                    if other >= len(members):
+                        self._skip("a transfer to a group rank beyond the group")
+                        continue
+                    peer = members[other]
+                elif len(members) == 2:
+                    peer = members[1 - members.index(rank)]
+                else:
+                    self._skip("a transfer whose peer the dump does not name")
+                    continue
+            out.append(
+                Collective(
+                    job=self.job,
+                    node=self.node_of(rank),
+                    rank=rank,
+                    comm_hash=hashes[c.pg],
+                    comm_size=len(members),
+                    rank_in_comm=members.index(rank),
+                    op=c.op,
+                    seq=max(c.seq - 1, 0),  # Flight Recorder counts from 1
+                    count=c.count,
+                    size_bytes=c.count * _BYTES.get(c.dtype, 1),
+                    dtype=c.dtype,
+                    enqueue_ns=c.created,
+                    start_ns=c.started,
+                    end_ns=c.ended if c.ended is None or c.ended >= c.created else c.created,
+                    peer=peer,
                 )
-                return None
-            peer = members[1 - members.index(rank)]
-        sizes = e.get("input_sizes") or [[]]
-        count = sum(math.prod(s) for s in sizes) if sizes and isinstance(sizes[0], list) else 0
-        dtype = _DTYPES.get((e.get("input_dtypes") or ["Byte"])[0], DType.UINT8)
-        state = e.get("state", "scheduled")
-        created = int(e["time_created_ns"])
-        started = e.get("time_discovered_started_ns")
-        completed = e.get("time_discovered_completed_ns")
-        end = int(completed) if state == "completed" and completed else None
-        if state == "completed" and end is None:
-            end = created + int(float(e.get("duration_ms") or 0) * 1e6)
-        if p2p:  # the n-th transfer from the sender on this pair, in buffer order
-            key = (h, rank if op == CollOp.SEND else peer)
-            seq = p2p_counts.get(key, 0)
-            p2p_counts[key] = seq + 1
-        else:  # Flight Recorder counts from 1; the schema's sequence numbers from 0
-            seq = max(int(e["collective_seq_id"]) - 1, 0)
-        return Collective(
-            job=self.job,
-            node=self.node_of(rank),
-            rank=rank,
-            comm_hash=h,
-            comm_size=len(members),
-            rank_in_comm=members.index(rank),
-            op=op,
-            seq=seq,
-            count=count,
-            size_bytes=count * _BYTES.get(dtype, 1),
-            dtype=dtype,
-            enqueue_ns=created,
-            start_ns=int(started) if started and state != "scheduled" else None,
-            end_ns=end,
-            peer=peer,
-        )
+            )
+        return out
+
+    def _liveness(
+        self, rank: int, d: dict[str, Any], colls: list[Collective], hashes: dict[str, int],
+        dumped_ns: int,
+    ) -> list[Heartbeat]:  # fmt: skip
+        """The rank's progress per group as its dump tells it: up to its last completion,
+        then none until the dump (the silence that makes a hang)."""
+        progress: dict[int, list[int]] = {}
+        for c in colls:
+            if c.peer is not None:
+                continue  # transfers' numbers run per peer: liveness counts collectives
+            p = progress.setdefault(c.comm_hash, [-1, -1])
+            p[0] = max(p[0], c.seq)
+            if c.end_ns is not None:
+                p[1] = max(p[1], c.seq)
+        for name, st in (d.get("pg_status") or {}).items():
+            if str(name) in hashes and isinstance(st, dict):  # beyond what the buffer kept
+                p = progress.setdefault(hashes[str(name)], [-1, -1])
+                p[0] = max(p[0], int(st.get("last_enqueued_collective", 0) or 0) - 1)
+                p[1] = max(p[1], int(st.get("last_completed_collective", 0) or 0) - 1)
+        comms = [CommProgress(comm_hash=h, issued_seq=i, completed_seq=c)
+                 for h, (i, c) in progress.items()]  # fmt: skip
+        last_done = max((c.end_ns for c in colls if c.end_ns), default=0)
+        return [
+            Heartbeat(job=self.job, node=self.node_of(rank), rank=rank, ts_ns=ts, comms=comms)
+            for ts in sorted({last_done, dumped_ns} - {0})
+        ]
+
+
+def _role(
+    desc: str, ranks: tuple[int, ...], layout: dict[tuple[int, ...], CommRole], world: int
+) -> CommRole:
+    for word, role in _ROLES:
+        if word in desc.upper() or word in desc:
+            return role
+    if ranks in layout:
+        return layout[ranks]
+    return CommRole.WORLD if len(ranks) == world and world > 1 else CommRole.OTHER
+
+
+def _align_transfers(colls: list[Collective]) -> None:
+    """Number each pair's transfers the same on both ends: the n-th send from s to d meets
+    the n-th receive at d from s. Buffers that wrapped at different points start their
+    counts at different transfers, so each receiving side is shifted to the send it is
+    nearest in time (a receive is posted about when its send is)."""
+    sends: dict[tuple[int, int, int], list[int]] = {}
+    recvs: dict[tuple[int, int, int], list[int]] = {}
+    for i, c in enumerate(colls):
+        if c.peer is None:
+            continue
+        if c.op is CollOp.SEND:
+            sends.setdefault((c.comm_hash, c.rank, c.peer), []).append(i)
+        else:
+            recvs.setdefault((c.comm_hash, c.peer, c.rank), []).append(i)
+    for key in set(sends) | set(recvs):
+        s = sorted(sends.get(key, []), key=lambda i: colls[i].enqueue_ns)
+        r = sorted(recvs.get(key, []), key=lambda i: colls[i].enqueue_ns)
+        shift = _best_shift([colls[i].enqueue_ns for i in s], [colls[i].enqueue_ns for i in r])
+        for n, i in enumerate(s):
+            colls[i] = msgspec.structs.replace(colls[i], seq=n)
+        for n, i in enumerate(r):
+            colls[i] = msgspec.structs.replace(colls[i], seq=max(0, n + shift))
+
+
+def _best_shift(sends: list[int], recvs: list[int], most: int = 64) -> int:
+    """The offset ``k`` that pairs receive ``n`` with send ``n + k`` best in time."""
+    if not sends or not recvs:
+        return 0
+    best, best_cost = 0, float("inf")
+    for k in range(-min(most, len(recvs) - 1), min(most, len(sends) - 1) + 1):
+        pairs = [(sends[n + k], recvs[n]) for n in range(len(recvs)) if 0 <= n + k < len(sends)]
+        if not pairs:
+            continue
+        cost = sorted(abs(a - b) for a, b in pairs)[len(pairs) // 2]
+        if cost < best_cost:
+            best, best_cost = k, cost
+    return best
 
 
 def dump_time_ns(path: Path, dump: dict[str, Any]) -> int:
@@ -234,11 +444,11 @@ def dump_time_ns(path: Path, dump: dict[str, Any]) -> int:
     else the file's modification time, else its newest entry."""
     entries = dump["entries"]
     pending = [
-        int(e["time_created_ns"]) + int(float(e.get("timeout_ms") or 600_000) * 1e6)
+        int(e.get("time_created_ns") or 0) + int(float(e.get("timeout_ms") or 600_000) * 1e6)
         for e in entries
-        if e.get("state") != "completed"
+        if e.get("state") != "completed" and not e.get("retired")
     ]
-    newest = max((int(e["time_created_ns"]) for e in entries), default=0)
+    newest = max((int(e.get("time_created_ns") or 0) for e in entries), default=0)
     if pending:
         return max(min(pending), newest)
     return max(int(Path(path).stat().st_mtime_ns), newest)

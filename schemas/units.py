@@ -79,6 +79,8 @@ class CollOp(StrEnum):
     BROADCAST = "Broadcast"
     REDUCE = "Reduce"
     ALL_TO_ALL = "AllToAll"
+    GATHER = "Gather"
+    SCATTER = "Scatter"
     SEND = "Send"
     RECV = "Recv"
     BARRIER = "Barrier"
@@ -91,8 +93,28 @@ class CollOp(StrEnum):
 _P2P = frozenset((CollOp.SEND, CollOp.RECV))
 
 
-#: PyTorch's and NCCL's spellings of operations (Kineto, Flight Recorder, torch.distributed).
+#: PyTorch's and NCCL's spellings of operations (Kineto, Flight Recorder, torch.distributed),
+#: lower case: every name PyTorch's Flight Recorder writes (``profiling_name`` after the
+#: backend), the coalesced and out-of-place forms among them; ``split`` (a communicator
+#: split) and ``new_window`` synchronise the group like a barrier.
 TORCH_OP_NAMES: dict[str, CollOp] = {
+    "_all_gather_base": CollOp.ALL_GATHER,
+    "all_gather_single": CollOp.ALL_GATHER,
+    "all_gather_v": CollOp.ALL_GATHER,
+    "allgather_coalesced": CollOp.ALL_GATHER,
+    "reduce_scatter_single": CollOp.REDUCE_SCATTER,
+    "reduce_scatter_v": CollOp.REDUCE_SCATTER,
+    "reduce_scatter_coalesced": CollOp.REDUCE_SCATTER,
+    "allreduce_coalesced": CollOp.ALL_REDUCE,
+    "all_reduce_coalesced": CollOp.ALL_REDUCE,
+    "all_reduce_barrier": CollOp.BARRIER,
+    "_broadcast_oop": CollOp.BROADCAST,
+    "_reduce_oop": CollOp.REDUCE,
+    "all_to_all_v_single": CollOp.ALL_TO_ALL,
+    "gather": CollOp.GATHER,
+    "scatter": CollOp.SCATTER,
+    "split": CollOp.BARRIER,
+    "new_window": CollOp.BARRIER,
     "allreduce": CollOp.ALL_REDUCE,
     "all_reduce": CollOp.ALL_REDUCE,
     "allgather": CollOp.ALL_GATHER,
@@ -117,12 +139,15 @@ TORCH_OP_NAMES: dict[str, CollOp] = {
 
 
 def torch_op(name: str) -> CollOp | None:
-    """The operation a PyTorch/NCCL name stands for (``nccl:all_reduce`` -> AllReduce).
+    """The operation a PyTorch/NCCL name stands for (``nccl:all_reduce`` -> AllReduce); a
+    Flight Recorder point-to-point name carries its ends after a space (``nccl:send
+    0->1``).
 
-    >>> torch_op("nccl:_allgather_base"), torch_op("gemm")
-    (<CollOp.ALL_GATHER: 'AllGather'>, None)
+    >>> torch_op("nccl:_allgather_base"), torch_op("nccl:send 0->1"), torch_op("gemm")
+    (<CollOp.ALL_GATHER: 'AllGather'>, <CollOp.SEND: 'Send'>, None)
     """
-    return TORCH_OP_NAMES.get(name.split(":", 1)[-1].strip().lower())
+    op = name.split(":", 1)[-1].strip().split(" ", 1)[0].lower()
+    return TORCH_OP_NAMES.get(op)
 
 
 class DType(StrEnum):

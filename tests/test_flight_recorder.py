@@ -119,3 +119,139 @@ def test_a_dump_cannot_run_code(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(DumpFormatError, match="not a Flight Recorder dump"):
         read_dump(tmp_path / "notes.txt")
+
+
+# --------------------------------------------------------------------------- newer formats
+
+_DESCS = {"tp": "TENSOR_MODEL_PARALLEL_GROUP", "pp": "PIPELINE_MODEL_PARALLEL_GROUP",
+          "dp": "DATA_PARALLEL_GROUP", "ep": "EXPERT_MODEL_PARALLEL_GROUP"}  # fmt: skip
+_NEW_NAMES = {**_NAMES, CollOp.ALL_GATHER: "nccl:_all_gather_base",
+              CollOp.ALL_TO_ALL: "nccl:all_to_all"}  # fmt: skip
+
+
+def write_new_dumps(records: list, directory: Path, ring: int) -> int:
+    """Dumps as PyTorch 2.9 writes them: transfers named with their ends (``nccl:send
+    0->1``) on a group of any size, each in a coalesced group closed by a ``coalesced``
+    entry (``batch_isend_irecv``), ``pg_status``, groups described as Megatron names them,
+    JSON's zeros for times not discovered, and a ring buffer that wrapped. Returns how
+    many entries were written."""
+    directory.mkdir()
+    comms = [r for r in records if isinstance(r, CommInfo)]
+    pg_of = {c.comm_hash: str(i + 1) for i, c in enumerate(comms)}
+    pg_config = {pg_of[c.comm_hash]: {"name": pg_of[c.comm_hash], "desc": _DESCS.get(c.role.value,
+                 "custom"), "ranks": str(sorted(c.ranks))} for c in comms}  # fmt: skip
+    members = {c.comm_hash: sorted(c.ranks) for c in comms}
+    by_rank: dict[int, list[dict]] = {}
+    p2p: dict[tuple[int, int], int] = {}
+    status: dict[int, dict[str, dict[str, int]]] = {}
+    for c in sorted((r for r in records if isinstance(r, Collective)), key=lambda r: r.enqueue_ns):
+        pg = pg_of[c.comm_hash]
+        done = c.end_ns is not None
+        e = {
+            "record_id": 0, "pg_id": int(pg), "process_group": [pg, pg_config[pg]["desc"]],
+            "collective_seq_id": 0 if c.op.is_p2p else c.seq + 1, "p2p_seq_id": 0,
+            "op_id": 0, "profiling_name": _NEW_NAMES[c.op], "time_created_ns": c.enqueue_ns,
+            "input_sizes": [[c.count]], "input_dtypes": ["BFloat16"],
+            "output_sizes": [[c.count]], "output_dtypes": ["BFloat16"],
+            "state": "completed" if done else "started",
+            "time_discovered_started_ns": c.arrival_ns,
+            "time_discovered_completed_ns": c.end_ns or 0, "retired": done,
+            "timeout_ms": 600_000, "is_p2p": c.op.is_p2p, "frames": [],
+        }  # fmt: skip
+        entries = by_rank.setdefault(c.rank, [])
+        if c.op.is_p2p:
+            key = (c.rank, c.comm_hash)
+            p2p[key] = p2p.get(key, 0) + 1
+            ranks = members[c.comm_hash]
+            me, peer = ranks.index(c.rank), ranks.index(c.peer)
+            arrow = f"{me}->{peer}" if c.op is CollOp.SEND else f"{me}<-{peer}"
+            e.update(p2p_seq_id=p2p[key], profiling_name=f"{_NEW_NAMES[c.op]} {arrow}")
+            entries += [e, {**e, "profiling_name": "nccl:coalesced", "input_sizes": []}]
+        else:
+            entries.append(e)
+            st = status.setdefault(c.rank, {}).setdefault(pg, {
+                "last_enqueued_collective": 0, "last_started_collective": 0,
+                "last_completed_collective": 0})  # fmt: skip
+            st["last_enqueued_collective"] = c.seq + 1
+            if done:
+                st["last_completed_collective"] = c.seq + 1
+    n = 0
+    for rank, entries in by_rank.items():
+        kept = entries[-ring:]
+        n += len(kept)
+        dump = {"version": "2.9", "pg_config": pg_config, "pg_status": status.get(rank, {}),
+                "comm_lib_version": "2.27.5", "entries": kept}  # fmt: skip
+        (directory / f"fr_dump_{rank}").write_text(json.dumps(dump))
+    return n
+
+
+@pytest.mark.parametrize("scenario", ["missing-recv", "compute-hang"])
+def test_dumps_as_pytorch_29_writes_them_lose_no_entry_and_name_the_culprit(
+    scenario: str, tmp_path: Path
+) -> None:
+    from producers.flight_recorder import import_dumps
+
+    run = build(scenario, scale="demo", seed=4, pp_group_comm=True)
+    records = list(run.records(emit_kernels=False))
+    d = tmp_path / "dumps"
+    write_new_dumps(records, d, ring=600)  # wraps: no buffer starts at sequence 1
+    got, skipped = import_dumps(sorted(d.iterdir()), "fr")
+    assert skipped == {}, skipped  # no entry left out
+    comms = {c.name: c for c in got if isinstance(c, CommInfo)}
+    assert {c.role.value for c in comms.values()} >= {"tp", "pp", "dp"}
+    assert not any(c.inferred for c in comms.values())
+    verdicts = analyze(tmp_path, *map(str, sorted(d.iterdir())))
+    (label,) = run.labels
+    hangs = [v for v in verdicts if v["kind"] == "hang"]
+    assert [v["rank"] for v in hangs] == [label.rank], verdicts
+
+
+def test_a_coalesced_group_of_collectives_is_one_instance() -> None:
+    from producers.flight_recorder import _coalesce
+
+    def e(name: str, seq: int, n: int, state: str = "completed") -> dict:
+        return {"profiling_name": name, "process_group": ["3", "x"], "collective_seq_id": seq,
+                "p2p_seq_id": 0, "is_p2p": False, "input_sizes": [[n], [n]],
+                "input_dtypes": ["Float"], "state": state, "time_created_ns": 10 + seq,
+                "time_discovered_completed_ns": 20 + seq}  # fmt: skip
+
+    calls, skipped = _coalesce([
+        e("nccl:all_reduce", 1, 4),
+        e("nccl:allreduce_coalesced", 2, 8), e("nccl:allreduce_coalesced", 2, 8, "started"),
+        e("nccl:coalesced", 2, 0),
+        e("nccl:all_to_all", 3, 5),  # ragged: each input's size counts
+        e("nccl:no_such_op", 4, 1),
+    ])  # fmt: skip
+    assert [(c.op.value, c.seq, c.count, c.done) for c in calls] == [
+        ("AllReduce", 1, 8, True), ("AllReduce", 2, 32, False), ("AllToAll", 3, 10, True),
+    ]  # fmt: skip
+    assert skipped == {"operation nccl:no_such_op": 1}
+
+
+def test_groups_of_one_rank_and_groups_no_dump_lists(tmp_path: Path) -> None:
+    """Gloo's dumps list no members (``pg_config`` holds one empty group): members come
+    from the ranks that use a group, and the default group holds every rank."""
+    from producers.flight_recorder import FlightRecorderImport
+
+    def entry(pg: str, seq: int, name: str = "gloo:all_reduce") -> dict:
+        return {"profiling_name": name, "process_group": [pg, "default_pg" if pg == "0" else ""],
+                "collective_seq_id": seq, "p2p_seq_id": 0, "input_sizes": [[4]],
+                "input_dtypes": ["Float"], "state": "scheduled", "retired": True,
+                "time_created_ns": 1_000 + seq}  # fmt: skip
+
+    empty = {"": {"name": "", "desc": "", "ranks": "[]"}}
+    dumps = {
+        0: {"version": "2.10", "pg_config": empty, "pg_status": {"0": {}, "5": {}},
+            "entries": [entry("0", 1), entry("5", 1)]},
+        1: {"version": "2.10", "pg_config": empty, "pg_status": {"0": {}},
+            "entries": [entry("0", 1)]},
+    }  # fmt: skip
+    imp = FlightRecorderImport("g")
+    got = imp.records(dumps, {0: 5_000, 1: 5_000})
+    comms = sorted((c for c in got if isinstance(c, CommInfo)), key=lambda c: len(c.ranks))
+    assert [(c.ranks, c.role.value, c.inferred) for c in comms] == [
+        ([0], "other", True), ([0, 1], "world", True),
+    ]  # fmt: skip
+    colls = [c for c in got if isinstance(c, Collective)]
+    assert len(colls) == 3 and all(c.end_ns is not None for c in colls)  # retired: done
+    assert imp.skipped == {}
