@@ -307,6 +307,12 @@ def run(
 @click.option("--node", help="Node name stamped on records that carry none (default: hostname).")
 @click.option("--socket", "socket_path", help="Unix datagram socket local producers send to.")
 @click.option("--tail", "tails", multiple=True, help="Glob of JSON-lines files to follow.")
+@click.option(
+    "--inspector",
+    "inspectors",
+    multiple=True,
+    help="Glob of the NCCL Inspector's output files to follow (its NCCL_INSPECTOR_DUMP_DIR).",
+)
 @click.option("--spool-dir", help="On-disk queue of accepted, undelivered records.")
 @click.option(
     "--spool-max-mb",
@@ -322,9 +328,12 @@ def agent(obj: _Ctx, **flags: Any) -> None:
     from producers.agent import NodeAgent
     from producers.spool import SpoolError
 
-    over = {k: (list(v) if k == "tails" else v) for k, v in flags.items() if v not in (None, ())}
+    many = ("tails", "inspectors")
+    over = {k: (list(v) if k in many else v) for k, v in flags.items() if v not in (None, ())}
     if "tails" in over:
         over["tail"] = over.pop("tails")
+    if "inspectors" in over:
+        over["inspector"] = over.pop("inspectors")
     if "socket_path" in over:
         over["socket"] = over.pop("socket_path")
     try:
@@ -648,6 +657,36 @@ def _stop_on_signal():
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: event.set())
     return event
+
+
+@import_.command("nccl-inspector")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--job", required=True, help="Job id to give the records.")
+@click.option(
+    "--to", "to", default="kafka", show_default=True, help="'kafka' or a JSON-lines file."
+)
+@click.pass_obj
+def import_nccl_inspector(obj: _Ctx, paths: tuple[str, ...], job: str, to: str) -> None:
+    """The NCCL Inspector's JSON output (files, or directories of them): collectives,
+    transfers and proxy operations of every rank, for jobs that run the Inspector."""
+    from producers.nccl_inspector import InspectorFormatError, import_files
+    from schemas.codec import write_jsonl
+
+    try:
+        records, reader = import_files(map(Path, paths), job)
+    except InspectorFormatError as e:
+        raise click.ClickException(str(e)) from None
+    n = _publish(obj, records, "publishing") if to == "kafka" else write_jsonl(Path(to), records)
+    click.echo(f"{n:,} records from the Inspector's output")
+    for why, count in sorted(reader.skipped.items()):
+        click.echo(f"  skipped: {why} ({count:,})")
+    if reader.dropped:
+        click.echo(f"  the Inspector overwrote {reader.dropped:,} operations before dumping them")
+    if reader.numbered:
+        click.echo(
+            "  inferred: ranks numbered by host and process id (no communicator holds every "
+            "process, and the Inspector names no global rank)"
+        )
 
 
 @import_.command("flight-recorder")

@@ -34,6 +34,7 @@ from typing import Any
 
 import msgspec
 
+from producers.nccl_inspector import InspectorReader
 from producers.spool import Position, Spool, SpoolError
 from producers.tail import new_lines
 from schemas.codec import SchemaError, dead_letter, decode_input, encode
@@ -164,6 +165,7 @@ class NodeAgent:
         self._threads: list[threading.Thread] = []
         self._offsets_file = self.state_dir / "agent-tail-offsets.json"
         self._offsets: dict[str, int] = self._load_offsets()
+        self._inspector = InspectorReader(settings.job or "nccl-inspector")
 
     # ------------------------------------------------------------------ input
     def _stamp(self, raw: bytes, err: SchemaError) -> bytes | None:
@@ -282,17 +284,30 @@ class NodeAgent:
             return {}
 
     def tail_once(self) -> int:
-        """Read what was appended to the tailed files since last time; return lines taken."""
+        """Read what was appended to the tailed files since last time (megatrace records,
+        and the NCCL Inspector's output, turned into records); return lines taken."""
         taken = 0
+        moved = False
         for pattern in self.settings.tail:
             for name in sorted(glob.glob(pattern)):
                 data = new_lines(name, self._offsets)
-                if not data:
-                    continue
-                taken += self.accept(data.split(b"\n"), f"file:{name}")
-                tmp = self._offsets_file.with_suffix(".tmp")
-                tmp.write_text(json.dumps(self._offsets))
-                os.replace(tmp, self._offsets_file)
+                if data:
+                    taken += self.accept(data.split(b"\n"), f"file:{name}")
+                    moved = True
+        for pattern in self.settings.inspector:
+            for name in sorted(glob.glob(pattern)):
+                data = new_lines(name, self._offsets)
+                if data:
+                    self._inspector.feed(name, data.split(b"\n"))
+                    moved = True
+        if self.settings.inspector:
+            records = self._inspector.drain()
+            if records:
+                taken += self.accept([encode(r) for r in records], "inspector")
+        if moved:
+            tmp = self._offsets_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self._offsets))
+            os.replace(tmp, self._offsets_file)
         return taken
 
     def _serve_tail(self) -> None:
@@ -438,7 +453,7 @@ class NodeAgent:
         self._drain_deadline = float("inf")
         self._sock = self._bind()
         targets = [self._publish, self._serve_socket]
-        if self.settings.tail:
+        if self.settings.tail or self.settings.inspector:
             targets.append(self._serve_tail)
         for target in targets:
             t = threading.Thread(

@@ -218,7 +218,9 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     ``job``/``node`` are stamped on records that arrive without them (the NCCL
     plugin does not know the job; empty ``node`` means this host's name).
     ``socket``: the Unix datagram socket local producers send JSON lines to.
-    ``tail``: globs of JSON-lines files to follow. ``spool_dir``/``spool_max_mb``:
+    ``tail``: globs of JSON-lines files to follow. ``inspector``: globs of the NCCL
+    Inspector's output files to follow (``NCCL_INSPECTOR_DUMP_DIR``), turned into
+    records; their job is ``job``. ``spool_dir``/``spool_max_mb``:
     the on-disk queue of accepted, undelivered records (full: new records are
     dropped and counted). ``health_file``: where health is written every
     ``health_interval_s``. ``socket``, ``spool_dir`` and ``health_file`` left empty
@@ -232,6 +234,7 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     node: str = ""
     socket: str = ""
     tail: list[str] = msgspec.field(default_factory=list)
+    inspector: list[str] = msgspec.field(default_factory=list)
     spool_dir: str = ""
     spool_max_mb: int = 1024
     max_inflight: int = 50_000
