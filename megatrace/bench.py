@@ -719,15 +719,16 @@ def plugin(events: int, say: Callable[[str], None]) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         lib = ctypes.CDLL(str(build(Path(tmp))))
-        out = (ctypes.c_double * 3)()
+        out = (ctypes.c_double * 4)()
         lib.megatrace_profiler_bench(events, out)
         stats = (ctypes.c_uint64 * 3)()
         lib.megatrace_profiler_stats(stats)
-    say(f"NCCL profiler plugin, {events} events (v5 entry points, timed in C)")
+    say(f"NCCL profiler plugin, {events} events (v5 and v7 entry points, timed in C)")
     say(f"{'what':<58}{'per event':>12}")
     say(f"{'proxy-step state change (recordEventState)':<58}{out[0]:>10.1f}ns")
     say(f"{'proxy step: start, SendGPUWait, SendWait, stop':<58}{out[1]:>10.1f}ns")
     say(f"{'collective: call, 2 proxy ops x 4 steps, kernel channel':<58}{out[2]:>10.1f}ns")
+    say(f"{'v7 kernel phase: start, GPU-timed stop, stop (opt-in)':<58}{out[3]:>10.1f}ns")
     say(
         f"(target: < 100 ns per state change; {stats[0]} events seen, {stats[1]} records sent,"
         f" {stats[2]} dropped: no agent listening here)"

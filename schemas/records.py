@@ -49,6 +49,7 @@ from schemas.units import (
     Schedule,
     Seq,
     SeqOrNone,
+    Tag,
     TimeNs,
     VerdictKind,
     VerdictStatus,
@@ -177,9 +178,19 @@ class Collective(NodeEvent, frozen=True, kw_only=True, tag="coll"):
     algo: str | None = None
     proto: str | None = None
     nchannels: Count | None = None
+    #: the kernel's phases as the GPU timed them (NCCL's profiler API v7): its initial
+    #: synchronisation (waiting for the peers), the data movement, the final synchronisation
+    gpu_sync_ns: DurationNs | None = None
+    gpu_move_ns: DurationNs | None = None
+    gpu_final_sync_ns: DurationNs | None = None
+    #: the call's user profiler tag (``ncclCollConfig_t.userProfilerTag``; v7) and the
+    #: kernel variant NCCL chose (v7)
+    user_tag: Tag | None = None
+    kernel_variant: str | None = None
 
     def __post_init__(self) -> None:
         _u64("comm_hash", self.comm_hash)
+        _u64("user_tag", self.user_tag)
         if self.rank_in_comm >= self.comm_size:
             raise ValueError(
                 f"rank_in_comm {self.rank_in_comm} is not below comm_size {self.comm_size}"

@@ -48,6 +48,8 @@ CommHash = Annotated[
         extra={"clickhouse": "UInt64"},
     ),
 ]
+#: An unsigned 64-bit tag a user attaches to a call (checked like a communicator hash).
+Tag = Annotated[int, Meta(ge=0, extra={"clickhouse": "UInt64"})]
 Seq = Annotated[
     int, Meta(ge=0, le=MAX_INT64, description="Per-communicator operation sequence number.")
 ]

@@ -69,7 +69,7 @@ def received(s: socket.socket, seconds: float = 1.0) -> list[Any]:
     return [decode(line) for line in data.split(b"\n") if line.strip()]
 
 
-@pytest.mark.parametrize("version", [5, 4])
+@pytest.mark.parametrize("version", [7, 6, 5, 4])
 def test_a_multi_rank_collective_arrives_whole(
     library: Path, receiver: socket.socket, version: int
 ) -> None:
@@ -102,6 +102,72 @@ def test_a_multi_rank_collective_arrives_whole(
     assert dropped == 0 and sent >= len(colls) + len(proxies)
     counts = plugin.counts()
     assert counts["calls_finished"] == len(colls) and counts["calls_reported_stuck"] == 0
+
+
+def test_every_profiler_api_version_is_exported_newest_first(library: Path) -> None:
+    """NCCL takes the newest interface it knows: 2.31 takes v7, 2.29 v6, 2.28 v5."""
+    import ctypes
+
+    from producers.nccl_plugin import VERSIONS
+
+    lib = ctypes.CDLL(str(library))
+    assert VERSIONS == (7, 6, 5, 4)
+    for v in VERSIONS:
+        assert ctypes.c_void_p.in_dll(lib, f"ncclProfiler_v{v}")
+
+
+def test_v7_kernel_phases_tags_and_variants_are_recorded(
+    library: Path, receiver: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With MEGATRACE_KERNEL_PHASES=1 the plugin asks v7 for the kernel's phases: each
+    call records the longest initial sync, data movement and final sync of its channels,
+    the GPU's own measure of how long it waited and how long the transfer took."""
+    from producers.nccl_plugin import KERNEL_PHASE
+
+    monkeypatch.setenv("MEGATRACE_KERNEL_PHASES", "1")
+    plugin = Plugin(library, 7)
+    comms = [plugin.init(COMM, 2, r) for r in range(2)]
+    assert plugin.mask & KERNEL_PHASE
+    phases = {0: (900_000, 40_000, 5_000), 1: (1_000, 41_000, 6_000)}  # rank 1 came last
+    plugin.collective(comms, 0, channels=2, user_tag=0xBEEF, phases_ns=phases)
+    plugin.flush()
+    colls = sorted((r for r in received(receiver) if isinstance(r, Collective)),
+                   key=lambda c: c.rank)  # fmt: skip
+    assert [(c.gpu_sync_ns, c.gpu_move_ns, c.gpu_final_sync_ns) for c in colls] == [
+        phases[0], phases[1]]  # fmt: skip
+    assert {c.user_tag for c in colls} == {0xBEEF}
+    assert {c.kernel_variant for c in colls} == {"AllReduce_RING_SIMPLE"}
+    assert plugin.counts()["kernel_phases_started"] == 2 * 2 * 3  # ranks x channels x phases
+    for comm in comms:
+        plugin.finalize(comm)
+
+
+def test_v7_asks_for_no_kernel_phases_by_default(library: Path) -> None:
+    from producers.nccl_plugin import CE_COLL, KERNEL_CH, KERNEL_PHASE
+
+    plugin = Plugin(library, 7)
+    comm = plugin.init(COMM, 2, 0)
+    assert plugin.mask & KERNEL_CH and plugin.mask & CE_COLL
+    assert not plugin.mask & KERNEL_PHASE
+    plugin.finalize(comm)
+
+
+@pytest.mark.parametrize("version", [6, 7])
+def test_a_copy_engine_collective_is_a_collective(
+    library: Path, receiver: socket.socket, version: int
+) -> None:
+    plugin = Plugin(library, version)
+    comms = [plugin.init(COMM, 2, r) for r in range(2)]
+    plugin.ce_collective(comms, 5)
+    plugin.flush()
+    colls = [r for r in received(receiver) if isinstance(r, Collective)]
+    assert sorted((c.rank, c.seq, c.op.value, c.algo) for c in colls) == [
+        (0, 5, "AllGather", "CE"), (1, 5, "AllGather", "CE")]  # fmt: skip
+    assert all(c.enqueue_ns <= c.end_ns for c in colls)
+    counts = plugin.counts()
+    assert counts["ce_colls_started"] == 2 and counts["ce_parts_started"] == 4
+    for comm in comms:
+        plugin.finalize(comm)
 
 
 def test_a_slow_edge_and_a_stuck_proxy_op_show_in_the_records(
@@ -234,8 +300,9 @@ def _analyze(records: list[Any], tmp_path: Path) -> list[dict]:
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("version", [7, 5])
 def test_analyze_names_the_slow_link_and_the_stuck_edge(
-    library: Path, settings: Settings, tmp_path: Path, monkeypatch
+    library: Path, settings: Settings, tmp_path: Path, monkeypatch, version: int
 ) -> None:
     monkeypatch.setenv("MEGATRACE_STUCK_MS", "200")
     monkeypatch.setenv("MEGATRACE_HEARTBEAT_MS", "100")
@@ -245,7 +312,7 @@ def test_analyze_names_the_slow_link_and_the_stuck_edge(
     def drive(sock: Path) -> None:
         monkeypatch.setenv("MEGATRACE_AGENT__SOCKET", str(sock))
         AgentClient(sock).send(_job_records(["gpu-node-0", "gpu-node-1"]))
-        plugin = Plugin(library)
+        plugin = Plugin(library, version)
         comms = [plugin.init(COMM, 2, r) for r in range(2)]
         normal = {(0, 1): 0.002, (1, 0): 0.002}
         slow = {(0, 1): 0.02, (1, 0): 0.002}  # the 0 -> 1 link runs 10x slower from step 12

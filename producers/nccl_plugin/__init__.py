@@ -7,7 +7,7 @@ and run the node agent; the plugin sends its records to the agent's socket
 (``MEGATRACE_AGENT__SOCKET``).
 
 :class:`Plugin` loads the library with ctypes and calls the same entry points
-NCCL calls (profiler API v5, or v4), with our own declarations of NCCL's
+NCCL calls (profiler API v7, v6, v5 or v4), with our own declarations of NCCL's
 structures: the tests and ``megatrace bench plugin`` use it, on this machine.
 """
 
@@ -26,8 +26,12 @@ LIBRARY = "libmegatrace_nccl_profiler.so"
 
 # event types and states, as NCCL numbers them
 COLL, P2P, PROXY_OP, PROXY_STEP, KERNEL_CH = 1 << 1, 1 << 2, 1 << 3, 1 << 4, 1 << 6
+CE_COLL, CE_SYNC, CE_BATCH, KERNEL_PHASE = 1 << 12, 1 << 13, 1 << 14, 1 << 15
 SEND_GPU_WAIT, SEND_WAIT, RECV_WAIT, RECV_FLUSH_WAIT, RECV_GPU_WAIT = 8, 9, 10, 11, 12
 SEND_PEER_WAIT = 20
+KERNEL_PHASE_STOP = 31
+#: the profiler API versions the plugin exports, newest first (NCCL takes the newest it knows)
+VERSIONS = (7, 6, 5, 4)
 
 
 #: The plugin's health counters, in the order ``megatrace_profiler_counts`` returns them.
@@ -42,6 +46,9 @@ COUNTS = (
     "calls_finished",
     "calls_reported_stuck",
     "self_transfers_skipped",
+    "ce_colls_started",
+    "ce_parts_started",
+    "kernel_phases_started",
 )
 
 
@@ -118,6 +125,60 @@ class _Union(C.Union):
     _fields_ = (("coll", _Coll), ("p2p", _P2p), ("proxyOp", _ProxyOp), ("step", C.c_int))
 
 
+class _CeColl(C.Structure):
+    _fields_ = (
+        ("seqNumber", C.c_uint64),
+        ("func", C.c_char_p),
+        ("sendBuff", C.c_void_p),
+        ("recvBuff", C.c_void_p),
+        ("count", C.c_size_t),
+        ("root", C.c_int),
+        ("datatype", C.c_char_p),
+        ("syncStrategy", C.c_char_p),
+        ("intraBatchSync", C.c_bool),
+        ("batchSize", C.c_uint32),
+        ("numBatches", C.c_uint32),
+        ("ceSeqNum", C.c_uint32),
+        ("stream", C.c_void_p),
+        ("userTag", C.c_uint64),  # v7 (v6's descriptor ends before it)
+    )
+
+
+class _CollV7(C.Structure):
+    _fields_ = (*_Coll._fields_, ("kernelVariant", C.c_char_p), ("isSymColl", C.c_bool),
+                ("userTag", C.c_uint64))  # fmt: skip
+
+
+class _P2pV7(C.Structure):
+    _fields_ = (*_P2p._fields_, ("userTag", C.c_uint64))
+
+
+class _KernelPhase(C.Structure):
+    _fields_ = (
+        ("channelId", C.c_uint8),
+        ("phaseId", C.c_uint8),
+        ("phaseName", C.c_char_p),
+        ("pTimer", C.c_uint64),
+    )
+
+
+class _UnionV7(C.Union):
+    _fields_ = (
+        ("coll", _CollV7),
+        ("p2p", _P2pV7),
+        ("proxyOp", _ProxyOp),
+        ("step", C.c_int),
+        ("ceColl", _CeColl),
+        ("kernelPhase", _KernelPhase),
+        ("pad", C.c_uint8 * 128),
+    )
+
+
+class _DescrV7(C.Structure):  # v6's too: the same header, and its members a prefix of v7's
+    _fields_ = (("type", C.c_uint64), ("parentObj", C.c_void_p), ("rank", C.c_int),
+                ("u", _UnionV7))  # fmt: skip
+
+
 class _DescrV5(C.Structure):
     _fields_ = (("type", C.c_uint64), ("parentObj", C.c_void_p), ("rank", C.c_int), ("u", _Union))
 
@@ -143,14 +204,18 @@ _record = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_int, C.POINTER(_StateArgs))
 _finalize = C.CFUNCTYPE(C.c_int, C.c_void_p)
 
 
+def _descr(version: int) -> type[C.Structure]:
+    return {4: _DescrV4, 5: _DescrV5}.get(version, _DescrV7)
+
+
 def _table(version: int) -> type[C.Structure]:
-    descr = _DescrV5 if version == 5 else _DescrV4
+    descr = _descr(version)
     start = C.CFUNCTYPE(C.c_int, C.c_void_p, C.POINTER(C.c_void_p), C.POINTER(descr))
 
     class Table(C.Structure):
         _fields_ = (
             ("name", C.c_char_p),
-            ("init", _init_v5 if version == 5 else _init_v4),
+            ("init", _init_v4 if version == 4 else _init_v5),
             ("startEvent", start),
             ("stopEvent", _stop),
             ("recordEventState", _record),
@@ -178,17 +243,19 @@ class Plugin:
     """The plugin library, loaded and called through NCCL's entry points."""
 
     def __init__(self, library: Path, version: int = 5) -> None:
-        if version not in (4, 5):
-            raise ValueError(f"profiler API version {version} (valid: 4, 5)")
+        if version not in VERSIONS:
+            raise ValueError(
+                f"profiler API version {version} (valid: {', '.join(map(str, VERSIONS))})"
+            )
         self.lib = C.CDLL(str(library))
         self.version = version
         self.table = _table(version).in_dll(self.lib, f"ncclProfiler_v{version}")
-        self._descr = _DescrV5 if version == 5 else _DescrV4
+        self._descr = _descr(version)
         self._keep: list[object] = []
 
     def init(self, comm_hash: int, nranks: int, rank: int, nnodes: int = 1) -> Comm:
         ctx, mask = C.c_void_p(), C.c_int(0)
-        if self.version == 5:
+        if self.version >= 5:
             rc = self.table.init(
                 C.byref(ctx), comm_hash, C.byref(mask), b"c", nnodes, nranks, rank, None
             )
@@ -205,24 +272,29 @@ class Plugin:
         self, comm: Comm, etype: int, parent: C.c_void_p | None = None, **fields
     ) -> C.c_void_p:
         d = self._descr(type=etype, parentObj=parent, rank=comm.rank)
+        strings = {k: v.encode() if isinstance(v, str) else v for k, v in fields.items()}
+        self._keep.append(strings)
+        v7 = self.version >= 6
         if etype == COLL:
-            strings = {k: v.encode() if isinstance(v, str) else v for k, v in fields.items()}
-            self._keep.append(strings)
-            d.u.coll = _Coll(**strings)
+            d.u.coll = (_CollV7 if v7 else _Coll)(**strings)
         elif etype == P2P:
-            strings = {k: v.encode() if isinstance(v, str) else v for k, v in fields.items()}
-            self._keep.append(strings)
-            d.u.p2p = _P2p(**strings)
+            d.u.p2p = (_P2pV7 if v7 else _P2p)(**strings)
         elif etype == PROXY_OP:
             d.u.proxyOp = _ProxyOp(**fields)
         elif etype == PROXY_STEP:
             d.u.step = fields.get("step", 0)
+        elif etype == CE_COLL:
+            d.u.ceColl = _CeColl(**strings)
+        elif etype == KERNEL_PHASE:
+            d.u.kernelPhase = _KernelPhase(**strings)
         handle = C.c_void_p()
         self.table.startEvent(comm.context, C.byref(handle), C.byref(d))
         return handle
 
-    def state(self, handle: C.c_void_p, state: int, trans_size: int = 0) -> None:
-        args = _StateArgs(transSize=trans_size)
+    def state(
+        self, handle: C.c_void_p, state: int, trans_size: int = 0, timer: int | None = None
+    ) -> None:
+        args = _StateArgs(pTimer=timer) if timer is not None else _StateArgs(transSize=trans_size)
         self.table.recordEventState(handle, state, C.byref(args))
 
     def stop(self, handle: C.c_void_p) -> None:
@@ -256,17 +328,24 @@ class Plugin:
         step_bytes: int = 1 << 18,
         send_wait_s: dict[tuple[int, int], float] | None = None,
         stuck: tuple[int, int] | None = None,
+        user_tag: int = 0,
+        phases_ns: dict[int, tuple[int, int, int]] | None = None,
     ) -> None:
         """One ring AllReduce across ``comms`` (one per rank), as NCCL reports it:
         the call, then per channel a send proxy op to the next rank and a receive
         from the previous one, each of ``steps`` steps through their wait states,
         and kernel channels. ``send_wait_s[(src, dst)]`` stretches that edge's
         SendWait/RecvWait; ``stuck=(src, dst)`` leaves that edge's last step
-        posted and never completed (and the call never finishes)."""
+        posted and never completed (and the call never finishes). From v7, the call
+        carries ``user_tag``, and ``phases_ns[rank]`` gives that rank's kernel phases
+        (initial sync, data movement, final sync) on every channel, GPU-timed."""
         send_wait_s = send_wait_s or {}
+        phases_ns = phases_ns or {}
         n = len(comms)
         coll = {"seqNumber": seq, "func": "AllReduce", "count": count, "nChannels": channels}
         coll |= {"datatype": "ncclBfloat16", "algo": "RING", "proto": "SIMPLE"}
+        if self.version >= 7:
+            coll |= {"userTag": user_tag, "kernelVariant": "AllReduce_RING_SIMPLE"}
         calls = [self.start(c, COLL, **coll) for c in comms]
         for h in calls:
             self.stop(h)  # enqueued
@@ -280,6 +359,8 @@ class Plugin:
                     c, PROXY_OP, calls[i], channelId=ch, peer=prv, nSteps=steps, isSend=0
                 )
                 kch = self.start(c, KERNEL_CH, calls[i])
+                if c.rank in phases_ns:
+                    self.kernel_phases(c, kch, ch, phases_ns[c.rank])
                 wait = send_wait_s.get((c.rank, nxt), 0.0)
                 recv_wait = send_wait_s.get((prv, c.rank), 0.0)
                 send_hung, recv_hung = stuck == (c.rank, nxt), stuck == (prv, c.rank)
@@ -306,5 +387,33 @@ class Plugin:
                 if not (send_hung or recv_hung):
                     self.stop(kch)
 
+    def kernel_phases(
+        self, comm: Comm, channel_event: C.c_void_p, channel: int, lengths: tuple[int, int, int]
+    ) -> None:
+        """A kernel channel's three phases, one after the other on the GPU's clock."""
+        t = 1_000_000_000
+        for phase, (name, ns) in enumerate(zip(("initial_sync", "compute", "final_sync"),
+                                               lengths, strict=True)):  # fmt: skip
+            h = self.start(comm, KERNEL_PHASE, channel_event, channelId=channel, phaseId=phase,
+                           phaseName=name, pTimer=t)  # fmt: skip
+            t += ns
+            self.state(h, KERNEL_PHASE_STOP, timer=t)
+            self.stop(h)
 
-__all__ = ["COUNTS", "LIBRARY", "SOURCE", "Comm", "Plugin", "PluginBuildError", "build", "counts"]
+    def ce_collective(self, comms: list[Comm], seq: int, count: int = 1 << 20) -> None:
+        """One collective run by the copy engines (v6+): the call, its sync and batch
+        parts, then its end."""
+        ce = {"seqNumber": seq, "func": "AllGather", "count": count, "datatype": "ncclBfloat16",
+              "syncStrategy": "barrier", "batchSize": 1, "numBatches": 1}  # fmt: skip
+        calls = [self.start(c, CE_COLL, **ce) for c in comms]
+        for c, h in zip(comms, calls, strict=True):
+            self.stop(self.start(c, CE_SYNC, h))
+            self.stop(self.start(c, CE_BATCH, h))
+        for h in calls:
+            self.stop(h)
+
+
+__all__ = [
+    "COUNTS", "LIBRARY", "SOURCE", "VERSIONS", "Comm", "Plugin", "PluginBuildError", "build",
+    "counts",
+]  # fmt: skip

@@ -3,9 +3,10 @@
  *
  * NCCL (>= 2.23) loads the shared library named by NCCL_PROFILER_PLUGIN and
  * looks for the exported symbol of the newest profiler interface it knows:
- * ncclProfiler_v5 (NCCL 2.28+) or ncclProfiler_v4 (NCCL 2.27). Both are
+ * ncclProfiler_v7 (NCCL 2.31+), v6 (2.29), v5 (2.28) or v4 (2.27). All four are
  * provided here, written from NCCL's public interface description with our
- * own declarations (no NCCL headers are needed to build).
+ * own declarations (no NCCL headers are needed to build), so the newest one the
+ * job's NCCL offers is the one it uses.
  *
  * What it does:
  *  - collectives and point-to-point calls: comm hash, rank, nranks, seq,
@@ -28,7 +29,22 @@
  *    joined and not finished;
  *  - a rank's transfers to itself are counted, not recorded: NCCL runs them
  *    with no proxy operation, so no event says when they end (seen with
- *    NCCL 2.28.9 by `megatrace gpu-check`).
+ *    NCCL 2.28.9 by `megatrace gpu-check`);
+ *  - v6: copy-engine collectives (CeColl) are collectives like the others, started
+ *    at their start and finished at their stop; their CeSync/CeBatch parts are
+ *    counted;
+ *  - v7: the user's profiler tag and the kernel variant ride on the call; with
+ *    MEGATRACE_KERNEL_PHASES=1 the kernel's phases (initial sync, data movement,
+ *    final sync, GPU-timed, per channel) are asked for, and the longest of each
+ *    over the call's channels is recorded: the GPU's own measure of how long it
+ *    waited for its peers and of the transfer.
+ *
+ * Event mask: Coll, P2p, ProxyOp, ProxyStep and KernelCh (and CeColl from v6).
+ * KernelCh events cost NCCL itself time on small collectives (NVIDIA/nccl#2355),
+ * but they are what says when the GPU reached a call and when it finished it;
+ * kernel phases add three events a channel and only symmetric kernels emit them,
+ * so they are off unless asked for. `megatrace bench plugin` prints this plugin's
+ * own cost per event.
  *
  * Hot path: events come from a fixed pool (no allocation), a proxy-step state
  * change is a clock read and two additions, finished records go into a
@@ -61,13 +77,15 @@ typedef void (*mt_logger_t)(int level, unsigned long flags, const char *file, in
 enum {
   MT_GROUP = 1 << 0, MT_COLL = 1 << 1, MT_P2P = 1 << 2, MT_PROXY_OP = 1 << 3,
   MT_PROXY_STEP = 1 << 4, MT_PROXY_CTRL = 1 << 5, MT_KERNEL_CH = 1 << 6, MT_NET = 1 << 7,
+  MT_CE_COLL = 1 << 12, MT_CE_SYNC = 1 << 13, MT_CE_BATCH = 1 << 14, MT_KERNEL_PHASE = 1 << 15,
 };
 
 enum { /* event states, numbered as NCCL numbers them */
   MT_STEP_SEND_GPU_WAIT = 8, MT_STEP_SEND_WAIT = 9, MT_STEP_RECV_WAIT = 10,
   MT_STEP_RECV_FLUSH_WAIT = 11, MT_STEP_RECV_GPU_WAIT = 12, MT_STEP_SEND_PEER_WAIT = 20,
-  MT_KERNEL_CH_STOP = 22,
+  MT_KERNEL_CH_STOP = 22, MT_KERNEL_PHASE_STOP = 31,
 };
+#define MT_PHASES 3 /* initial sync, data movement, final sync */
 
 struct mt_coll_descr { /* shared tail of the coll descriptor in v4 and v5 */
   uint64_t seqNumber;
@@ -117,6 +135,72 @@ typedef struct {
     struct { int64_t id; void *data; } netPlugin;
   };
 } mt_descr_v5;
+
+struct mt_ce_coll_descr { /* v6 copy-engine collective (v7 adds the user's tag) */
+  uint64_t seqNumber;
+  const char *func;
+  void const *sendBuff;
+  void *recvBuff;
+  size_t count;
+  int root;
+  const char *datatype;
+  const char *syncStrategy;
+  bool intraBatchSync;
+  uint32_t batchSize, numBatches, ceSeqNum;
+  void *stream;
+};
+
+typedef struct {
+  uint64_t type;
+  void *parentObj;
+  int rank;
+  union {
+    struct { int graphCaptured; int groupDepth; } groupApi;
+    struct { const char *func; size_t count; const char *datatype; int root; void *stream; bool graphCaptured; } collApi;
+    struct { const char *func; size_t count; const char *datatype; void *stream; bool graphCaptured; } p2pApi;
+    struct { void *stream; } kernelLaunch;
+    struct { struct mt_coll_descr d; void *parentGroup; } coll;
+    struct { struct mt_p2p_descr d; void *parentGroup; } p2p;
+    struct mt_proxy_op_descr proxyOp;
+    struct { int step; } proxyStep;
+    struct mt_kernel_ch_descr kernelCh;
+    struct { int64_t id; void *data; } netPlugin;
+    struct mt_ce_coll_descr ceColl;
+    struct { bool isComplete; int nRanks; } ceCollSync;
+    struct { int numOps; size_t totalBytes; bool useIntraSync; } ceCollBatch;
+  };
+} mt_descr_v6;
+
+typedef struct {
+  uint64_t type;
+  void *parentObj;
+  int rank;
+  union {
+    struct { int graphCaptured; int groupDepth; } groupApi;
+    struct { const char *func; size_t count; const char *datatype; int root; void *stream; bool graphCaptured; uint64_t userTag; } collApi;
+    struct { const char *func; size_t count; const char *datatype; void *stream; bool graphCaptured; uint64_t userTag; } p2pApi;
+    struct { void *stream; } kernelLaunch;
+    struct { struct mt_coll_descr d; void *parentGroup; const char *kernelVariant; bool isSymColl; uint64_t userTag; } coll;
+    struct { struct mt_p2p_descr d; void *parentGroup; uint64_t userTag; } p2p;
+    struct mt_proxy_op_descr proxyOp;
+    struct { int step; } proxyStep;
+    struct mt_kernel_ch_descr kernelCh;
+    struct { int64_t id; void *data; } netPlugin;
+    struct { struct mt_ce_coll_descr d; uint64_t userTag; } ceColl;
+    struct { bool isComplete; int nRanks; } ceCollSync;
+    struct { int numOps; size_t totalBytes; bool useIntraSync; } ceCollBatch;
+    struct { uint8_t channelId; uint8_t phaseId; const char *phaseName; uint64_t pTimer; } kernelPhase;
+  };
+} mt_descr_v7;
+
+/* What a newer descriptor adds to a call, and its copy-engine or phase part. */
+typedef struct {
+  uint64_t user_tag;
+  const char *variant;
+  const struct mt_ce_coll_descr *ce;
+  int phase_id;
+  uint64_t phase_timer;
+} mt_extra;
 
 typedef union {
   struct { size_t transSize; } proxyStep;
@@ -169,6 +253,13 @@ typedef struct mt_event {
   /* proxy step */
   int state;
   int64_t state_t;
+  /* v7: the call's tag and kernel variant; its kernel phases' longest durations */
+  uint64_t user_tag;
+  const char *variant;
+  _Atomic int64_t phase[MT_PHASES];
+  /* kernel phase: which, and its GPU start */
+  int phase_id;
+  uint64_t phase_timer;
 } mt_event;
 
 enum { REC_COLL = 1, REC_PROXY = 2, REC_HB = 3 };
@@ -183,6 +274,9 @@ typedef struct {
   uint64_t bytes;
   int64_t t_enqueue, t_start, t_done, first, last;
   int64_t wait[MT_WAITS];
+  int64_t phase[MT_PHASES];
+  uint64_t user_tag;
+  const char *variant;
 } mt_rec;
 
 static mt_event g_pool[MT_POOL];
@@ -192,9 +286,10 @@ static _Atomic uint64_t g_ring_head, g_ring_tail;
 static _Atomic uint64_t g_dropped, g_events, g_sent;
 /* Health counters, by what NCCL did: starts of Coll, P2p, ProxyOp, ProxyStep and
  * KernelCh events; KernelCh stops; children whose parent NCCL did not give; calls
- * finished; calls reported stuck; transfers to the rank itself (not tracked). */
+ * finished; calls reported stuck; transfers to the rank itself (not tracked);
+ * copy-engine collectives, their sync and batch parts; kernel phases. */
 enum { C_COLL, C_P2P, C_PROXY_OP, C_PROXY_STEP, C_KERNEL_CH, C_KERNEL_CH_STOP, C_ORPHAN,
-       C_FINISHED, C_STUCK, C_SELF, C_NCOUNTS };
+       C_FINISHED, C_STUCK, C_SELF, C_CE_COLL, C_CE_PART, C_KERNEL_PHASE, C_NCOUNTS };
 static _Atomic uint64_t g_counts[C_NCOUNTS];
 static inline void mt_count(int i) { atomic_fetch_add_explicit(&g_counts[i], 1, memory_order_relaxed); }
 static _Atomic int g_refs;
@@ -227,6 +322,8 @@ static mt_event *mt_alloc(void) {
       mt_event *e = &g_pool[i];
       e->parent = NULL; e->ctx = NULL; e->func = e->dtype = e->algo = e->proto = NULL;
       e->t_enqueue = e->t_done = e->first = e->last = 0;
+      e->user_tag = 0; e->variant = NULL; e->phase_id = -1; e->phase_timer = 0;
+      for (int ph = 0; ph < MT_PHASES; ph++) atomic_store(&e->phase[ph], 0);
       atomic_store(&e->t_start, 0);
       atomic_store(&e->pending, 0); atomic_store(&e->children, 0); atomic_store(&e->stopped, 0);
       atomic_store(&e->kernels_done, 0);
@@ -262,6 +359,8 @@ static void mt_emit_coll(mt_event *c, int64_t end) {
   r.peer = c->peer; r.nchannels = c->nchannels; r.func = c->func; r.dtype = c->dtype;
   r.algo = c->algo; r.proto = c->proto; r.count = c->count;
   r.t_enqueue = c->t_enqueue; r.t_start = atomic_load(&c->t_start); r.t_done = end;
+  for (int ph = 0; ph < MT_PHASES; ph++) r.phase[ph] = atomic_load(&c->phase[ph]);
+  r.user_tag = c->user_tag; r.variant = c->variant;
   mt_push(&r);
 }
 
@@ -295,7 +394,7 @@ static void mt_emit_proxy(mt_event *p, int64_t now) {
 }
 
 static void mt_completed(mt_event *c) {
-  if (c->kind != MT_COLL) return;
+  if (c->kind != MT_COLL && c->kind != MT_CE_COLL) return;
   int64_t seq = (int64_t)c->seq, cur = atomic_load(&c->ctx->completed);
   while (seq > cur && !atomic_compare_exchange_weak(&c->ctx->completed, &cur, seq)) {}
 }
@@ -303,7 +402,7 @@ static void mt_completed(mt_event *c) {
 /* A call is finished when it was enqueued, every kernel channel stopped, and no
  * proxy operation or kernel channel of it is still running. */
 static inline int mt_finished(mt_event *c) {
-  int want = c->nchannels > 0 ? c->nchannels : 1;
+  int want = c->kind == MT_CE_COLL ? 0 : c->nchannels > 0 ? c->nchannels : 1;
   return atomic_load(&c->stopped) && atomic_load(&c->pending) == 0 &&
          atomic_load(&c->kernels_done) >= want;
 }
@@ -348,6 +447,22 @@ static const char *mt_dtype(const char *d, int *size) {
   return "uint8";
 }
 
+/* A call's v7 fields, where it has them (its kernel phases, its tag, its variant). */
+static const char *mt_extra_json(const mt_rec *r) {
+  static __thread char out[320];
+  static const char *names[MT_PHASES] = {"gpu_sync_ns", "gpu_move_ns", "gpu_final_sync_ns"};
+  size_t n = 0;
+  out[0] = 0;
+  for (int ph = 0; ph < MT_PHASES; ph++)
+    if (r->phase[ph] > 0)
+      n += (size_t)snprintf(out + n, sizeof out - n, ",\"%s\":%lld", names[ph], (long long)r->phase[ph]);
+  if (r->user_tag && n < sizeof out)
+    n += (size_t)snprintf(out + n, sizeof out - n, ",\"user_tag\":%llu", (unsigned long long)r->user_tag);
+  if (r->variant && r->variant[0] && n < sizeof out && !strpbrk(r->variant, "\"\\"))
+    snprintf(out + n, sizeof out - n, ",\"kernel_variant\":\"%.64s\"", r->variant);
+  return out;
+}
+
 static int mt_format(const mt_rec *r, char *buf, size_t cap) {
   char head[512];
   snprintf(head, sizeof head, "\"v\":1,%s%s%s\"node\":\"%s\",\"rank\":%d,\"clock\":\"host_realtime\"",
@@ -364,13 +479,13 @@ static int mt_format(const mt_rec *r, char *buf, size_t cap) {
                     "{\"type\":\"coll\",%s,\"comm_hash\":%llu,\"comm_size\":%d,\"rank_in_comm\":%d,"
                     "\"op\":\"%s\",\"seq\":%llu,\"count\":%zu,\"size_bytes\":%zu,\"dtype\":\"%s\","
                     "\"enqueue_ns\":%lld,\"start_ns\":%s,\"end_ns\":%s,\"peer\":%s,\"algo\":%s%s%s,\"proto\":%s%s%s,"
-                    "\"nchannels\":%d}\n",
+                    "\"nchannels\":%d%s}\n",
                     head, (unsigned long long)r->comm_hash, r->peer >= 0 ? 2 : r->nranks,
                     r->peer >= 0 ? (r->rank > r->peer) : r->rank, r->func ? r->func : "AllReduce",
                     (unsigned long long)r->seq, r->count, r->count * (size_t)size, dt,
                     (long long)r->t_enqueue, start, end, peer, r->algo ? "\"" : "", r->algo ? r->algo : "null",
                     r->algo ? "\"" : "", r->proto ? "\"" : "", r->proto ? r->proto : "null",
-                    r->proto ? "\"" : "", r->nchannels);
+                    r->proto ? "\"" : "", r->nchannels, mt_extra_json(r));
   }
   int64_t first = r->first ? r->first : r->last, last = r->last > first ? r->last : first;
   int done = r->steps_done > r->nsteps ? r->nsteps : r->steps_done;
@@ -561,9 +676,44 @@ static mt_result_t mt_init_common(void **context, int *mask, uint64_t comm_hash,
 
 static mt_result_t mt_start(mt_ctx *ctx, void **handle, uint64_t type, void *parent_obj,
                             const struct mt_coll_descr *coll, const struct mt_p2p_descr *p2p,
-                            const void *descr_union) {
+                            const void *descr_union, const mt_extra *x) {
   *handle = NULL;
   atomic_fetch_add_explicit(&g_events, 1, memory_order_relaxed);
+  if (type == MT_CE_SYNC || type == MT_CE_BATCH) { /* parts of a copy-engine call: counted */
+    mt_count(C_CE_PART);
+    return 0;
+  }
+  if (type == MT_CE_COLL && x && x->ce) { /* a collective run by the copy engines */
+    mt_count(C_CE_COLL);
+    mt_event *e = mt_alloc();
+    if (!e) return 0;
+    const struct mt_ce_coll_descr *ce = x->ce;
+    e->kind = MT_CE_COLL; e->ctx = ctx; e->peer = -1; e->seq = ce->seqNumber;
+    e->func = ce->func; e->dtype = ce->datatype; e->count = ce->count; e->algo = "CE";
+    e->user_tag = x->user_tag;
+    e->t_enqueue = mt_now();
+    atomic_store(&e->t_start, e->t_enqueue); /* the engines start on their stream at once */
+    int64_t seq = (int64_t)ce->seqNumber, cur = atomic_load(&ctx->issued);
+    while (seq > cur && !atomic_compare_exchange_weak(&ctx->issued, &cur, seq)) {}
+    *handle = e;
+    return 0;
+  }
+  if (type == MT_KERNEL_PHASE) { /* a phase of a kernel channel: timed by the GPU */
+    mt_count(C_KERNEL_PHASE);
+    mt_event *ch = parent_obj;
+    /* its channel event, whose parent is the call (a channel already gone: orphan) */
+    if (!x || !ch || !atomic_load(&ch->used) || ch->kind != MT_KERNEL_CH || !ch->parent ||
+        x->phase_id < 0 || x->phase_id >= MT_PHASES) {
+      mt_count(C_ORPHAN);
+      return 0;
+    }
+    mt_event *e = mt_alloc();
+    if (!e) return 0;
+    e->kind = MT_KERNEL_PHASE; e->ctx = ctx; e->parent = ch->parent;
+    e->phase_id = x->phase_id; e->phase_timer = x->phase_timer;
+    *handle = e;
+    return 0;
+  }
   if (type != MT_COLL && type != MT_P2P && type != MT_PROXY_OP && type != MT_PROXY_STEP &&
       type != MT_KERNEL_CH)
     return 0;
@@ -582,6 +732,7 @@ static mt_result_t mt_start(mt_ctx *ctx, void **handle, uint64_t type, void *par
   e->kind = (int)type;
   e->ctx = ctx;
   e->peer = -1;
+  if (x) { e->user_tag = x->user_tag; e->variant = x->variant; }
   if (type == MT_COLL) {
     e->seq = coll->seqNumber; e->func = coll->func; e->dtype = coll->datatype; e->count = coll->count;
     e->algo = coll->algo; e->proto = coll->proto; e->nchannels = coll->nChannels;
@@ -628,6 +779,12 @@ static mt_result_t mt_stop(void *handle) {
   if (!e) return 0;
   int64_t now = mt_now();
   switch (e->kind) {
+    case MT_KERNEL_PHASE:
+      mt_free(e);
+      return 0;
+    case MT_CE_COLL: /* the copy engines are done: the call ended */
+      e->t_done = now;
+      /* fall through */
     case MT_COLL:
     case MT_P2P:
       e->t_enqueue = e->t_enqueue ? e->t_enqueue : now;
@@ -673,6 +830,14 @@ static mt_result_t mt_stop(void *handle) {
 
 static mt_result_t mt_record(void *handle, int state, mt_state_args *args) {
   mt_event *e = handle;
+  if (e && e->kind == MT_KERNEL_PHASE && state == MT_KERNEL_PHASE_STOP && args) {
+    /* the phase's GPU-timed length; the call keeps the longest over its channels */
+    int64_t d = (int64_t)(args->kernelCh.pTimer - e->phase_timer), cur;
+    _Atomic int64_t *slot = &e->parent->phase[e->phase_id];
+    cur = atomic_load(slot);
+    while (d > cur && !atomic_compare_exchange_weak(slot, &cur, d)) {}
+    return 0;
+  }
   if (!e || e->kind != MT_PROXY_STEP) return 0;
   int64_t now = mt_now();
   int w = mt_wait_index(e->state);
@@ -713,7 +878,7 @@ static mt_result_t init_v4(void **context, int *mask, const char *name, uint64_t
   return mt_init_common(context, mask, comm_hash, nnodes, nranks, rank, logfn);
 }
 static mt_result_t start_v4(void *context, void **handle, mt_descr_v4 *d) {
-  return mt_start(context, handle, d->type, d->parentObj, &d->coll, &d->p2p, &d->proxyOp);
+  return mt_start(context, handle, d->type, d->parentObj, &d->coll, &d->p2p, &d->proxyOp, NULL);
 }
 static mt_result_t record_v4(void *handle, int state, mt_state_args *args) { return mt_record(handle, state, args); }
 
@@ -724,7 +889,43 @@ static mt_result_t init_v5(void **context, uint64_t comm_id, int *mask, const ch
   return mt_init_common(context, mask, comm_id, nnodes, nranks, rank, logfn);
 }
 static mt_result_t start_v5(void *context, void **handle, mt_descr_v5 *d) {
-  return mt_start(context, handle, d->type, d->parentObj, &d->coll.d, &d->p2p.d, &d->proxyOp);
+  return mt_start(context, handle, d->type, d->parentObj, &d->coll.d, &d->p2p.d, &d->proxyOp,
+                  NULL);
+}
+
+/* v6: v5's events and the copy-engine collectives */
+static mt_result_t init_v6(void **context, uint64_t comm_id, int *mask, const char *name,
+                           int nnodes, int nranks, int rank, mt_logger_t logfn) {
+  mt_result_t rc = init_v5(context, comm_id, mask, name, nnodes, nranks, rank, logfn);
+  *mask |= MT_CE_COLL;
+  return rc;
+}
+static mt_result_t start_v6(void *context, void **handle, mt_descr_v6 *d) {
+  mt_extra x = {0, NULL, d->type == MT_CE_COLL ? &d->ceColl : NULL, -1, 0};
+  return mt_start(context, handle, d->type, d->parentObj, &d->coll.d, &d->p2p.d, &d->proxyOp,
+                  &x);
+}
+
+/* v7: the user's tag, the kernel variant, and (asked for) the kernel's phases */
+static mt_result_t init_v7(void **context, uint64_t comm_id, int *mask, const char *name,
+                           int nnodes, int nranks, int rank, mt_logger_t logfn) {
+  mt_result_t rc = init_v6(context, comm_id, mask, name, nnodes, nranks, rank, logfn);
+  const char *phases = getenv("MEGATRACE_KERNEL_PHASES");
+  if (phases && phases[0] == '1') *mask |= MT_KERNEL_PHASE;
+  return rc;
+}
+static mt_result_t start_v7(void *context, void **handle, mt_descr_v7 *d) {
+  mt_extra x = {0, NULL, NULL, -1, 0};
+  switch (d->type) {
+    case MT_COLL: x.user_tag = d->coll.userTag; x.variant = d->coll.kernelVariant; break;
+    case MT_P2P: x.user_tag = d->p2p.userTag; break;
+    case MT_CE_COLL: x.user_tag = d->ceColl.userTag; x.ce = &d->ceColl.d; break;
+    case MT_KERNEL_PHASE:
+      x.phase_id = d->kernelPhase.phaseId; x.phase_timer = d->kernelPhase.pTimer; break;
+    default: break;
+  }
+  return mt_start(context, handle, d->type, d->parentObj, &d->coll.d, &d->p2p.d, &d->proxyOp,
+                  &x);
 }
 
 typedef struct {
@@ -745,6 +946,28 @@ typedef struct {
   mt_result_t (*finalize)(void *);
 } mt_profiler_v5;
 
+typedef struct {
+  const char *name;
+  mt_result_t (*init)(void **, uint64_t, int *, const char *, int, int, int, mt_logger_t);
+  mt_result_t (*startEvent)(void *, void **, mt_descr_v6 *);
+  mt_result_t (*stopEvent)(void *);
+  mt_result_t (*recordEventState)(void *, int, mt_state_args *);
+  mt_result_t (*finalize)(void *);
+} mt_profiler_v6;
+
+typedef struct {
+  const char *name;
+  mt_result_t (*init)(void **, uint64_t, int *, const char *, int, int, int, mt_logger_t);
+  mt_result_t (*startEvent)(void *, void **, mt_descr_v7 *);
+  mt_result_t (*stopEvent)(void *);
+  mt_result_t (*recordEventState)(void *, int, mt_state_args *);
+  mt_result_t (*finalize)(void *);
+} mt_profiler_v7;
+
+__attribute__((visibility("default"))) const mt_profiler_v7 ncclProfiler_v7 = {
+    "megatrace", init_v7, start_v7, mt_stop, record_v4, mt_finalize};
+__attribute__((visibility("default"))) const mt_profiler_v6 ncclProfiler_v6 = {
+    "megatrace", init_v6, start_v6, mt_stop, record_v4, mt_finalize};
 __attribute__((visibility("default"))) const mt_profiler_v5 ncclProfiler_v5 = {
     "megatrace", init_v5, start_v5, mt_stop, record_v4, mt_finalize};
 __attribute__((visibility("default"))) const mt_profiler_v4 ncclProfiler_v4 = {
@@ -765,7 +988,7 @@ __attribute__((visibility("default"))) void megatrace_profiler_flush(void) { mt_
  * state change, per whole proxy step (start, two states, stop) and per
  * collective (call, one proxy op of `steps` steps per direction, a kernel
  * channel). out_ns[0..2]. */
-__attribute__((visibility("default"))) void megatrace_profiler_bench(int n, double out_ns[3]) {
+__attribute__((visibility("default"))) void megatrace_profiler_bench(int n, double out_ns[4]) {
   void *ctx = NULL;
   int mask = 0;
   ncclProfiler_v5.init(&ctx, 0x1234, &mask, "bench", 1, 2, 0, NULL);
@@ -832,4 +1055,30 @@ __attribute__((visibility("default"))) void megatrace_profiler_bench(int n, doub
   }
   out_ns[2] = (double)(mt_now() - t0) / colls;
   ncclProfiler_v5.finalize(ctx);
+  /* v7: one kernel phase (start, its GPU-timed stop, stop) under a live kernel channel */
+  ncclProfiler_v7.init(&ctx, 0x1234, &mask, "bench", 1, 2, 0, NULL);
+  mt_descr_v7 d7;
+  memset(&d7, 0, sizeof d7);
+  void *c7 = NULL, *k7 = NULL;
+  d7.type = MT_COLL; d7.coll.d.func = "AllReduce"; d7.coll.d.datatype = "ncclBfloat16";
+  d7.coll.d.nChannels = 1;
+  ncclProfiler_v7.startEvent(ctx, &c7, &d7);
+  memset(&d7, 0, sizeof d7);
+  d7.type = MT_KERNEL_CH; d7.parentObj = c7;
+  ncclProfiler_v7.startEvent(ctx, &k7, &d7);
+  mt_state_args stop = {.kernelCh = {.pTimer = 2000}};
+  t0 = mt_now();
+  for (int i = 0; i < n; i++) {
+    void *ph = NULL;
+    memset(&d7, 0, sizeof d7);
+    d7.type = MT_KERNEL_PHASE; d7.parentObj = k7;
+    d7.kernelPhase.phaseId = (uint8_t)(i % MT_PHASES); d7.kernelPhase.pTimer = 1000;
+    ncclProfiler_v7.startEvent(ctx, &ph, &d7);
+    ncclProfiler_v7.recordEventState(ph, MT_KERNEL_PHASE_STOP, &stop);
+    ncclProfiler_v7.stopEvent(ph);
+  }
+  out_ns[3] = (double)(mt_now() - t0) / n;
+  ncclProfiler_v7.stopEvent(k7);
+  ncclProfiler_v7.stopEvent(c7);
+  ncclProfiler_v7.finalize(ctx);
 }
