@@ -127,6 +127,7 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         outage_wait_s: float,
         quiet: _Quiet,
         on_read: Callable[[int], None] | None,
+        complete: Callable[[], bool] | None = None,
     ) -> None:
         from confluent_kafka import Consumer, TopicPartition
 
@@ -150,6 +151,7 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         self._outage_wait_ns = int(outage_wait_s * 1e9)
         self._quiet = quiet
         self._on_read = on_read
+        self._complete = complete
         self._awake: datetime | None = None
         quiet.last_ns = time.monotonic_ns()  # the quiet period starts when reading starts
 
@@ -179,6 +181,8 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         if not self._tail and now - self._quiet.last_ns >= self._idle_stop_ns:
             if self._quiet.health.lost_ns:
                 return []  # an unreachable broker's silence is not the end of the input
+            if self._complete is not None and not self._complete():
+                return []  # its writer says more is coming: quiet is not the end
             self._eof = True
         return []
 
@@ -236,6 +240,8 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
     """Every partition of ``topics``; ``config`` is a librdkafka consumer configuration.
 
     ``on_read``, if given, is called with the size of every poll that returned records.
+    ``complete``, for a bounded run whose input is still being written (a live job):
+    quiet is its end only once ``complete()`` says nothing more is coming.
     ``start_offsets`` (part name, see :func:`part_name` -> offset): a fresh start reads
     only these partitions, from these offsets (a resumed one goes on where it was).
     """
@@ -251,9 +257,11 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
         outage_wait_s: float = 300.0,
         on_read: Callable[[int], None] | None = None,
         start_offsets: Mapping[str, int] | None = None,
+        complete: Callable[[], bool] | None = None,
     ) -> None:
         self.config = config
         self.topics = topics
+        self.complete = complete
         self.tail = tail
         self.batch_size = batch_size
         self.idle_stop_s = idle_stop_s
@@ -298,4 +306,5 @@ class RawKafkaSource(FixedPartitionedSource[RawBatch, int]):
             self.outage_wait_s,
             self._quiet,
             self.on_read,
+            self.complete,
         )

@@ -111,6 +111,9 @@ class FlowConfig:
     #: a fresh start reads only these source partitions (``part_name`` -> first offset),
     #: e.g. the records one publisher delivered; None: every partition from its start
     start_offsets: dict[str, int] | None = None
+    #: a bounded run over input still being written ends, once quiet, only when this says
+    #: nothing more is coming (a live job its caller watches)
+    input_complete: Callable[[], bool] | None = None
     #: the flow's own rows are inserted per table by this many, or after this long
     batch_rows: int = _CLICKHOUSE.batch_rows
     batch_ms: int = _CLICKHOUSE.batch_ms
@@ -463,6 +466,7 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
         outage_wait_s=cfg.outage_wait_s,
         on_read=cfg.on_read,
         start_offsets=cfg.start_offsets,
+        complete=cfg.input_complete,
     )
     raw = op.input("kafka_in", flow, source)
     # RawBatch -> Decoded(records, dead letters)

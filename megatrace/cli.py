@@ -1031,6 +1031,58 @@ def evaluate(
             click.echo(line)
 
 
+@cli.command("lab")
+@click.option("--case", "names", multiple=True, help="Only these cases (default: all).")
+@click.option("--quick", is_flag=True, help="The CI subset: a slow link, a slow rank, a hang, "
+              "a healthy run.")  # fmt: skip
+@click.option("--list", "listing", is_flag=True, help="List the cases and stop.")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    help="Where each case's labelled recording goes (default: <state-dir>/lab-runs).",
+)
+@click.option("--baselines/--no-baselines", default=True, show_default=True)
+@click.option("--cleanup", is_flag=True, help="Remove what a crashed lab left (namespaces, "
+              "links, qdiscs, cgroups) and stop.")  # fmt: skip
+@click.pass_obj
+def lab(obj: _Ctx, names: tuple[str, ...], quick: bool, listing: bool, out: str | None,
+        baselines: bool, cleanup: bool) -> None:  # fmt: skip
+    """Real distributed jobs (Gloo, CPU) on network-namespace nodes, faults injected by
+    the operating system, scored like the simulator (needs root and PyTorch)."""
+    from infra.netlab import LabError
+    from infra.netlab import cleanup as lab_cleanup
+    from megatrace.lab import CASES, QUICK
+
+    state = Path(obj.settings.stack.state_dir) / "lab"
+    if cleanup:
+        removed = lab_cleanup(state)
+        click.echo(f"removed: {', '.join(removed)}" if removed else "nothing to remove")
+        return
+    if listing:
+        for name, c in CASES.items():
+            faults = ", ".join(f"{f.kind} of {f.target}" for f in c.faults) or "healthy"
+            click.echo(f"{name:<24} {c.workload:<9} {c.ranks} ranks, {faults}")
+        return
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise click.ClickException(
+            "the lab runs real PyTorch jobs: pip install torch==2.13.0 (the CPU build)"
+        ) from None
+    from megatrace.lab_run import run_lab, table
+
+    chosen = list(names) or (list(QUICK) if quick else list(CASES))
+    out_dir = Path(out) if out else Path(obj.settings.stack.state_dir) / "lab-runs"
+    t0 = time.monotonic()
+    try:
+        runs = run_lab(obj.settings, chosen, out_dir, click.echo)
+    except LabError as e:
+        raise click.ClickException(str(e)) from None
+    for line in table(runs, baselines):
+        click.echo(line)
+    click.echo(f"\n{len(runs)} cases in {time.monotonic() - t0:.0f} s; recordings in {out_dir}")
+
+
 @cli.group()
 def bench() -> None:
     """Benchmarks that print tables."""

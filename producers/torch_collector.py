@@ -49,7 +49,15 @@ from typing import Any
 
 import msgspec
 
-from schemas.records import Collective, CommInfo, CommProgress, Heartbeat, JobInfo, RankInfo
+from schemas.records import (
+    Collective,
+    CommInfo,
+    CommProgress,
+    Heartbeat,
+    Iteration,
+    JobInfo,
+    RankInfo,
+)
 from schemas.units import TORCH_OP_NAMES, CollOp, CommRole, DType
 
 Sink = Callable[[list[msgspec.Struct]], None]
@@ -60,8 +68,10 @@ _OPS = (
     "reduce",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "all_to_all_single",
     "barrier",
 )
@@ -220,6 +230,8 @@ class Collector:
         self.layout: dict[tuple[int, ...], CommRole] = {}
         self.tp = self.pp = self.dp = 1
         self.step: int | None = None
+        self._marks: deque[Iteration] = deque()  # step markers, from step_done
+        self._last_step_ns = 0
         self.calls = 0
         self._groups: dict[int, _Comm] = {}  # id(process group) -> communicator
         self._pairs: dict[tuple[int, int], _Comm] = {}  # (low, high) global ranks
@@ -246,6 +258,7 @@ class Collector:
         global_batch_size: int = 0,
         micro_batch_size: int = 0,
         gpus_per_node: int | None = None,
+        distributed_optimizer: bool = False,
     ) -> None:
         """The job's parallel layout (Megatron order); rank 0 publishes the job record."""
         dp = dp or self.world // (tp * pp)
@@ -267,6 +280,7 @@ class Collector:
                     micro_batch_size=micro_batch_size,
                     num_microbatches=num_microbatches,
                     gpus_per_node=gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 8)),
+                    distributed_optimizer=distributed_optimizer,
                 )
             )
         stage, rest = divmod(self.rank, tp * dp)
@@ -333,6 +347,8 @@ class Collector:
         op = TORCH_OP_NAMES[name]
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._tls, "inside", False):  # a deprecated name calling its new one
+                return fn(*args, **kwargs)
             group = kwargs.get("group")
             if group is None:
                 group = _positional_group(name, args)
@@ -345,8 +361,12 @@ class Collector:
                 entry[_EV0] = gpu.mark()
             self._pending.append(entry)
             self.calls += 1
-            with self._mark():
-                work = fn(*args, **kwargs)
+            self._tls.inside = True
+            try:
+                with self._mark():
+                    work = fn(*args, **kwargs)
+            finally:
+                self._tls.inside = False
             if work is None or not kwargs.get("async_op", False):
                 _returned(entry, gpu)
                 return work
@@ -479,6 +499,8 @@ class Collector:
     def _drain(self, now: int) -> list[msgspec.Struct]:
         out: list[msgspec.Struct] = self._meta
         self._meta = []
+        while self._marks:  # appended by the training loop: taken one by one
+            out.append(self._marks.popleft())
         keep = []
         pending = self._pending
         for _ in range(len(pending)):  # callers may append meanwhile: take only these
@@ -497,6 +519,20 @@ class Collector:
                 keep.append(e)
         pending.extendleft(reversed(keep))
         return out
+
+    def step_done(self, step: int, now_ns: int | None = None) -> None:
+        """A step hook: iteration ``step`` (the job's own number) just ended. Rank 0's become
+        :class:`~schemas.records.Iteration` markers, the job's iteration clock; every
+        rank's heartbeats say the step it is in."""
+        now = now_ns or time.time_ns()
+        last = self._last_step_ns
+        self._last_step_ns = now
+        self.step = step
+        if self.rank == 0:
+            self._marks.append(
+                Iteration(job=self.job, step=step, end_ns=now, rank=self.rank,
+                          duration_ns=now - last if last else None, source="torch-collector")
+            )  # fmt: skip
 
     def heartbeat(self, now_ns: int | None = None) -> Heartbeat:
         comms = [*self._groups.values(), *self._pairs.values()]
@@ -598,6 +634,13 @@ class _Work:
             self._done()
         return done
 
+    def get_future(self) -> Any:
+        """The work's future; its completion stamps the calls (DDP's communication hooks
+        chain on it and never wait)."""
+        fut = self._work.get_future()
+        fut.add_done_callback(lambda _: self._done())
+        return fut
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
 
@@ -679,6 +722,7 @@ def enable(
     num_layers: int | None = None,
     num_microbatches: int | None = None,
     kernels: bool | None = None,
+    distributed_optimizer: bool = False,
     **kwargs: Any,
 ) -> Collector:
     """Start collecting in this process (after ``init_process_group``); idempotent.
@@ -695,15 +739,32 @@ def enable(
         kernels = env.get("MEGATRACE_KERNELS") == "1"
     col = Collector(job=job, sink=sink or default_sink(), kernels=kernels, **kwargs)
     layout = _megatron_layout() or {}
+    told = (tp, pp, dp, num_layers, num_microbatches)
+    if (
+        not layout
+        and all(x is None for x in told)
+        and not any(k in env for k in ("MEGATRACE_TP", "MEGATRACE_PP", "MEGATRACE_DP"))
+    ):  # nobody said: the job record claims no layout (the analysis learns it)
+        col.declare(tp=1, pp=1, dp=1)
+        _active = col.install()
+        return col
     col.declare(
         tp=tp or int(env.get("MEGATRACE_TP", layout.get("tp", 1))),
         pp=pp or int(env.get("MEGATRACE_PP", layout.get("pp", 1))),
         dp=dp or (int(env["MEGATRACE_DP"]) if "MEGATRACE_DP" in env else None),
         num_layers=num_layers or int(env.get("MEGATRACE_LAYERS", 0)),
         num_microbatches=num_microbatches or int(env.get("MEGATRACE_MICROBATCHES", 1)),
+        distributed_optimizer=distributed_optimizer,
     )
     _active = col.install()
     return col
+
+
+def step(n: int) -> None:
+    """The step hook of the active collector (a no-op when none is enabled): call it at the
+    end of every training iteration with the job's own number for it."""
+    if _active is not None:
+        _active.step_done(n)
 
 
 def disable() -> None:

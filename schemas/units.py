@@ -233,6 +233,8 @@ class Phase(StrEnum):
 class VerdictKind(StrEnum):
     HANG = "hang"
     SLOWDOWN = "slowdown"
+    #: one rank slower for a few steps, then back: its culprit, steps and time lost
+    TRANSIENT_STRAGGLER = "transient_straggler"
     INTERMITTENT_SLOWDOWN = "intermittent_slowdown"
     LINK_DEGRADATION = "link_degradation"
 

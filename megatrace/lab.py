@@ -1,0 +1,334 @@
+"""``megatrace lab``: real distributed jobs, faults the operating system injects, scored
+like the simulator.
+
+Each case runs a real training job (:mod:`producers.lab.job`: DDP, sharded data
+parallelism, Megatron-style TP x PP x DP, and a job shaped like nothing megatrace
+knows) on lab "nodes", network namespaces joined by a bridge (:mod:`infra.netlab`),
+with the PyTorch collector in every rank and a node agent per node, through the local
+broker and the dataflow into ClickHouse: the production path. Faults come from
+outside the job: ``tbf`` on a node's link, a cgroup CPU quota on a rank or on a node's
+ranks (for good, or for a few seconds), ``SIGSTOP``, ``SIGKILL``; each is injected
+when rank 0 reaches a given step, and its label (kind, culprit, onset time) is written
+from what was done. The verdicts the flow stored are scored with
+:mod:`detectors.scoring`, beside the peers' rules; every case is also kept as a
+labelled recording (``records.jsonl``, ``labels.jsonl``) for ``megatrace eval --corpus``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from infra.netlab import NetLab, Node
+from schemas.records import FaultLabel, Iteration, Verdict
+from schemas.units import Cause, VerdictKind
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: what, on whom (a rank, or a node's index), from which step of rank 0."""
+
+    kind: str  # slow_link | slow_rank | slow_node | hang | kill | transient
+    target: int
+    at_step: int = 12
+    lasts_s: float = 3.0  # a transient straggler's quota is lifted after this long
+    cpus: float = 0.1  # the CPU quota of a slow rank or node
+    rate_mbit: float = 60.0  # a slow link's rate
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    workload: str
+    ranks: int = 4
+    nodes: int = 2
+    steps: int = 80
+    faults: tuple[Fault, ...] = ()
+
+    @property
+    def per_node(self) -> int:
+        return self.ranks // self.nodes
+
+
+def _cases() -> list[Case]:
+    out = []
+    for wl, ranks, steps in (
+        ("ddp", 4, 90),
+        ("zero", 4, 90),
+        ("custom", 4, 90),
+        ("megatron", 8, 45),
+    ):
+        at = 12 if wl != "megatron" else 8
+        out += [
+            Case(f"{wl}-healthy", wl, ranks, steps=steps),
+            Case(f"{wl}-slow-link", wl, ranks, steps=steps, faults=(Fault("slow_link", 1, at),)),
+            Case(f"{wl}-slow-rank", wl, ranks, steps=steps, faults=(Fault("slow_rank", 1, at),)),
+            Case(f"{wl}-hang", wl, ranks, steps=steps, faults=(Fault("hang", 2, at),)),
+        ]
+        if wl in ("ddp", "megatron"):
+            out += [
+                Case(
+                    f"{wl}-slow-node",
+                    wl,
+                    ranks,
+                    steps=steps,
+                    faults=(Fault("slow_node", 1, at, cpus=0.25),),
+                ),
+                Case(f"{wl}-killed", wl, ranks, steps=steps, faults=(Fault("kill", 3, at),)),
+                Case(
+                    f"{wl}-transient",
+                    wl,
+                    ranks,
+                    steps=steps,
+                    faults=(Fault("transient", 1, at, lasts_s=2.0),),
+                ),
+                Case(
+                    f"{wl}-link-and-rank",
+                    wl,
+                    ranks,
+                    steps=steps,
+                    faults=(Fault("slow_link", 0, at), Fault("slow_rank", 3, at)),
+                ),
+            ]
+    return out
+
+
+CASES: dict[str, Case] = {c.name: c for c in _cases()}
+#: the subset CI runs: a slow link, a slow rank, a hang and a healthy run
+QUICK = ("ddp-healthy", "ddp-slow-link", "ddp-slow-rank", "ddp-hang")
+#: how long a hung job is left hung before the lab ends it
+HANG_S = 8.0
+
+
+@dataclass
+class Injected:
+    fault: Fault
+    onset_ns: int
+    ended_ns: int | None = None
+
+
+@dataclass
+class CaseRun:
+    """What one case did and what came of it."""
+
+    case: Case
+    job: str
+    injected: list[Injected] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+    labels: list[FaultLabel] = field(default_factory=list)
+    marks: list[Iteration] = field(default_factory=list)
+    records: list[Any] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str = ""
+
+
+class Ranks:
+    """A case's rank processes, inside their nodes."""
+
+    def __init__(
+        self,
+        case: Case,
+        nodes: list[Node],
+        job: str,
+        run_dir: Path,
+        port: int,
+        sockets: dict[int, Path],
+    ) -> None:
+        self.case, self.nodes, self.run_dir = case, nodes, run_dir
+        self.progress = run_dir / "progress"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for r in range(case.ranks):
+            node = nodes[r // case.per_node]
+            env = {
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": str(case.ranks),
+                "MASTER_ADDR": nodes[0].ip,
+                "MASTER_PORT": str(port),
+                "GLOO_SOCKET_IFNAME": node.dev,
+                "LOCAL_RANK": str(r % case.per_node),
+                "LOCAL_WORLD_SIZE": str(case.per_node),
+                "MEGATRACE_NODE": node.name,
+                "MEGATRACE_AGENT__SOCKET": str(sockets[node.index]),
+            }
+            log = open(run_dir / f"rank{r}.log", "wb")  # noqa: SIM115
+            argv = [
+                sys.executable,
+                "-m",
+                "producers.lab.job",
+                "--workload",
+                case.workload,
+                "--job",
+                job,
+                "--steps",
+                str(case.steps),
+                "--progress",
+                str(self.progress),
+            ]
+            self.procs.append(
+                subprocess.Popen(node.exec(*argv), env=env, stdout=log, stderr=subprocess.STDOUT)
+            )
+            log.close()
+
+    def step(self) -> int:
+        try:
+            return int(self.progress.read_text())
+        except (OSError, ValueError):
+            return -1
+
+    def wait_step(self, step: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.step() >= step:
+                return True
+            if all(p.poll() is not None for p in self.procs):
+                return False
+            time.sleep(0.02)
+        return False
+
+    def pids(self, ranks: list[int]) -> list[int]:
+        return [self.procs[r].pid for r in ranks]
+
+    def node_ranks(self, node: int) -> list[int]:
+        n = self.case.per_node
+        return list(range(node * n, (node + 1) * n))
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.1, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                NetLab.signal(p.pid, signal.SIGCONT)  # a stopped process must run to die
+                NetLab.signal(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            p.wait(30)
+
+
+def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
+    """Each fault of the case, at its step; then the job to its end (a hung one is ended
+    after :data:`HANG_S`)."""
+    ends: list[Callable[[], None]] = []
+    hang_at: float | None = None
+    for i, f in enumerate(case.faults):
+        if not ranks.wait_step(f.at_step, timeout_s=300):
+            break
+        inj = Injected(f, time.time_ns())
+        out.append(inj)
+        if f.kind == "slow_link":
+            node = lab.nodes[f.target]
+            lab.limit_link(node, f.rate_mbit)
+            ends.append(lambda node=node: lab.clear_link(node))
+        elif f.kind in ("slow_rank", "slow_node", "transient"):
+            who = [f.target] if f.kind != "slow_node" else ranks.node_ranks(f.target)
+            group = lab.cgroup(f"{case.name[:20]}-{i}", ranks.pids(who))
+            lab.quota(group, f.cpus)
+            if f.kind == "transient":
+                time.sleep(f.lasts_s)
+                lab.quota(group, None)
+                inj.ended_ns = time.time_ns()
+            else:
+                ends.append(lambda group=group: lab.quota(group, None))
+        elif f.kind == "hang":
+            NetLab.signal(ranks.pids([f.target])[0], signal.SIGSTOP)
+            hang_at = time.monotonic()
+        elif f.kind == "kill":
+            NetLab.signal(ranks.pids([f.target])[0], signal.SIGKILL)
+            hang_at = time.monotonic()
+    if hang_at is not None:  # the job cannot go on: leave it hung a while, then end it
+        time.sleep(max(0.0, HANG_S - (time.monotonic() - hang_at)))
+        ranks.kill()
+    ranks.wait(timeout_s=60 + 4 * case.steps)
+    for end in ends:
+        end()
+
+
+# --------------------------------------------------------------------------- labels
+
+
+def labels_of(run: CaseRun, nodes: list[Node]) -> list[FaultLabel]:
+    """The ground truth, from what was injected and the job's own step markers."""
+    marks = sorted(run.marks, key=lambda m: m.end_ns)
+    out = []
+    for i, inj in enumerate(run.injected):
+        f = inj.fault
+        onset_step = next((m.step for m in marks if m.end_ns >= inj.onset_ns), f.at_step)
+        per_node = run.case.per_node
+        common: dict[str, Any] = {}
+        if f.kind == "slow_link":
+            kind, cause = VerdictKind.LINK_DEGRADATION, Cause.NETWORK_LINK
+            common["node"] = nodes[f.target].name
+        elif f.kind == "slow_node":
+            kind, cause = VerdictKind.SLOWDOWN, Cause.HOST_CPU
+            common["node"] = nodes[f.target].name
+        else:
+            kind = {
+                "slow_rank": VerdictKind.SLOWDOWN,
+                "transient": VerdictKind.TRANSIENT_STRAGGLER,
+                "hang": VerdictKind.HANG,
+                "kill": VerdictKind.HANG,
+            }[f.kind]
+            cause = Cause.COMPUTE
+            common.update(rank=f.target, node=nodes[f.target // per_node].name)
+        out.append(
+            FaultLabel(
+                job=run.job,
+                fault_id=f"{run.case.name}-{i}",
+                kind=kind,
+                cause=cause,
+                onset_step=onset_step,
+                onset_ns=inj.onset_ns,
+                magnitude=f.cpus if "slow" in f.kind or f.kind == "transient" else 0.0,
+                throughput_cost=1.0 if kind is VerdictKind.HANG else _cost(marks, inj),
+                note=f"{f.kind} from step {f.at_step} of rank 0",
+                **common,
+            )
+        )
+    return out
+
+
+def _cost(marks: list[Iteration], inj: Injected) -> float:
+    """The throughput the fault cost: 1 - the step time before it / the step time during it."""
+    durations = [(m.end_ns, m.duration_ns) for m in marks if m.duration_ns]
+    before = [d for t, d in durations if t < inj.onset_ns][-10:]
+    end = inj.ended_ns or (1 << 62)
+    during = [d for t, d in durations if inj.onset_ns < t <= end + 10**9]
+    if not before or not during:
+        return 0.0
+    return float(max(0.0, 1 - np.median(before) / np.median(during)))
+
+
+def step_ns(marks: list[Iteration]) -> float:
+    """The job's usual step time (its median), from its markers."""
+    d = [m.duration_ns for m in marks if m.duration_ns]
+    return float(np.median(d)) if d else 0.0
+
+
+__all__ = [
+    "CASES",
+    "QUICK",
+    "Case",
+    "CaseRun",
+    "Fault",
+    "Injected",
+    "Ranks",
+    "inject",
+    "labels_of",
+    "step_ns",
+]
