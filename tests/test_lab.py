@@ -1,0 +1,153 @@
+"""The fault lab: each injector does to a real job what it says, measured on the job's own
+records, and the lab leaves nothing behind. Needs root, iproute2, cgroup v1 and torch."""
+
+from __future__ import annotations
+
+import subprocess
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from infra.netlab import CGROUP_ROOT, NetLab, cleanup, missing
+from schemas.config import Settings
+
+torch = pytest.importorskip("torch", reason="the lab runs real PyTorch jobs: pip install torch")
+why = missing()
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(why is not None, reason=why or "")]
+
+
+def _netns() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _leftovers(prefix: str) -> list[str]:
+    ns = [n for n in _netns() if n.startswith(f"{prefix}-")]
+    groups = [p.name for c in ("cpu", "freezer") for p in (CGROUP_ROOT / c).glob(f"{prefix}-*")]
+    return ns + groups
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, broker, clickhouse_url: str):
+    """The CI subset and a killed rank, through the real broker and ClickHouse."""
+    from infra.clickhouse import connect, init_db
+    from megatrace.lab import QUICK
+    from megatrace.lab_run import run_lab
+    from schemas.config import load_settings
+
+    state = tmp_path_factory.mktemp("lab")
+    init_db(connect(clickhouse_url), "lab", retention_days=0)
+    settings: Settings = load_settings(
+        overrides={
+            "kafka": {"bootstrap_servers": broker.bootstrap, "partitions": 2},
+            "clickhouse": {"url": clickhouse_url, "database": "lab", "retention_days": 0},
+            "stack": {"state_dir": str(state)},
+        }
+    )
+    done = run_lab(settings, [*QUICK, "ddp-killed"], state / "runs", print)
+    assert _leftovers("mtlab") == [], "the lab left namespaces or cgroups behind"
+    return {r.case.name: r for r in done}
+
+
+def _transfers(run, node_ranks: set[int]) -> tuple[float, float]:
+    """Median transfer time (end after the last member came) of the job's collectives
+    spanning ``node_ranks``, before and after the fault."""
+    from schemas.records import Collective
+
+    onset = run.injected[0].onset_ns
+    inst: dict[tuple[int, int], list[Collective]] = defaultdict(list)
+    for r in run.records:
+        if isinstance(r, Collective) and r.end_ns is not None and not r.op.is_p2p:
+            inst[(r.comm_hash, r.seq)].append(r)
+    before, after = [], []
+    for members in inst.values():
+        if len(members) != members[0].comm_size or not {m.rank for m in members} & node_ranks:
+            continue
+        last = max(m.enqueue_ns for m in members)
+        x = max(m.end_ns for m in members) - last
+        (after if last > onset + 500_000_000 else before if last < onset else []).append(x)
+    return float(np.median(before)), float(np.median(after))
+
+
+def test_a_limited_link_makes_the_jobs_transfers_slower(runs) -> None:
+    run = runs["ddp-slow-link"]
+    before, after = _transfers(run, node_ranks={2, 3})  # node 1's ranks
+    assert after > 3 * before, (before, after)
+
+
+def test_a_cpu_quota_makes_the_rank_late_for_its_collectives(runs) -> None:
+    """DDP's calls overlap (its buckets are reduced while the backward pass goes on), so a
+    rank's compute shows as how late it arrives at each collective: the throttled rank's
+    lateness grows and it becomes the one the others wait for."""
+    from schemas.records import Collective
+
+    run = runs["ddp-slow-rank"]
+    onset = run.injected[0].onset_ns
+    inst: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)
+    for r in run.records:
+        if isinstance(r, Collective) and not r.op.is_p2p:
+            inst[(r.comm_hash, r.seq)][r.rank] = r.enqueue_ns
+    late: dict[str, dict[int, list[int]]] = {
+        "before": defaultdict(list),
+        "after": defaultdict(list),
+    }
+    for arrivals in inst.values():
+        if len(arrivals) < 4:
+            continue
+        first = min(arrivals.values())
+        phase = "before" if first < onset else "after" if first > onset + 500_000_000 else ""
+        for rank, t in arrivals.items() if phase else ():
+            late[phase][rank].append(t - first)
+    mean = {p: {r: float(np.mean(v)) for r, v in ranks.items()} for p, ranks in late.items()}
+    assert mean["after"][1] > 3 * mean["before"][1], mean
+    assert all(mean["after"][1] > 3 * mean["after"][r] for r in (0, 2, 3)), mean
+
+
+def test_a_stopped_rank_goes_silent_while_the_others_go_on(runs) -> None:
+    """SIGSTOP and SIGKILL: nothing from the rank from soon after the fault until the lab
+    ends the job (a stopped rank is continued just before it is killed). The others of a
+    stopped rank wait and keep beating; a killed rank's peers lose their connections to it
+    and fail, as Gloo does."""
+    from megatrace.lab import HANG_S
+    from schemas.records import Collective, Heartbeat
+
+    for name, rank in (("ddp-hang", 2), ("ddp-killed", 3)):
+        run = runs[name]
+        onset = run.injected[0].onset_ns
+        quiet = (onset + 300_000_000, onset + int((HANG_S - 1) * 1e9))
+        times = [
+            (r.rank, r.ts_ns if isinstance(r, Heartbeat) else r.enqueue_ns)
+            for r in run.records
+            if isinstance(r, Heartbeat | Collective)
+        ]
+        mine = [t for r, t in times if r == rank and quiet[0] < t < quiet[1]]
+        others = [t for r, t in times if r != rank and quiet[0] < t < quiet[1]]
+        assert mine == [], (name, [(t - onset) / 1e9 for t in mine[:5]])
+        if name == "ddp-hang":
+            assert others and max(others) > onset + 2_000_000_000
+
+
+def test_the_lab_writes_labels_from_what_it_did_and_keeps_recordings(runs, tmp_path) -> None:
+    from schemas.codec import read_jsonl
+
+    healthy, slow = runs["ddp-healthy"], runs["ddp-slow-rank"]
+    assert healthy.labels == [] and len(healthy.marks) == healthy.case.steps
+    (label,) = slow.labels
+    assert (label.kind.value, label.rank, label.node) == ("slowdown", 1, "lab-n0")
+    assert label.onset_ns == slow.injected[0].onset_ns and label.throughput_cost > 0.3
+    from megatrace.lab_run import save
+
+    save(slow, tmp_path / "rec")
+    assert list(read_jsonl(tmp_path / "rec" / "labels.jsonl")) == slow.labels
+    assert sum(1 for _ in read_jsonl(tmp_path / "rec" / "records.jsonl")) == len(slow.records)
+
+
+def test_cleanup_removes_what_a_crashed_lab_left(tmp_path) -> None:
+    lab = NetLab(tmp_path, nodes=2, prefix="mtcrash")
+    lab.up()
+    group = lab.cgroup("x", [])
+    assert {n.ns for n in lab.nodes} <= _netns() and (CGROUP_ROOT / "cpu" / group).exists()
+    # the process died here: nothing removed but what the state file lists
+    removed = cleanup(tmp_path, prefix="mtcrash")
+    assert _leftovers("mtcrash") == [] and removed
