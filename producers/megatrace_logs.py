@@ -17,22 +17,25 @@ What the logs do not say is inferred, and every inference is reported
 - point-to-point peers (the logs have none): from Megatron's 1F1B order on the
   rank's pipeline stage, the n-th Send of a step goes down after a forward and
   up after a backward; they go on a two-rank communicator per pair of ranks;
-- without ``groupHash``, collectives' communicators: calls with the rank's
-  recurring element count are tensor-parallel (several per micro-batch), the
-  others data-parallel; members come from Megatron's rank layout, and
-  sequence numbers from the order of calls (stream pointers are per process,
-  so they only separate a rank's own streams);
+- without ``groupHash``, collectives' communicators: PyTorch gives every process
+  group its own NCCL stream, so a rank's calls on one stream are one communicator's.
+  Stream pointers are per process, so which communicator a stream is comes from what
+  it carries, over the rank's first :data:`LEARN_CALLS` collectives: with tensor
+  parallelism the stream with the most calls is the tensor-parallel group's (it has
+  several per micro-batch), with data parallelism the one with the largest call of the
+  rest the data-parallel group's; members of those come from Megatron's rank layout.
+  Any other stream is a communicator of the ranks whose stream begins with the same
+  calls (all of them: the world); a rank's second stream beginning alike, by its first
+  call, goes with the others' second. A rank that logs all its collectives on one stream
+  falls back to sizes: its most frequent element count is tensor-parallel, the others
+  data-parallel. Sequence numbers come from the order of calls;
 - with ``groupHash``, a communicator's role comes from the ranks that use it.
 
->>> line = "[save_count 2] [1718000000.000000500] [Rank 3] Fun Send Data 1024 stream 0x1a"
->>> c = parse_line(line)
->>> c.ts_ns, c.rank, c.op.value, c.count, c.stream, c.group_hash
-(1718000000000000500, 3, 'Send', 1024, 26, None)
+The line format itself is :mod:`producers.megatrace_lines`.
 """
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -40,75 +43,20 @@ from dataclasses import dataclass, field
 import msgspec
 
 from detectors.topology import one_f_one_b
-from producers.megatron_config import ConfigFormatError, MegatronConfig
+from producers.megatrace_lines import CallLine, LogFormatError
+from producers.megatron_config import MegatronConfig
 from producers.torch_collector import comm_hash, megatron_groups
 from schemas.records import Collective, CommInfo
 from schemas.units import DTYPE_BYTES, CollOp, CommRole
 
-
-class LogFormatError(ConfigFormatError):
-    """A line or file that is not in the MEGATRACE format (with the file and line)."""
-
-
-_LINE = re.compile(
-    r"^(?:\[save_count \d+\]\s+)?\[(?P<sec>\d+)\.(?P<frac>\d+)\]\s+\[Rank (?P<rank>\d+)\]\s+"
-    r"Fun (?P<fun>\w+)\s+Data (?P<data>\d+)\s+stream (?P<stream>\S+)"
-    r"(?:\s+opCount (?P<opc>\S+))?(?:\s+groupHash (?P<gh>-?\d+))?\s*$"
-)
-_FUNCS = {op.value: op for op in CollOp}
-
-
-@dataclass(frozen=True)
-class CallLine:
-    ts_ns: int
-    rank: int
-    op: CollOp
-    count: int
-    stream: int
-    op_count: int | None
-    group_hash: int | None
-
-
-def parse_line(line: str) -> CallLine:
-    m = _LINE.match(line.strip())
-    if m is None:
-        raise LogFormatError(f"not a MEGATRACE call line: {line.strip()[:120]!r}")
-    fun = m["fun"]
-    if fun not in _FUNCS:
-        raise LogFormatError(f"unknown NCCL function {fun!r} (known: {', '.join(_FUNCS)})")
-    frac = (m["frac"] + "000000000")[:9]
-    stream = m["stream"]
-    gh = m["gh"]
-    return CallLine(
-        ts_ns=int(m["sec"]) * 1_000_000_000 + int(frac),
-        rank=int(m["rank"]),
-        op=_FUNCS[fun],
-        count=int(m["data"]),
-        stream=int(stream, 16) if stream.lower().startswith("0x") else int(stream),
-        op_count=int(m["opc"], 0) if m["opc"] is not None else None,
-        group_hash=int(gh) & (2**64 - 1) if gh is not None else None,
-    )
-
-
-def format_line(
-    c: Collective, *, stream: int, save_count: int | None = None, ids: bool = True
-) -> str:
-    """A record as the original tool would have logged it (for interop tests).
-
-    ``ids=False`` writes the older variant without opCount/groupHash.
-    """
-    sec, ns = divmod(c.enqueue_ns, 1_000_000_000)
-    head = f"[save_count {save_count}] " if save_count is not None else ""
-    line = (
-        f"{head}[{sec}.{ns:09d}] [Rank {c.rank}] Fun {c.op.value} Data {c.count} stream {stream:#x}"
-    )
-    if ids:
-        signed = c.comm_hash - 2**64 if c.comm_hash >= 2**63 else c.comm_hash
-        line += f" opCount {c.seq} groupHash {signed}"
-    return line
-
-
 # --------------------------------------------------------------------------- reader
+
+
+#: a rank's collective calls read before its streams are told apart (a few iterations of
+#: any training program, so that its most frequent communicator shows)
+LEARN_CALLS = 512
+#: the calls that make a stream's signature (ranks whose streams begin alike share it)
+_SIGNATURE_CALLS = 8
 
 
 @dataclass
@@ -118,7 +66,11 @@ class _RankState:
     seq: dict[int, int] = field(default_factory=dict)  # inferred comm -> next seq
     p2p_seq: dict[tuple[int, int], int] = field(default_factory=dict)
     buffered: list[CallLine] = field(default_factory=list)
-    tp_count: int | None = None
+    #: stream -> its communicator's role, once told apart; {} when one stream has them all
+    roles: dict[int, CommRole] | None = None
+    #: stream -> how it begins (its communicator's members are the ranks beginning alike)
+    signatures: dict[int, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    tp_count: int | None = None  # one stream for all collectives: the TP group's size
 
 
 class MegatraceLogReader:
@@ -145,8 +97,12 @@ class MegatraceLogReader:
         self._pending_groups: dict[int, list[Collective]] = {}
         self._comm_sizes: dict[int, tuple[int, dict[int, int]]] = {}
         self._meta_done = False
-        per_node = 2 * (config.num_layers // config.pp) * (2 if config.sequence_parallel else 1)
-        self._tp_per_node = max(per_node, 1)
+        #: calls on streams whose communicator waits for every rank's streams to be known
+        self._held: list[CallLine] = []
+        #: signature -> (communicator, role, members) once every rank's streams are known
+        self._others: dict[tuple[tuple[str, int], ...], tuple[int, CommRole, tuple[int, ...]]]
+        self._others = {}
+        self._others_settled = False
 
     # ------------------------------------------------------------------ helpers
     def node(self, rank: int) -> str:
@@ -246,19 +202,77 @@ class MegatraceLogReader:
 
     def _inferred_collective(self, c: CallLine, st: _RankState) -> list[msgspec.Struct]:
         cfg = self.cfg
-        if cfg.tp > 1 and cfg.dp > 1:
-            role = CommRole.TP if c.count == st.tp_count else CommRole.DP
+        role = st.roles.get(c.stream) if st.roles else None
+        if role is CommRole.OTHER:
+            if not self._others_settled:
+                self._held.append(c)
+                return []
+            h, role, members = self._others[st.signatures[c.stream]]
+            how = "the ranks whose streams begin alike"
+            self.inferred[f"{role.value} communicator from {how}"] += 1
         else:
-            role = CommRole.TP if cfg.tp > 1 else CommRole.DP if cfg.dp > 1 else CommRole.WORLD
-        members = (
-            tuple(range(cfg.world_size)) if role == CommRole.WORLD else self._members(c.rank, role)
-        )
-        h = comm_hash(f"inferred-{role.value}", members)
+            if role is None and cfg.tp > 1 and cfg.dp > 1:
+                role = CommRole.TP if c.count == st.tp_count else CommRole.DP
+            elif role is None:
+                role = CommRole.TP if cfg.tp > 1 else CommRole.DP if cfg.dp > 1 else CommRole.WORLD
+            members = (
+                tuple(range(cfg.world_size))
+                if role == CommRole.WORLD
+                else self._members(c.rank, role)
+            )
+            h = comm_hash(f"inferred-{role.value}", members)
+            how = "its stream" if st.roles else "the rank layout and call sizes"
+            self.inferred[f"{role.value} communicator from {how}"] += 1
         seq = st.seq.get(h, 0)
         st.seq[h] = seq + 1
-        self.inferred[f"{role.value} communicator from the rank layout and call sizes"] += 1
         out = self._comm(h, members, role, c.ts_ns, inferred=True)
         return [*out, self._record(c, h, len(members), members.index(c.rank), seq)]
+
+    def _tell_streams(self, st: _RankState) -> None:
+        """Which communicator each of a rank's streams is, from what its buffered calls
+        carry (see the module docstring)."""
+        streams: dict[int, list[CallLine]] = {}
+        for b in st.buffered:
+            streams.setdefault(b.stream, []).append(b)
+        if len(streams) == 1:
+            st.roles = {}
+            st.tp_count = Counter(b.count for b in st.buffered).most_common(1)[0][0]
+            return
+        rest = sorted(streams, key=lambda s: len(streams[s]), reverse=True)
+        roles: dict[int, CommRole] = {}
+        if self.cfg.tp > 1:
+            roles[rest.pop(0)] = CommRole.TP
+        if self.cfg.dp > 1 and rest:
+            dp = max(rest, key=lambda s: max(b.count for b in streams[s]))
+            roles[dp] = CommRole.DP
+            rest.remove(dp)
+        seen: Counter[tuple[tuple[str, int], ...]] = Counter()
+        for s in sorted(rest, key=lambda s: streams[s][0].ts_ns):
+            roles[s] = CommRole.OTHER
+            begins = tuple((b.op.value, b.count) for b in streams[s][:_SIGNATURE_CALLS])
+            # a rank's second stream that begins alike is another communicator's
+            st.signatures[s] = (*begins, ("#", seen[begins]))
+            seen[begins] += 1
+        st.roles = roles
+
+    def _settle_others(self) -> list[msgspec.Struct]:
+        """Once every rank's streams are known: the other streams' communicators (the ranks
+        whose streams begin alike), and the calls held for them, in order."""
+        self._others_settled = True
+        by_sig: dict[tuple[tuple[str, int], ...], set[int]] = {}
+        for rank, st in self._ranks.items():
+            for sig in st.signatures.values():
+                by_sig.setdefault(sig, set()).add(rank)
+        for sig, ranks in by_sig.items():
+            members = tuple(sorted(ranks))
+            role = CommRole.WORLD if len(members) == self.cfg.world_size else CommRole.OTHER
+            h = comm_hash(f"inferred-{role.value}-{sig!r}", members)
+            self._others[sig] = (h, role, members)
+        out: list[msgspec.Struct] = []
+        held, self._held = self._held, []
+        for c in held:
+            out += self._inferred_collective(c, self._ranks[c.rank])
+        return out
 
     def _hashed_collective(self, c: CallLine) -> list[msgspec.Struct]:
         assert c.group_hash is not None and c.op_count is not None
@@ -301,21 +315,26 @@ class MegatraceLogReader:
                 out += self._p2p(c, st)
             elif c.group_hash is not None and c.op_count is not None:
                 out += self._hashed_collective(c)
-            elif st.tp_count is None and self.cfg.tp > 1 and self.cfg.dp > 1:
-                st.buffered.append(c)  # learn this rank's recurring (TP) size first
-                if len(st.buffered) >= 2 * self._tp_per_node:
+            elif st.roles is None and (self.cfg.tp > 1 or self.cfg.dp > 1):
+                st.buffered.append(c)  # learn which stream is which communicator first
+                if len(st.buffered) >= LEARN_CALLS:
                     out += self._release(st)
             else:
                 out += self._inferred_collective(c, st)
         return out
 
     def _release(self, st: _RankState) -> list[msgspec.Struct]:
-        counts = Counter(b.count for b in st.buffered)
-        st.tp_count = counts.most_common(1)[0][0]
+        self._tell_streams(st)
         out: list[msgspec.Struct] = []
         for b in st.buffered:
             out += self._inferred_collective(b, st)
         st.buffered = []
+        if (
+            not self._others_settled
+            and len(self._ranks) == self.cfg.world_size
+            and all(r.roles is not None for r in self._ranks.values())
+        ):
+            out += self._settle_others()
         return out
 
     def finish(self) -> list[msgspec.Struct]:
@@ -324,9 +343,11 @@ class MegatraceLogReader:
         for st in self._ranks.values():
             if st.buffered:
                 out += self._release(st)
+        if not self._others_settled:
+            out += self._settle_others()
         for h in list(self._pending_groups):
             out += self._settle(h, 0, final=True)
         return out
 
 
-__all__ = ["CallLine", "LogFormatError", "MegatraceLogReader", "format_line", "parse_line"]
+__all__ = ["MegatraceLogReader"]

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import msgspec
 
-from producers.megatrace_logs import CallLine, LogFormatError, MegatraceLogReader, parse_line
+from producers.megatrace_lines import CallLine, LogFormatError, parse_line
+from producers.megatrace_logs import MegatraceLogReader
 from producers.megatron_config import (
     ConfigFormatError,
     MegatronConfig,

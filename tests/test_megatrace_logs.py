@@ -8,15 +8,18 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 
 from megatrace.cli import cli
-from producers.megatrace_logs import MegatraceLogReader, format_line
+from producers.megatrace_lines import format_line
+from producers.megatrace_logs import MegatraceLogReader
 from producers.megatrace_run import follow_dir, import_dir
 from producers.megatron_config import read_megatron_config
 from producers.sim.scenarios import build
 from schemas.records import Collective, CommInfo, LinkSample
+from schemas.units import CollOp
 from tests.helpers import latest_verdicts, megatron_args
 
 CSV_HEADER = (
@@ -32,15 +35,33 @@ def slow_run():
     return run, records
 
 
-def write_logs(run, records, directory: Path, *, ids: bool, save_count: bool) -> Path:
+def write_logs(
+    run, records, directory: Path, *, ids: bool, save_count: bool, streams: str = "process"
+) -> Path:
+    """The records as the original tool logs them. ``streams``: "process", one stream for a
+    rank's collectives and one for its transfers; "group", a stream per communicator as
+    PyTorch gives each process group, and a loss all-reduce of the world after every
+    data-parallel call on a stream of its own (as Megatron's training loop does)."""
     directory.mkdir()
     sp = run.spec
     colls = sorted((r for r in records if isinstance(r, Collective)), key=lambda r: r.enqueue_ns)
+    dp_comms = {r.comm_hash for r in records if isinstance(r, CommInfo) and r.role.value == "dp"}
     by_rank: dict[int, list[str]] = {}
+    world = 0
     for i, c in enumerate(colls):
-        stream = 0x7F00_0000 + 0x100 * c.rank + (1 if c.op.is_p2p else 0)  # per process
+        base = 0x7F00_0000 + 0x100 * c.rank  # stream pointers are per process
+        if streams == "process":
+            stream = base + (1 if c.op.is_p2p else 0)
+        else:
+            stream = base + 2 + c.comm_hash % 97
         line = format_line(c, stream=stream, save_count=i if save_count else None, ids=ids)
         by_rank.setdefault(c.rank, []).append(line)
+        if streams == "group" and c.comm_hash in dp_comms:
+            loss = msgspec.structs.replace(
+                c, op=CollOp.ALL_REDUCE, count=1, seq=world, comm_hash=0x5EED
+            )
+            by_rank[c.rank].append(format_line(loss, stream=base + 1, ids=ids))
+            world += c.rank == 0
     for rank, lines in by_rank.items():
         (directory / f"rank_{rank}.log").write_text("\n".join(lines) + "\n")
     rows = [CSV_HEADER]
@@ -57,21 +78,28 @@ def write_logs(run, records, directory: Path, *, ids: bool, save_count: bool) ->
 
 
 @pytest.mark.parametrize(
-    ("ids", "save_count"), [(True, True), (True, False), (False, True), (False, False)]
-)
+    ("ids", "save_count", "streams"),
+    [(True, True, "process"), (True, False, "group"), (False, True, "process"),
+     (False, False, "group")],
+)  # fmt: skip
 def test_importing_megatrace_logs_names_the_slow_rank(
-    slow_run, tmp_path: Path, ids: bool, save_count: bool
+    slow_run, tmp_path: Path, ids: bool, save_count: bool, streams: str
 ) -> None:
     run, records = slow_run
-    config = write_logs(run, records, tmp_path / "logs", ids=ids, save_count=save_count)
+    config = write_logs(
+        run, records, tmp_path / "logs", ids=ids, save_count=save_count, streams=streams
+    )
     out = tmp_path / "records.jsonl"
     runner = CliRunner()
     args = ["import", "megatrace-logs", str(tmp_path / "logs"), "--config", str(config)]
     res = runner.invoke(cli, [*args, "--job", "mt-logs", "--to", str(out)])
     assert res.exit_code == 0, res.output
     assert "inferred: point-to-point peer from the 1F1B order" in res.output
-    if not ids:
+    if not ids and streams == "process":
         assert "inferred: tp communicator from the rank layout and call sizes" in res.output
+    elif not ids:
+        assert "inferred: tp communicator from its stream" in res.output
+        assert "inferred: world communicator from the ranks whose streams begin" in res.output
     res = runner.invoke(cli, ["analyze", str(out), "--json"])
     assert res.exit_code == 0, res.output
     verdicts = latest_verdicts(res.output)
@@ -224,7 +252,7 @@ def test_a_run_directory_imports_as_the_tool_leaves_it(slow_run, tmp_path: Path)
     ids=["neither", "opCount-save_count", "opCount", "both", "send"],
 )
 def test_every_call_line_variant_parses(line: str) -> None:
-    from producers.megatrace_logs import parse_line
+    from producers.megatrace_lines import parse_line
 
     c = parse_line(line)
     assert c.rank in (2, 4) and c.ts_ns > 1.7e18 and c.stream > 0
