@@ -31,11 +31,12 @@ import numpy as np
 from detectors import texts
 from detectors.align import Instance, Key, aligned_record
 from detectors.changepoint import ShiftDetector
+from detectors.folder import StepFolder
 from detectors.fusion import VerdictBook
 from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang
 from detectors.links import LinkEvent, LinkMonitor
 from detectors.node import NodeAnalyzer, NodeDigest
-from detectors.parts import CommProgress, EdgeThroughput, StuckProxies
+from detectors.parts import CommProgress, CommSchedule, EdgeThroughput, ScheduleBook, StuckProxies
 from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepAssembler, StepPart, StepReport
 from detectors.topology import Topology
@@ -43,8 +44,10 @@ from schemas.codec import encode
 from schemas.config import DetectSettings
 from schemas.records import (
     CommInfo,
+    CommStructure,
     DeadLetter,
     Heartbeat,
+    Iteration,
     JobInfo,
     LinkSample,
     ProxySummary,
@@ -122,6 +125,12 @@ class JobAnalyzer:
         self.hb_now_ns = 0
         self._hang_detected_ns = 0
         self.refused = 0  # items naming ranks outside the layout (kept as dead letters)
+        #: (comm, sender, receiver) -> its step as its calls show it
+        self.structure: dict[tuple[int, int, int], CommStructure] = {}
+        #: the job's own folders, for instances that reach it unfolded (see _instance)
+        self.folders: dict[int, StepFolder] = {}
+        self.folded_elsewhere: set[int] = set()  # communicators folded by their own worker
+        self.marks: dict[int, tuple[int, int]] = {}  # iteration markers: step -> (end, rank)
 
     # ------------------------------------------------------------------ inputs
     def update(self, item: Any) -> list[msgspec.Struct]:
@@ -200,6 +209,18 @@ class JobAnalyzer:
         self.topo.add(rec)
         return []
 
+    def _structure_in(self, note: CommStructure) -> list[msgspec.Struct]:
+        """A communicator's step as its calls show it (stored; the job's account of where
+        the layout does not hold)."""
+        self.structure[(note.comm_hash, note.sender, note.receiver)] = note
+        self.folded_elsewhere.add(note.comm_hash)
+        out: list[msgspec.Struct] = [note]
+        folder = self.folders.get(note.comm_hash)
+        if folder is not None:  # what it held waiting for its own learning is placed now
+            rows, items = folder.adopt(note)
+            out += [*rows, *self._from_folder(items)]
+        return out
+
     def _proxy_in(self, p: ProxySummary) -> list[msgspec.Struct]:
         """Stuck proxy operations (and their completion) for the hang diagnosis."""
         self._record_time(p)
@@ -270,25 +291,80 @@ class JobAnalyzer:
         return []
 
     def _instance(self, inst: Instance) -> list[msgspec.Struct]:
+        """An instance that reached the job unfolded: partial (a hang's evidence), its
+        completion, or one of a communicator whose folder had no schedule yet. A
+        communicator whose folder works elsewhere (it sent parts or its structure) has
+        its completions placed where that folder places them; the others' instances go
+        through the job's own folder of the communicator (the same one)."""
         assert self.assembler is not None
         key = inst.key
-        topo = self.assembler.topo
-        pos = topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender, inst.receiver)
+        folder = self._folder(inst.comm_hash)
         if not inst.complete:
             self.now_ns = max(self.now_ns, max(inst.arrival))
             self.coll_now_ns = max(self.coll_now_ns, max(inst.arrival))
             self.partials[key] = inst
+            pos = folder.position(inst) if folder is not None else None
             return [aligned_record(self.job, self.topo, inst, pos)]
         self.partials.pop(key, None)
-        out: list[msgspec.Struct] = [aligned_record(self.job, self.topo, inst, pos)]
-        out += self._progress(max(inst.arrival), max(inst.end))
-        for rep in self.assembler.add(inst, pos):
-            out += self._step(rep)
+        out: list[msgspec.Struct] = self._progress(max(inst.arrival), max(inst.end))
+        if folder is None:  # a communicator the job has no record of
+            return [aligned_record(self.job, self.topo, inst, None), *out]
+        if inst.comm_hash in self.folded_elsewhere:
+            pos = folder.position(inst)
+            out.insert(0, aligned_record(self.job, self.topo, inst, pos))
+            for rep in self.assembler.add(inst, pos):
+                out += self._step(rep)
+            return out
+        rows, items = folder.update(inst)
+        return [*rows, *out, *self._from_folder(items)]
+
+    def _folder(self, comm_hash: int) -> StepFolder | None:
+        """The job's own folder of a communicator it has the record of."""
+        folder = self.folders.get(comm_hash)
+        if folder is None and self.topo is not None:
+            info = self.topo.comms.get(comm_hash)
+            if info is None:
+                return None
+            folder = self.folders[comm_hash] = StepFolder()
+            folder.learn(CommSchedule(self.topo.job, info))
+            for step, (end, rank) in self.marks.items():
+                folder.mark(step, end, rank)
+            for (h, _, _), note in self.structure.items():
+                if h == comm_hash:
+                    folder.adopt(note)
+        return folder
+
+    def _from_folder(self, items: list[Any]) -> list[msgspec.Struct]:
+        out: list[msgspec.Struct] = []
+        for x in items:
+            if isinstance(x, StepPart):
+                out += self._part(x, own=True)
+            elif isinstance(x, CommStructure):
+                self.structure[(x.comm_hash, x.sender, x.receiver)] = x
+                out.append(x)
+            elif isinstance(x, Instance):
+                out += self._instance(x)
         return out
 
-    def _part(self, part: StepPart) -> list[msgspec.Struct]:
-        """A communicator's folded share of a step (see :class:`~detectors.parts.StepFolder`)."""
+    def _iteration_in(self, it: Iteration) -> list[msgspec.Struct]:
+        """One of the job's iteration markers: its own folders place steps by them."""
+        if it.step in self.marks:
+            return []
+        self.marks[it.step] = (it.end_ns, it.rank)
+        if len(self.marks) > ScheduleBook.recent_marks:
+            del self.marks[min(self.marks)]
+        out: list[msgspec.Struct] = []
+        for folder in self.folders.values():
+            rows, items = folder.mark(it.step, it.end_ns, it.rank)
+            out += [*rows, *self._from_folder(items)]
+        return out
+
+    def _part(self, part: StepPart, own: bool = False) -> list[msgspec.Struct]:
+        """A communicator's folded share of a step (see :class:`~detectors.folder.StepFolder`);
+        ``own``: from the job's own folder."""
         assert self.assembler is not None
+        if not own:
+            self.folded_elsewhere.update(part.comms or (part.comm_hash,))
         out = self._progress(part.last_arrival, part.end)
         for rep in self.assembler.add_part(part):
             out += self._step(rep)
@@ -417,7 +493,10 @@ class JobAnalyzer:
             for r in edge
         }
         increase = float(np.mean([r.duration_ns for r in reps])) - self._level_before(reps)
-        for f in self.localizer.localize(reps, topo):
+        found = self.localizer.localize(reps, topo)
+        if not any(r.spans for r in reps):  # no schedule to walk: who made the others wait
+            found += self.localizer.who_waits(reps, topo, increase)
+        for f in found:
             if f.rank is not None and f.rank in link_ends:
                 continue
             growth = f.evidence.get("rank_lateness_growth_ns")
@@ -1020,6 +1099,9 @@ class JobAnalyzer:
         if self.assembler is None:
             return []
         out: list[msgspec.Struct] = []
+        for folder in self.folders.values():  # what the job's own folders still hold
+            rows, items = folder.flush()
+            out += [*rows, *self._from_folder(items)]
         for rep in self.assembler.flush():
             out += self._step(rep)
         if self.pending_shift is not None and self.recent:
@@ -1076,6 +1158,8 @@ def _describe(item: Any) -> bytes:
 #: What the job does with each kind of item (anything else only moves its clock).
 _HANDLERS: dict[type, Callable[[JobAnalyzer, Any], list[msgspec.Struct]]] = {
     StepPart: JobAnalyzer._part,
+    CommStructure: JobAnalyzer._structure_in,
+    Iteration: JobAnalyzer._iteration_in,
     LinkSample: JobAnalyzer._link_in,
     NodeDigest: JobAnalyzer._digest,
     EdgeThroughput: JobAnalyzer._edge_throughput,

@@ -2,11 +2,14 @@
 
 River's Page-Hinkley test watches the signal relative to its baseline
 (``x / baseline``, outliers clipped) for an upward change. A change is only
-believed when it is also large (at least ``min_shift`` above the baseline) and
-persistent (``persistence`` consecutive values): jitter never alarms. An
+believed when it is also large (at least ``min_shift`` above the baseline, and
+three times the signal's own noise: the robust spread of its recent normal values,
+so a job whose steps vary by a quarter from one to the next is judged in its own
+units) and persistent (``persistence`` consecutive values): jitter never alarms. An
 excursion that ends sooner is a *burst* - the intermittent case. The baseline
 is the median of the warm-up values and afterwards follows values within
-``alpha`` of it (MEGATRACE's expected-duration rule).
+``alpha`` of it (MEGATRACE's expected-duration rule); for a signal noisier than
+that, the median of its recent normal values.
 
 >>> import numpy as np
 >>> rng = np.random.default_rng(1)
@@ -19,9 +22,16 @@ is the median of the warm-up values and afterwards follows values within
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 from river.drift import PageHinkley
+
+#: the signal's noise is this many of its recent normal values' robust spread
+_NOISE_WINDOW = 32
+#: a change stands out of the noise by this many times its spread
+_NOISE_SIGMAS = 3.0
 
 
 @dataclass(frozen=True)
@@ -76,8 +86,12 @@ class ShiftDetector:
         self.clip = clip
         self._reset()
 
+    #: values seen as normal lately (for one pickled before it: none)
+    _normal: deque[float] | None = None
+
     def _reset(self) -> None:
         self._seed: list[float] = []
+        self._normal = deque(maxlen=_NOISE_WINDOW)
         self.baseline: float | None = None
         self._ph = self._new_ph()
         self._drift = False
@@ -102,20 +116,42 @@ class ShiftDetector:
             self.clip,
         )
 
+    @property
+    def noise(self) -> float:
+        """The signal's relative spread lately (1.4826 x the median absolute deviation of
+        its recent normal values from their median, over that median); 0 before any."""
+        normal = self._normal
+        if not normal or len(normal) < self.warmup:
+            return 0.0
+        xs = np.asarray(normal)
+        med = float(np.median(xs))
+        return 1.4826 * float(np.median(np.abs(xs / med - 1.0))) if med > 0 else 0.0
+
+    @property
+    def bar(self) -> float:
+        """How far above the baseline (a fraction of it) a value is high: ``min_shift``, or
+        three times the noise where that is more."""
+        return max(self.min_shift, _NOISE_SIGMAS * self.noise)
+
     def update(self, x: float, index: int) -> ShiftEvent | None:
         """Feed one value (``index`` is its position, e.g. the step number)."""
+        if self._normal is None:
+            self._normal = deque(maxlen=_NOISE_WINDOW)
         if self.baseline is None:
             self._seed.append(float(x))
+            self._normal.append(float(x))
             if len(self._seed) >= self.warmup:
                 s = sorted(self._seed)
                 self.baseline = s[len(s) // 2]
             return None
         rel = min(max(x / self.baseline, 0.0), self.clip)
-        self._ph.update(rel)
+        bar = self.bar
+        # the test sees deviations in units of the bar: min_shift's for a quiet signal
+        self._ph.update(1.0 + (rel - 1.0) * self.min_shift / bar)
         self._drift = self._drift or self._ph.drift_detected
-        high = rel >= 1.0 + self.min_shift
+        high = rel >= 1.0 + bar
         if self.shifted:
-            return self._while_shifted(rel, index)
+            return self._while_shifted(rel, index, bar)
         if high:
             if not self._run:
                 self._onset = index
@@ -128,18 +164,22 @@ class ShiftDetector:
         event = None
         if self._run:
             # a lone value is a burst only if it is well clear of the noise
-            if len(self._run) > 1 or self._mean() >= 1.0 + 2 * self.min_shift:
+            if len(self._run) > 1 or self._mean() >= 1.0 + 2 * bar:
                 event = ShiftEvent(
                     "burst", self._onset, self._mean(), len(self._run), self.baseline
                 )
             self._run = []
             self._restart_test()
+        if abs(rel - 1.0) <= bar:
+            self._normal.append(float(x))
         if abs(rel - 1.0) <= self.alpha:
             self.baseline += 0.1 * (x - self.baseline)
+        elif bar > self.min_shift and abs(rel - 1.0) <= bar:  # noisy: its normal values' median
+            self.baseline = float(np.median(np.asarray(self._normal)))
         return event
 
-    def _while_shifted(self, rel: float, index: int) -> ShiftEvent | None:
-        if rel < 1.0 + self.min_shift / 2:
+    def _while_shifted(self, rel: float, index: int, bar: float) -> ShiftEvent | None:
+        if rel < 1.0 + bar / 2:
             self._calm += 1
             self._more = []
             if self._calm >= self.persistence:
@@ -151,7 +191,7 @@ class ShiftDetector:
             return None
         self._calm = 0
         level = self._mean()
-        if rel >= level * (1.0 + self.min_shift):  # a further shift on top of this one
+        if rel >= level * (1.0 + bar):  # a further shift on top of this one
             if not self._more:
                 self._more_onset = index
             self._more.append(rel)

@@ -2,7 +2,7 @@
 
 :class:`CommAnalyzer` composes the :class:`~detectors.align.CollectiveAligner`
 (every member's record of each instance) and the
-:class:`~detectors.parts.StepFolder` (complete instances folded into one part
+:class:`~detectors.folder.StepFolder` (complete instances folded into one part
 per step), and passes on only the proxy summaries the job needs (stuck ones,
 and the completion of one that was stuck: a network hang's evidence), plus
 each edge's throughput over every ``edge_window`` completed sends
@@ -35,7 +35,8 @@ from __future__ import annotations
 from typing import Any
 
 from detectors.align import CollectiveAligner
-from detectors.parts import CommSchedule, EdgeThroughput, StepFolder, StuckProxies
+from detectors.folder import StepFolder
+from detectors.parts import CommSchedule, EdgeThroughput, StepMark, StuckProxies
 from schemas.records import AlignedCollective, AlignStats, Collective, ProxySummary
 from schemas.units import Direction
 
@@ -89,7 +90,7 @@ class CommAnalyzer:
         self._told_ns = 0
 
     def update(
-        self, items: list[Collective | ProxySummary | CommSchedule]
+        self, items: list[Collective | ProxySummary | CommSchedule | StepMark]
     ) -> tuple[list[AlignedCollective], list[Any]]:
         """Records (and schedules) in; (stored rows, items for the job) out."""
         rows: list[AlignedCollective] = []
@@ -110,6 +111,11 @@ class CommAnalyzer:
                 batch.append(item)
             elif isinstance(item, ProxySummary):
                 proxies.append(item)
+            elif isinstance(item, StepMark):
+                align()
+                r, f = self.folder.mark(item.step, item.end_ns, item.rank)
+                rows.extend(r)
+                forward.extend(f)
             else:
                 align()
                 self.folder.learn(item)
@@ -158,13 +164,14 @@ class CommAnalyzer:
             out += self.folder.partial(inst)
         return out + self.folder.progress()
 
-    def flush(self) -> list[Any]:
-        """End of a bounded input: open parts, and open instances as they stand."""
-        out: list[Any] = list(self.folder.flush())
+    def flush(self) -> tuple[list[AlignedCollective], list[Any]]:
+        """End of a bounded input: held instances and open parts, and open instances as
+        they stand: (stored rows, items for the job)."""
+        rows, out = self.folder.flush()
         for inst in self.aligner.open_instances():
             self._partials += 1
             out += self.folder.partial(inst)
-        return out + self.folder.progress()
+        return rows, out + self.folder.progress()
 
     def stats(self, final: bool = False) -> list[AlignStats]:
         """The communicator's counts as a row, when there is news: a late, out-of-order,

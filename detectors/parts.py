@@ -1,44 +1,18 @@
-"""Fold one communicator's complete collective instances into per-step parts.
+"""What passes between a job's communicators and its analysis, besides the records.
 
-At 4,096 ranks a step has about 120,000 collective instances; folding each
-one into the job's step account in the job's single worker costs seconds per
-step. :class:`StepFolder` does that folding per communicator instead, where the
-communicator's records already are (one flow worker per communicator), and
-hands the job one :class:`~detectors.steps.StepPart` per (communicator, step):
-the job merges about one part per communicator per step. It also builds the
-stored row of each instance it folds.
-
-The folder needs the communicator's place in the schedule (the job record and
-the communicator record, :class:`CommSchedule`). Until it has them, and for
-instances the job already saw as partial (a late member, a hang being
-localised), it forwards instances unchanged; folding and merging commute, so
-the job's step account is the same either way.
-
->>> from detectors.align import Instance
->>> from schemas.records import CommInfo, JobInfo
->>> from schemas.units import CollOp, CommRole
->>> job = JobInfo(job="j", ts_ns=0, world_size=4, tp=2, pp=1, dp=2, num_layers=1,
-...               num_microbatches=1)
->>> folder = StepFolder()
->>> folder.learn(CommSchedule(job, CommInfo(job="j", ts_ns=0, comm_hash=7,
-...     role=CommRole.DP, ranks=[0, 2], pp_stage=0)))
->>> def inst(seq):
-...     return Instance("j", 7, seq, CollOp.ALL_REDUCE, -1, 2, 8, (0, 2), (10, 12), (10, 12),
-...                     (20, 20))
->>> rows, forward = folder.update(inst(0))
->>> [type(x).__name__ for x in forward], forward[0].step, forward[0].n, rows[0].step
-(['StepPart'], 0, 1, 0)
+:class:`CommSchedule` (the job and communicator records a communicator's folder
+places its instances by) and :class:`StepMark` (one of the job's iteration markers)
+go from the job's :class:`ScheduleBook` to each communicator;
+:class:`CommProgress`, :class:`EdgeThroughput` and the folders' step parts go to
+the job, the parts merged per shard of communicators by :class:`PartMerger`.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from detectors.align import Instance, Key, instance_row
 from detectors.steps import StepPart, StepWatermark
-from detectors.topology import Placer, Topology
-from schemas.records import AlignedCollective, CommInfo, JobInfo, ProxySummary
-from schemas.units import CommRole
+from schemas.records import CommInfo, Iteration, JobInfo, ProxySummary
 
 
 class CommSchedule(NamedTuple):
@@ -46,6 +20,17 @@ class CommSchedule(NamedTuple):
 
     job: JobInfo
     comm: CommInfo
+
+
+class StepMark(NamedTuple):
+    """One of the job's iteration markers, for one of its communicators: ``step`` ended
+    at ``end_ns`` (see :mod:`detectors.folder`)."""
+
+    job: str
+    comm_hash: int
+    step: int
+    end_ns: int
+    rank: int = -1  # the rank that reported it
 
 
 class CommProgress(NamedTuple):
@@ -58,26 +43,50 @@ class CommProgress(NamedTuple):
 
 
 class ScheduleBook:
-    """Per job: the schedules a metadata record completes or changes.
+    """Per job: the schedules a metadata record completes or changes, and its iteration
+    markers for every communicator (the first marker of each step; a communicator
+    that comes later is given the recent ones).
 
+    >>> from schemas.units import CommRole
     >>> book = ScheduleBook()
     >>> book.update(CommInfo(job="j", ts_ns=0, comm_hash=7, role=CommRole.TP, ranks=[0, 1]))
     []
     >>> [s.comm.comm_hash for s in book.update(JobInfo(job="j", ts_ns=0, world_size=2, tp=2))]
     [7]
+    >>> book.update(Iteration(job="j", step=3, end_ns=50, rank=1))
+    [StepMark(job='j', comm_hash=7, step=3, end_ns=50, rank=1)]
+    >>> book.update(Iteration(job="j", step=3, end_ns=52, rank=0))  # the same step again
+    []
     """
+
+    #: markers given to a communicator that comes later
+    recent_marks = 64
 
     def __init__(self) -> None:
         self.job: JobInfo | None = None
         self.comms: dict[int, CommInfo] = {}
+        self.marks: dict[int, tuple[int, int]] = {}  # step -> (end ns, rank), the newest
 
-    def update(self, rec: object) -> list[CommSchedule]:
+    def update(self, rec: object) -> list[CommSchedule | StepMark]:
         if isinstance(rec, JobInfo):
             self.job = rec
             return [CommSchedule(rec, c) for c in self.comms.values()]
         if isinstance(rec, CommInfo):
+            known = rec.comm_hash in self.comms
             self.comms[rec.comm_hash] = rec
-            return [CommSchedule(self.job, rec)] if self.job is not None else []
+            if self.job is None:
+                return []
+            out: list[CommSchedule | StepMark] = [CommSchedule(self.job, rec)]
+            if not known:
+                out += [StepMark(rec.job, rec.comm_hash, s, *m) for s, m in self.marks.items()]
+            return out
+        if isinstance(rec, Iteration) and rec.step not in self.marks:
+            self.marks[rec.step] = (rec.end_ns, rec.rank)
+            if len(self.marks) > self.recent_marks:
+                del self.marks[min(self.marks)]
+            if self.job is None:
+                return []
+            return [StepMark(rec.job, h, rec.step, rec.end_ns, rec.rank) for h in self.comms]
         return []
 
 
@@ -117,129 +126,6 @@ class EdgeThroughput(NamedTuple):
     size_bytes: int
     throughput_gbps: float
     gpu_wait_ns: int = 0
-
-
-class StepFolder:
-    """Per-communicator pre-aggregation (see the module docstring).
-
-    Parameters
-    ----------
-    give_up_steps
-        A step's part is sent incomplete once an instance this many steps later
-        arrives (the job's assembler gives up on a step two steps later too).
-    max_open_steps
-        Hard bound on the steps held open; the oldest is sent beyond it.
-    """
-
-    # the communicator's placer; also for one pickled by a version without it (a flow
-    # resumed across an upgrade), which finds it in the topology
-    _placer: Placer | None = None
-
-    def __init__(self, give_up_steps: int = 2, max_open_steps: int = 8) -> None:
-        if give_up_steps < 1 or max_open_steps < 1:
-            raise ValueError("give_up_steps and max_open_steps must be at least 1")
-        self.give_up_steps = give_up_steps
-        self.max_open_steps = max_open_steps
-        self._reset()
-
-    def _reset(self) -> None:
-        self.topo: Topology | None = None
-        self._placer: Placer | None = None  # the communicator's, from the topology
-        self.comm_hash = -1
-        self.job = ""
-        self.role = CommRole.OTHER
-        self.per_step = 0
-        self._parts: dict[int, StepPart] = {}
-        self._newest = -1
-        self._partial: set[Key] = set()
-        self._last_arrival = 0
-        self._last_end = 0
-        self._reported = (0, 0)
-
-    def learn(self, schedule: CommSchedule) -> None:
-        """The communicator's schedule (again, when the job record changes)."""
-        topo = Topology.from_job(schedule.job)
-        topo.add(schedule.comm)
-        self.topo, self.role = topo, schedule.comm.role
-        self.comm_hash, self.job = schedule.comm.comm_hash, schedule.comm.job
-        self.per_step = topo.instances_per_step(self.comm_hash)
-        self._placer = topo.placer(self.comm_hash)
-
-    def update(self, inst: Instance) -> tuple[list[AlignedCollective], list[Any]]:
-        """A complete instance: (stored rows, items for the job)."""
-        self._name(inst)
-        arrival = inst.arrival
-        a_min, a_max, e_max = min(arrival), max(arrival), max(inst.end)
-        if a_max > self._last_arrival:
-            self._last_arrival = a_max
-        if e_max > self._last_end:
-            self._last_end = e_max
-        topo = self.topo
-        if topo is None or not self.per_step or (self._partial and inst.key in self._partial):
-            self._partial.discard(inst.key)
-            return [], [inst]
-        if inst.sender < 0 and inst.comm_hash == self.comm_hash:  # a collective: placed by seq
-            placer = self._placer or topo.placer(inst.comm_hash)
-            pos = None if placer is None else placer.at(inst.seq)
-        else:
-            pos = topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender, inst.receiver)
-        if pos is None:
-            return [], [inst]
-        part = self._parts.get(pos.step)
-        if part is None:
-            part = self._parts[pos.step] = StepPart(pos.step, inst.comm_hash, inst.job)
-        part.fold(inst, pos.phase, pos.microbatch, self.role, topo, (a_min, a_max, e_max))
-        info = topo.comms.get(inst.comm_hash)
-        rows = [instance_row(inst.job, info, inst, pos, a_min, a_max, e_max)]
-        if part.n >= self.per_step:
-            return rows, [self._parts.pop(pos.step).seal()]
-        if pos.step <= self._newest:
-            return rows, []
-        self._newest = pos.step  # a new step: older ones that stay open are given up on
-        stale = [s for s in self._parts if s <= pos.step - self.give_up_steps]
-        if len(self._parts) - len(stale) > self.max_open_steps:
-            stale.append(min(s for s in self._parts if s not in stale))
-        return rows, [self._parts.pop(s).seal() for s in sorted(stale)]
-
-    def partial(self, inst: Instance) -> list[Any]:
-        """A partial instance goes to the job as it is; so will its completion."""
-        self._name(inst)
-        self._last_arrival = max(self._last_arrival, max(inst.arrival))
-        self._partial.add(inst.key)
-        if len(self._partial) > 4096:
-            self._partial.pop()
-        return [inst]
-
-    def progress(self) -> list[CommProgress]:
-        """The communicator's liveness, when it moved since the last call."""
-        now = (self._last_arrival, self._last_end)
-        if now == self._reported:
-            return []
-        self._reported = now
-        return [CommProgress(self.job, self.comm_hash, *now)]
-
-    def flush(self) -> list[StepPart]:
-        """Every open part, oldest first (end of a bounded input)."""
-        out = [self._parts[s].seal() for s in sorted(self._parts)]
-        self._parts = {}
-        return out
-
-    def saw_time(self, ts_ns: int) -> None:
-        """Another record of the communicator's (event time moves on)."""
-        self._last_arrival = max(self._last_arrival, ts_ns)
-
-    def _name(self, inst: Instance) -> None:
-        if self.comm_hash < 0:  # no schedule yet: the first instance says whose folder this is
-            self.comm_hash, self.job = inst.comm_hash, inst.job
-
-    @property
-    def n_open(self) -> int:
-        return len(self._parts)
-
-    @property
-    def last_arrival_ns(self) -> int:
-        """The newest arrival (or proxy activity) the communicator showed."""
-        return self._last_arrival
 
 
 def shard_of(comm_hash: int, shards: int) -> int:
@@ -326,12 +212,20 @@ class PartMerger:
         return [self._progress]
 
 
+def __getattr__(name: str) -> object:
+    if name == "StepFolder":  # where it lived: a flow's snapshots pickled it by this name
+        from detectors.folder import StepFolder
+
+        return StepFolder
+    raise AttributeError(name)
+
+
 __all__ = [
     "CommProgress",
     "CommSchedule",
     "EdgeThroughput",
     "PartMerger",
     "ScheduleBook",
-    "StepFolder",
+    "StepMark",
     "shard_of",
 ]

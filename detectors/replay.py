@@ -24,7 +24,7 @@ import msgspec
 
 from detectors.analyzer import JobAnalyzer
 from detectors.comm import CommAnalyzer
-from detectors.parts import CommProgress, PartMerger, ScheduleBook, shard_of
+from detectors.parts import CommProgress, PartMerger, ScheduleBook, StepMark, shard_of
 from detectors.steps import StepPart
 from schemas.config import DetectSettings
 from schemas.records import Collective, ProxySummary
@@ -58,7 +58,8 @@ class Replay:
         else:
             out += analyzer.update(rec)
             for sched in self.books.setdefault(job, ScheduleBook()).update(rec):
-                out += self._comm(job, sched.comm.comm_hash, sched)
+                h = sched.comm_hash if isinstance(sched, StepMark) else sched.comm.comm_hash
+                out += self._comm(job, h, sched)
         self.now_ns = max(self.now_ns, analyzer.now_ns)
         if self.now_ns >= self._next_tick:
             out += self.tick(self.now_ns)
@@ -103,7 +104,9 @@ class Replay:
     def finish(self) -> list[msgspec.Struct]:
         out = self.tick(self.now_ns)
         for (job, _), comm in self.comms.items():
-            out += self._to_job(job, comm.folder.flush())
+            rows, items = comm.folder.flush()
+            out += rows
+            out += self._to_job(job, items)
             out += comm.stats(final=True)
         for (job, _), merger in self.mergers.items():
             for x in merger.flush():

@@ -12,6 +12,11 @@ MEGATRACE's Algorithm 2 over :class:`~detectors.steps.StepReport` tables:
    CPU to launch), blame that node's host; otherwise blame the rank of the
    slow node's TP group whose lateness grew most (the latest arriver).
 
+Where no schedule can be walked (a data-parallel job, a layout its calls do not
+follow), :meth:`SlowdownLocalizer.who_waits` names who makes the others wait: the
+ranks whose exclusive blame as last arriver, over every collective, grew by a good
+share of the step time added.
+
 Nodes that got slower but have slack (a pipeline bubble) are never blamed.
 """
 
@@ -80,6 +85,8 @@ class SlowdownLocalizer:
         self._lead: list[np.ndarray] = []
         self.base_late: np.ndarray | None = None
         self.base_lead: np.ndarray | None = None
+        self._blame: list[np.ndarray] = []
+        self.base_blame: np.ndarray | None = None  # who made the others wait, any layout
         self.expected: dict[tuple, float] = {}
         self._seed_nodes: dict[tuple, list[float]] = {}
 
@@ -95,17 +102,22 @@ class SlowdownLocalizer:
         if self.base_late is None:
             self._late.append(rep.lateness_ns.copy())
             self._lead.append(rep.host_lead_ns.copy())
+            self._blame.append(rep.blame_any_ns.copy())
             for d, nodes in rep.spans.items():
                 for key, (b, e) in nodes.items():
                     self._seed_nodes.setdefault((d, *key), []).append(float(e - b))
             if self._seen >= self.warmup:
                 self.base_late = np.median(np.array(self._late), axis=0)
                 self.base_lead = np.median(np.array(self._lead), axis=0)
+                self.base_blame = np.median(np.array(self._blame), axis=0)
                 self.expected = _medians(self._seed_nodes)
-                self._late, self._lead, self._seed_nodes = [], [], {}
+                self._late, self._lead, self._blame, self._seed_nodes = [], [], [], {}
             return
         self.base_late += 0.05 * (rep.lateness_ns - self.base_late)
         self.base_lead += 0.05 * (rep.host_lead_ns - self.base_lead)
+        if self.base_blame is None:  # pickled by a version without it
+            self.base_blame = rep.blame_any_ns.copy()
+        self.base_blame += 0.05 * (rep.blame_any_ns - self.base_blame)
         expected, alpha = self.expected, self.alpha
         for replica, nodes in rep.spans.items():
             for node, (b, e) in nodes.items():
@@ -172,6 +184,44 @@ class SlowdownLocalizer:
                         "node_duration_ns": dur,
                         "rank_lateness_growth_ns": growth,
                         "peer_lateness_growth_ns": float(np.mean(others)) if others else 0.0,
+                    },
+                )
+            )
+        return out
+
+    def who_waits(
+        self, reports: Sequence[StepReport], topo: Topology, increase: float, share: float = 0.3
+    ) -> list[SlowdownFinding]:
+        """The ranks that made the others wait more than they used to, in any layout (the
+        last arriver's exclusive blame over every collective): those whose blame grew
+        by ``share`` of the step time added or more, most first. With no schedule to
+        walk (a data-parallel job, a layout the calls do not follow), this is who the
+        slowdown is."""
+        reps = [r for r in reports if r.complete] or list(reports)
+        base = self.base_blame
+        if not reps or base is None or increase <= 0:
+            return []
+        growth = np.mean([r.blame_any_ns for r in reps], axis=0) - base
+        order = np.argsort(growth)[::-1]
+        out = []
+        for r in order.tolist():
+            g = float(growth[r])
+            if g < share * increase:
+                break
+            others = np.delete(growth, r)
+            out.append(
+                SlowdownFinding(
+                    Cause.COMPUTE,
+                    r,
+                    topo.node(r),
+                    None,
+                    None,
+                    None,
+                    critical=True,
+                    evidence={
+                        "rank_blame_growth_ns": g,
+                        "step_time_added_ns": float(increase),
+                        "peer_blame_growth_ns": float(np.median(others)) if len(others) else 0.0,
                     },
                 )
             )

@@ -25,10 +25,11 @@ from schemas.units import CommRole
 NodeKey = tuple[int, str, int]  # (stage, phase, micro-batch) of one pipeline replica
 _NEVER = 1 << 62
 #: the per-rank sums a part carries, in the rows of :attr:`StepPart.sealed`
-_SUMS = ("lead_sum", "lead_n", "wait", "lateness", "blame")
+_SUMS = ("lead_sum", "lead_n", "wait", "lateness", "blame", "blame_any")
 #: what a folded instance adds besides arrivals and host lead: its members' wait for the
-#: last to arrive (not a pipeline transfer), the TP wait-time model (lateness, blame)
-_WAITS, _WAIT_MODEL = 1, 2
+#: last to arrive (not a pipeline transfer), the TP wait-time model (lateness, blame),
+#: the last arriver's blame in any collective (who makes the others wait, in any layout)
+_WAITS, _WAIT_MODEL, _ANY = 1, 2, 4
 
 
 @dataclass
@@ -46,6 +47,9 @@ class StepReport:
     n_instances: int
     lateness_ns: np.ndarray
     blame_ns: np.ndarray
+    #: the last arriver's exclusive blame summed over every collective of two or more
+    #: members, whatever its role (who made the others wait, layout or none)
+    blame_any_ns: np.ndarray
     wait_ns: np.ndarray
     host_lead_ns: np.ndarray
     first_ns: np.ndarray
@@ -132,8 +136,11 @@ class StepPart:
             x = e_max - a_max if e_max > a_max else 0  # the transfer after the last arrival
             if x >= self.transfer.get(inst.comm_hash, 0):
                 self.transfer[inst.comm_hash] = x
-        grouped = role is CommRole.TP and len(inst.ranks) >= 2
+        several = len(inst.ranks) >= 2
+        grouped = role is CommRole.TP and several
         adds = (_WAITS if role is not CommRole.PP else 0) | (_WAIT_MODEL if grouped else 0)
+        if several and inst.sender < 0 and role is not CommRole.PP:
+            adds |= _ANY
         self.folded.append((inst, adds))
         if not grouped:
             return
@@ -260,8 +267,8 @@ def dense_ranks(parts: list[StepPart], world: int) -> dict[str, np.ndarray]:
         [s.shape[1] for s in sealed],
     )
     ranks = cols[0].astype(np.int64)
-    out = {
-        name: np.bincount(ranks, weights=cols[1 + i], minlength=world)[:world]
+    out = {  # float even with no instances at all (parts sent empty: bincount gives ints)
+        name: np.bincount(ranks, weights=cols[1 + i], minlength=world)[:world].astype(float)
         for i, name in enumerate(_SUMS)
     }
     first = np.full(world, _NEVER, dtype=np.int64)
@@ -330,6 +337,7 @@ def _any_figures(
     np.maximum.at(last, at, end)
     waits = (flags & _WAITS) > 0
     tp = (flags & _WAIT_MODEL) > 0
+    anyc = (flags & _ANY) > 0
     rel = arr - a_min[inst]  # small: exact in a float
     mean = np.add.reduceat(rel, starts) / sizes
     lateness = np.where(tp, rel - mean[inst], 0.0)
@@ -338,6 +346,8 @@ def _any_figures(
     order = np.lexsort((np.arange(m), arr, inst))
     tail = (starts + sizes)[(sizes >= 2) & tp[starts]]
     late, before = order[tail - 1], order[tail - 2]
+    tail_any = (starts + sizes)[(sizes >= 2) & anyc[starts]]
+    late_any, before_any = order[tail_any - 1], order[tail_any - 2]
     rows = [
         who,
         np.bincount(at, weights=arr - enq, minlength=k),
@@ -345,6 +355,7 @@ def _any_figures(
         np.bincount(at, weights=np.where(waits, a_max[inst] - arr, 0), minlength=k),
         np.bincount(at, weights=lateness, minlength=k),
         np.bincount(at[late], weights=arr[late] - arr[before], minlength=k),
+        np.bincount(at[late_any], weights=arr[late_any] - arr[before_any], minlength=k),
         first - base,
         last - base,
     ]
@@ -367,6 +378,7 @@ def _member_figures(
     n, k = arr.shape
     waits = ((flags & _WAITS) > 0)[:, None]
     tp = (flags & _WAIT_MODEL) > 0
+    anyc = (flags & _ANY) > 0
     a_min = arr.min(axis=1)
     rel = arr - a_min[:, None]  # small: exact in a float
     mean = rel.sum(axis=1) / k
@@ -381,6 +393,15 @@ def _member_figures(
         rows = np.arange(len(order))
         got = grouped[rows, late] - grouped[rows, before]
         blame = np.bincount(late, weights=got, minlength=k)
+    blame_any = np.zeros(k)
+    if k >= 2 and anyc.any():
+        grouped = arr[anyc]
+        order = np.argsort(grouped, axis=1, kind="stable")
+        late, before = order[:, -1], order[:, -2]
+        rows = np.arange(len(order))
+        blame_any = np.bincount(
+            late, weights=grouped[rows, late] - grouped[rows, before], minlength=k
+        )
     rows_out = [
         who,
         (arr - enq).sum(axis=0),
@@ -388,6 +409,7 @@ def _member_figures(
         np.where(waits, arr.max(axis=1)[:, None] - arr, 0).sum(axis=0),
         np.cumsum(lateness, axis=0)[-1],  # in instance order
         blame,
+        blame_any,
         arr.min(axis=0) - base,
         np.maximum(end.max(axis=0), 0) - base,
     ]
@@ -450,6 +472,10 @@ class StepWatermark:
 class StepAssembler:
     """Per-job: instances in, closed :class:`StepReport` out (in step order)."""
 
+    #: a communicator this many steps behind the newest is not waited for (it went
+    #: quiet, or its steps are not known yet: its instances are held until they are)
+    behind_steps = 4
+
     def __init__(self, topology: Topology, max_open_steps: int = 64) -> None:
         self.topo = topology
         self.max_open_steps = max_open_steps
@@ -464,6 +490,7 @@ class StepAssembler:
         self._seen = StepWatermark()  # the step each communicator reached
         self._expected = (-1, 0)
         self._known = -1
+        self._reported: dict[int, set[int]] = {}  # step -> the communicators whose part came
 
     def expected_instances(self) -> int:
         """Instances one complete step has (cached; recomputed when communicators are added)."""
@@ -498,11 +525,24 @@ class StepAssembler:
             acc = self._acc[part.step] = StepPart(part.step)
         acc.merge_shape(part)
         self._parts.setdefault(part.step, []).append(part)
-        return self._after(acc, part.comms or (part.comm_hash,))
+        comms = part.comms or (part.comm_hash,)
+        self._reported.setdefault(part.step, set()).update(comms)
+        return self._after(acc, comms)
+
+    def _all_reported(self, step: int) -> bool:
+        """Every communicator that keeps up sent its part of ``step`` (each tells its own
+        step's end: the count of instances a step holds is the communicators' to know)."""
+        got = self._reported.get(step)
+        if not got:
+            return False
+        low = step - self.behind_steps
+        newest = self._seen.newest
+        return all(c in got for c, s in newest.items() if s >= low)
 
     def _after(self, acc: StepPart, comms: tuple[int, ...]) -> list[StepReport]:
         out = []
-        if acc.n >= self.expected_instances():
+        self._advance_only(comms, acc.step)
+        if acc.n >= self.expected_instances() or self._all_reported(acc.step):
             out += self._close_through(acc.step)
         out += self._advance(comms, acc.step)
         if len(self._acc) > self.max_open_steps:  # bounded state, whatever is missing
@@ -514,27 +554,36 @@ class StepAssembler:
 
         A step is given up on (closed incomplete) only when all communicators have
         moved two steps past it: partitions of a topic are read at different paces,
-        so the communicators seen so far say nothing about the others.
+        so the communicators seen so far say nothing about the others. One more than
+        :attr:`behind_steps` behind the newest is not waited for.
         """
-        if len(self.topo.comms) != self._known:
-            self._known = len(self.topo.comms)
-            # those not heard from yet hold the watermark at -1
-            self._seen.advance((c for c in self.topo.comms if c not in self._seen.newest), -1)
-        if not self._seen.advance(comms, step):
-            return []
-        watermark = self._seen.low() - 2
+        self._advance_only(comms, step)
+        watermark = self._seen.low(within=self.behind_steps) - 2
         if watermark > self._closed_upto:
             return self._close_through(watermark)
         return []
+
+    def _advance_only(self, comms: tuple[int, ...], step: int) -> bool:
+        """Note that ``comms`` reached ``step``; whether any moved."""
+        if len(self.topo.comms) != self._known:
+            self._known = len(self.topo.comms)
+            # those not heard from yet hold the watermark at -1 (until far behind)
+            self._seen.advance((c for c in self.topo.comms if c not in self._seen.newest), -1)
+        return self._seen.advance(comms, step)
 
     def _close_through(self, step: int) -> list[StepReport]:
         out = []
         for s in sorted(k for k in self._acc if k <= step):
             acc = self._acc.pop(s)
             world = self.topo.job.world_size
-            end = acc.dp_end or acc.end
-            start = self._prev_end if self._prev_end is not None else acc.start
-            self._prev_end = end
+            if acc.n == 0:  # every communicator said it had nothing in this step
+                end = start = self._prev_end if self._prev_end is not None else 0
+            else:
+                end = acc.dp_end or acc.end
+                start = self._prev_end if self._prev_end is not None else acc.start
+                self._prev_end = end
+            whole = acc.n > 0 and (acc.n >= self.expected_instances() or self._all_reported(s))
+            self._reported.pop(s, None)
             ranks = dense_ranks([acc, *self._parts.pop(s, [])], world)
             lead_sum, lead_n = ranks["lead_sum"], ranks["lead_n"]
             lead = np.divide(lead_sum, lead_n, out=np.zeros_like(lead_sum), where=lead_n > 0)
@@ -544,10 +593,11 @@ class StepAssembler:
                     start_ns=start,
                     end_ns=end,
                     duration_ns=max(0, end - start),
-                    complete=acc.n >= self.expected_instances(),
+                    complete=whole,
                     n_instances=acc.n,
                     lateness_ns=ranks["lateness"],
                     blame_ns=ranks["blame"],
+                    blame_any_ns=ranks["blame_any"],
                     wait_ns=ranks["wait"],
                     host_lead_ns=lead,
                     first_ns=ranks["first"],

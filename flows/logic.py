@@ -18,7 +18,7 @@ from bytewax.operators import StatefulBatchLogic
 from detectors.analyzer import JobAnalyzer
 from detectors.comm import CommAnalyzer
 from detectors.node import NodeAnalyzer, NodeDigest
-from detectors.parts import CommProgress, CommSchedule, PartMerger, ScheduleBook
+from detectors.parts import CommProgress, CommSchedule, PartMerger, ScheduleBook, StepMark
 from detectors.steps import StepPart
 from flows.kafka_source import BrokerHealth
 from schemas.config import DetectSettings
@@ -119,8 +119,8 @@ class AlignLogic(StatefulBatchLogic[list[Any], AlignOut, tuple[CommAnalyzer, int
     def on_eof(self) -> tuple[list[AlignOut], bool]:
         """End of a bounded input: whatever is still open is reported as it stands."""
         self.ended = True
-        forward = self.comm.flush()
-        return _out(self.comm.stats(final=True), forward), StatefulBatchLogic.RETAIN
+        rows, forward = self.comm.flush()
+        return _out([*rows, *self.comm.stats(final=True)], forward), StatefulBatchLogic.RETAIN
 
     def notify_at(self) -> datetime | None:
         # no timer after the end of a bounded input: a pending timer keeps the flow alive
@@ -139,10 +139,11 @@ def _out(rows: list[AlignedCollective | AlignStats], forward: list[Any]) -> list
 
 def schedules(
     book: ScheduleBook | None, meta: list[Any]
-) -> tuple[ScheduleBook, list[CommSchedule]]:
-    """Per job: the communicator schedules its metadata records complete or change."""
+) -> tuple[ScheduleBook, list[CommSchedule | StepMark]]:
+    """Per job: the communicator schedules its metadata records complete or change, and
+    its iteration markers for every communicator."""
     book = book or ScheduleBook()
-    out: list[CommSchedule] = []
+    out: list[CommSchedule | StepMark] = []
     for rec in meta:
         out += book.update(rec)
     return book, out

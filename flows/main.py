@@ -39,7 +39,7 @@ from bytewax.dataflow import Dataflow
 
 from detectors.alerting import AlertGate
 from detectors.console import IncidentLog
-from detectors.parts import CommProgress, CommSchedule, shard_of
+from detectors.parts import CommProgress, CommSchedule, StepMark, shard_of
 from detectors.steps import StepPart
 from flows.kafka_source import BrokerHealth, RawBatch, RawKafkaSource, part_name
 from flows.logic import (
@@ -63,6 +63,7 @@ from schemas.records import (
     Collective,
     CommInfo,
     DeadLetter,
+    Iteration,
     JobInfo,
     Kernel,
     LinkSample,
@@ -253,7 +254,7 @@ def job_of(comm_key: str) -> str:
 
 _COMM_KINDS = frozenset({Collective, ProxySummary})
 _STORED_ONLY = frozenset({Collective, ProxySummary, Kernel})
-_META_KINDS = frozenset({JobInfo, CommInfo})
+_META_KINDS = frozenset({JobInfo, CommInfo, Iteration})
 _NOT_FOR_JOB = _STORED_ONLY | {LinkSample}
 
 
@@ -316,21 +317,25 @@ def others_by_job(d: Decoded) -> list[tuple[str, list[msgspec.Struct]]]:
     return list(groups.items())
 
 
-def meta_by_job(d: Decoded) -> list[tuple[str, list[JobInfo | CommInfo]]]:
-    """The records communicators' schedules are made of."""
+def meta_by_job(d: Decoded) -> list[tuple[str, list[JobInfo | CommInfo | Iteration]]]:
+    """The records communicators' schedules are made of, and the job's iteration markers."""
     if d.kinds.isdisjoint(_META_KINDS):
         return []
-    groups: dict[str, list[JobInfo | CommInfo]] = {}
+    groups: dict[str, list[JobInfo | CommInfo | Iteration]] = {}
     for r in d.records:
-        if isinstance(r, JobInfo | CommInfo):
+        if isinstance(r, JobInfo | CommInfo | Iteration):
             groups.setdefault(r.job, []).append(r)
     return list(groups.items())
 
 
 def schedules_by_comm(
-    kv: tuple[str, list[CommSchedule]],
-) -> list[tuple[str, list[CommSchedule]]]:
-    return [(comm_key(s.comm.job, s.comm.comm_hash), [s]) for s in kv[1]]
+    kv: tuple[str, list[CommSchedule | StepMark]],
+) -> list[tuple[str, list[CommSchedule | StepMark]]]:
+    return [
+        (comm_key(s.job, s.comm_hash) if isinstance(s, StepMark) else
+         comm_key(s.comm.job, s.comm.comm_hash), [s])
+        for s in kv[1]
+    ]  # fmt: skip
 
 
 def aligned_by_table(kv: tuple[str, AlignOut]) -> list[tuple[str, TableRows]]:

@@ -384,6 +384,30 @@ class AlignStats(Record, frozen=True, kw_only=True, tag="align_stats"):
     open_instances: Count = 0
 
 
+class CommStructure(Record, frozen=True, kw_only=True, tag="comm_structure"):
+    """What one communicator's step is, as the analysis found it from its calls.
+
+    ``clock`` says what places its instances in steps: "marks" (the job's own
+    iteration markers), "layout" (the job's layout, which its calls agree with),
+    "pauses" or "calls" (learned from the calls: the pauses between steps, or the
+    calls' recurring pattern). ``per_step`` is the instances a step holds (learned;
+    0 where marks place them), ``layout_per_step`` what the layout says (0: it says
+    nothing), ``agrees`` whether the calls agree with the layout (and where its steps
+    begin); ``note`` says it in words."""
+
+    comm_hash: CommHash
+    ts_ns: TimeNs
+    role: CommRole = CommRole.OTHER
+    sender: int = -1  # a transfer's sequence: the sending rank (and receiver), else -1
+    receiver: int = -1
+    clock: str = ""
+    per_step: Count = 0
+    anchor: Count = 0  # the sequence number of a call that begins a step (learned clocks)
+    layout_per_step: Count = 0
+    agrees: bool = True
+    note: str = ""
+
+
 class RankStep(Record, frozen=True, kw_only=True, tag="rank_step"):
     """One rank's account of one training step."""
 
@@ -544,6 +568,7 @@ EVENT_TYPES: tuple[type[Record], ...] = (
 RESULT_TYPES: tuple[type[Record], ...] = (
     AlignedCollective,
     AlignStats,
+    CommStructure,
     RankStep,
     StepSummary,
     Verdict,

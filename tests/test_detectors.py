@@ -836,29 +836,43 @@ def test_a_communicator_pickled_before_its_counts_existed_resumes_counting() -> 
     assert (s.records, s.late_records) == (53, 3)
 
 
-def test_a_folder_pickled_before_it_kept_its_placer_folds_the_same() -> None:
-    """A communicator saved by a version whose step folder looked its placer up for every
-    instance resumes folding exactly as one that never stopped."""
+def test_a_folder_pickled_by_a_version_that_placed_by_the_layout_goes_on_so() -> None:
+    """A communicator saved (a flow's snapshot) by a version whose step folder placed every
+    instance by the layout, under its old module's name, resumes placing by the layout:
+    the steps it had open stay numbered as they were."""
     from detectors.comm import CommAnalyzer
+    from detectors.folder import StepFolder
     from detectors.parts import ScheduleBook
     from schemas.records import Collective, CommInfo, JobInfo
     from schemas.units import CommRole
 
-    recs = list(build("healthy", scale="tiny", seed=0, steps=4).records())
+    recs = list(build("healthy", scale="tiny", seed=0, steps=6).records())
     book = ScheduleBook()
     schedules = [s for r in recs if isinstance(r, JobInfo | CommInfo) for s in book.update(r)]
-    comm_hash = next(s.comm.comm_hash for s in schedules if s.comm.role is CommRole.TP)
-    mine = [r for r in recs if isinstance(r, Collective) and r.comm_hash == comm_hash]
-    mine_sched = [s for s in schedules if s.comm.comm_hash == comm_hash]
-    whole, resumed = CommAnalyzer(), CommAnalyzer()
-    half = len(mine) // 2
-    first = whole.update([*mine_sched, *mine[:half]])
-    assert first == resumed.update([*mine_sched, *mine[:half]])
-    assert first[0], "the schedule was known: instances were folded into rows"
-    del resumed.folder.__dict__["_placer"]  # as the older version pickled it
-    resumed = pickle.loads(pickle.dumps(resumed))
-    assert resumed.update(mine[half:]) == whole.update(mine[half:])
-    assert resumed.flush() == whole.flush()
+    sched = next(s for s in schedules if s.comm.role is CommRole.TP)
+    mine = [r for r in recs if isinstance(r, Collective) and r.comm_hash == sched.comm.comm_hash]
+    old = CommAnalyzer()
+    old.update([sched])
+    state = {  # what the old folder's __dict__ held
+        "topo": old.folder.topo, "comm_hash": sched.comm.comm_hash, "job": sched.comm.job,
+        "role": CommRole.TP, "per_step": old.folder.topo.instances_per_step(sched.comm.comm_hash),
+        "_parts": {}, "_newest": -1, "_partial": set(), "_last_arrival": 0, "_last_end": 0,
+        "_reported": (0, 0), "_placer": None, "give_up_steps": 2, "max_open_steps": 8,
+    }  # fmt: skip
+    folder = StepFolder.__new__(StepFolder)
+    folder.give_up_steps, folder.max_open_steps, folder.max_held = 2, 8, 8192
+    folder.__setstate__(state)
+    StepFolder.__module__ = "detectors.parts"  # the name the old snapshot has it by
+    try:
+        raw = pickle.dumps(folder)
+    finally:
+        StepFolder.__module__ = "detectors.folder"
+    assert b"detectors.parts" in raw and b"detectors.folder" not in raw
+    old.folder = pickle.loads(raw)
+    rows, forward = old.update(mine)
+    per_step = state["per_step"]
+    assert [r.step for r in rows] == [r.seq // per_step for r in rows]  # at once, by the layout
+    assert [p.step for p in forward if type(p).__name__ == "StepPart"] == list(range(6))
 
 
 def test_a_groups_step_figures_equal_the_general_computation_bit_for_bit() -> None:
