@@ -309,8 +309,8 @@ class JobAnalyzer:
         out: list[msgspec.Struct] = self._progress(max(inst.arrival), max(inst.end))
         if folder is None:  # a communicator the job has no record of
             return [aligned_record(self.job, self.topo, inst, None), *out]
-        if inst.comm_hash in self.folded_elsewhere:
-            pos = folder.position(inst)
+        if inst.comm_hash in self.folded_elsewhere:  # a partial one's completion: its step
+            pos = folder.position(inst, now=True)  # is open, the newest marker's next at most
             out.insert(0, aligned_record(self.job, self.topo, inst, pos))
             for rep in self.assembler.add(inst, pos):
                 out += self._step(rep)
@@ -494,7 +494,8 @@ class JobAnalyzer:
         }
         increase = float(np.mean([r.duration_ns for r in reps])) - self._level_before(reps)
         found = self.localizer.localize(reps, topo)
-        if not any(r.spans for r in reps):  # no schedule to walk: who made the others wait
+        if not any(r.spans for r in reps) or not self.link_culprits:
+            # last: who made the others wait (no schedule to walk, or nothing on it)
             found += self.localizer.who_waits(reps, topo, increase)
         for f in found:
             if f.rank is not None and f.rank in link_ends:
@@ -709,7 +710,7 @@ class JobAnalyzer:
         bursts = self.bursts.setdefault(culprit, [])
         bursts.append((onset, ratio, length))
         if len(bursts) < 2:
-            return []
+            return self._transient(culprit, cause, fields, onset, ratio, length, rep)
         first = bursts[0][0]
         span = max(1, rep.step - first + 1)
         extra = sum((r - 1) * n for _, r, n in bursts)
@@ -741,6 +742,51 @@ class JobAnalyzer:
             **fields,
         )
         return [v] if v else []
+
+    def _transient(
+        self,
+        culprit: str,
+        cause: Cause,
+        fields: dict[str, Any],
+        onset: int,
+        ratio: float,
+        length: int,
+        rep: StepReport,
+    ) -> list[msgspec.Struct]:
+        """A straggler for a step or a few, over already: reported with its culprit and the
+        time it cost, and resolved at once (a second one makes it intermittent)."""
+        reps = [r for r in self.recent if onset <= r.step < onset + length and r.complete]
+        level = self._level_before_step(onset)
+        lost = sum(max(0.0, r.duration_ns - level) for r in reps)
+        fields["evidence"] = {
+            **fields.get("evidence", {}),
+            "time_lost_ns": float(lost),
+            "steps": float(length),
+            "step_time_ratio": float(ratio),
+            "baseline_step_ns": float(level),
+        }
+        who = texts.who(fields.get("rank"), fields.get("gpu"), fields.get("node"))
+        steps = f"step {onset}" if length == 1 else f"steps {onset}-{onset + length - 1}"
+        fields["summary"] = (
+            f"transient straggler: {who or 'an unlocalised part of the job'} - {steps} "
+            f"{ratio:.2f}x slower, {lost / 1e9:.2f} s lost"
+        )
+        start = reps[0].start_ns if reps else rep.start_ns
+        end = reps[-1].end_ns if reps else rep.end_ns
+        v = self.book.report(
+            VerdictKind.TRANSIENT_STRAGGLER,
+            cause,
+            culprit,
+            onset_step=onset,
+            onset_ns=start,
+            detected_ns=rep.end_ns,
+            severity=1.0 - 1.0 / ratio if ratio > 1 else 0.0,
+            confidence=0.8 if culprit != "job" else 0.5,
+            step=onset,
+            **fields,
+        )
+        done = self.book.resolve(VerdictKind.TRANSIENT_STRAGGLER.value, culprit, end)
+        return [x for x in (v, done) if x is not None]
 
     # ------------------------------------------------------------------ links
     def _track_gpu_wait(self, rank: int, wait_ns: float, baseline_windows: int = 4) -> None:

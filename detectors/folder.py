@@ -158,12 +158,13 @@ class StepFolder:
         self._told.add(seq_key)  # told already, by the folder that learned it
         return self._release()
 
-    def position(self, inst: Instance) -> Position | None:
-        """Where a (partial) instance sits, as far as this folder knows."""
+    def position(self, inst: Instance, now: bool = False) -> Position | None:
+        """Where a (partial) instance sits, as far as this folder knows; ``now``: without
+        waiting for a marker (one after the newest is in the step after it)."""
         if self.topo is None:
             return None
         first = min(inst.arrival)
-        step = self._step_of(inst, first, force=False) if (
+        step = self._step_of(inst, first, force=now) if (
             self._mark_ends or (inst.sender, inst.receiver) in self.cycles
         ) else None  # fmt: skip
         if step is None:

@@ -6,7 +6,8 @@ throughput need not be found (a match still counts); a fault labelled off the
 critical path (a pipeline bubble) must *not* be reported: a slowdown verdict
 naming its rank is a false positive. A degraded link is measured directly and
 is reported even when it costs no throughput (its label may say off the
-critical path: a data-parallel edge whose transfer overlaps). Unmatched
+critical path: a data-parallel edge whose transfer overlaps). A transient
+straggler naming the culprit of an intermittent fault is its first burst. Unmatched
 verdicts are false positives.
 
 >>> s = Score()
@@ -107,6 +108,17 @@ class Score:
             lat = (v.detected_ns - lab.onset_ns) / 1e9
             ks.latency_s.append(lat)
             ks.latency_steps.append(lat * 1e9 / step_ns if step_ns else 0.0)
+        # a straggler's first burst is told as a transient one before it recurs: part of
+        # the intermittent fault it begins, not a false alarm
+        for lab in labels:
+            if lab.kind is VerdictKind.INTERMITTENT_SLOWDOWN:
+                used.update(
+                    v.verdict_id
+                    for v in vs
+                    if v.kind is VerdictKind.TRANSIENT_STRAGGLER
+                    and v.detected_ns >= lab.onset_ns
+                    and _culprit_ok(lab, v)
+                )
         for v in vs:
             if v.verdict_id not in used:
                 self.add_kind(v.kind.value).fp += 1

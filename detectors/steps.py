@@ -527,7 +527,7 @@ class StepAssembler:
         self._parts.setdefault(part.step, []).append(part)
         comms = part.comms or (part.comm_hash,)
         self._reported.setdefault(part.step, set()).update(comms)
-        return self._after(acc, comms)
+        return self._after(acc, comms, by_count=False)
 
     def _all_reported(self, step: int) -> bool:
         """Every communicator that keeps up sent its part of ``step`` (each tells its own
@@ -539,10 +539,14 @@ class StepAssembler:
         newest = self._seen.newest
         return all(c in got for c, s in newest.items() if s >= low)
 
-    def _after(self, acc: StepPart, comms: tuple[int, ...]) -> list[StepReport]:
+    def _after(
+        self, acc: StepPart, comms: tuple[int, ...], by_count: bool = True
+    ) -> list[StepReport]:
+        """After an instance (``by_count``: the layout's count of a step's instances closes
+        it) or a part (every communicator's part does: a communicator knows its step)."""
         out = []
         self._advance_only(comms, acc.step)
-        if acc.n >= self.expected_instances() or self._all_reported(acc.step):
+        if (by_count and acc.n >= self.expected_instances()) or self._all_reported(acc.step):
             out += self._close_through(acc.step)
         out += self._advance(comms, acc.step)
         if len(self._acc) > self.max_open_steps:  # bounded state, whatever is missing
@@ -582,7 +586,10 @@ class StepAssembler:
                 end = acc.dp_end or acc.end
                 start = self._prev_end if self._prev_end is not None else acc.start
                 self._prev_end = end
-            whole = acc.n > 0 and (acc.n >= self.expected_instances() or self._all_reported(s))
+            parts = self._parts.get(s)
+            whole = acc.n > 0 and (
+                self._all_reported(s) if parts else acc.n >= self.expected_instances()
+            )
             self._reported.pop(s, None)
             ranks = dense_ranks([acc, *self._parts.pop(s, [])], world)
             lead_sum, lead_n = ranks["lead_sum"], ranks["lead_n"]

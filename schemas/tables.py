@@ -215,9 +215,7 @@ _TABLE_LIST: Sequence[Table] = (
     ),
     # a communicator's cumulative counts: the newest row (largest ts_ns) is its account
     Table("align_stats", AlignStats, ("job", "comm_hash", "ts_ns"), "ts_ns"),
-    Table(
-        "comm_structure", CommStructure, ("job", "comm_hash", "sender", "receiver"), "ts_ns"
-    ),
+    Table("comm_structure", CommStructure, ("job", "comm_hash", "sender", "receiver"), "ts_ns"),
     Table("rank_steps", RankStep, ("job", "step", "rank"), "start_ns"),
     Table("steps", StepSummary, ("job", "step"), "start_ns"),
     Table("verdicts", Verdict, ("job", "verdict_id"), "detected_ns", version_column="revision"),

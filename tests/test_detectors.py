@@ -153,8 +153,14 @@ def test_the_injected_culprit_is_named(scenario: str, kind: VerdictKind, culprit
         assert (v.phase, v.microbatch) == (label.phase, label.microbatch)
     # one incident, one verdict id
     assert len({x.verdict_id for x in mine}) == 1
-    # nothing else is blamed
-    assert {x.kind for x in verdicts} <= {kind}
+    # nothing else is blamed (an intermittent straggler's first burst is told as a
+    # transient one, naming the same rank)
+    others = [x for x in verdicts if x.kind != kind]
+    if kind == VerdictKind.INTERMITTENT_SLOWDOWN:
+        assert {x.kind for x in others} <= {VerdictKind.TRANSIENT_STRAGGLER}
+        assert {x.rank for x in others} <= {label.rank}
+    else:
+        assert others == []
 
 
 def test_pickled_mid_stream_analysis_resumes_with_identical_verdicts() -> None:
