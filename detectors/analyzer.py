@@ -66,6 +66,9 @@ GPU_WAIT_CONFIRMS = 3.0
 class JobAnalyzer:
     """The detectors of one job (see the module docstring)."""
 
+    # set on each instance by _reset; here for one pickled by a version without them
+    _final = False
+
     def __init__(self, job: str, settings: DetectSettings | None = None) -> None:
         self.job = job
         self.settings = settings or DetectSettings()
@@ -124,6 +127,7 @@ class JobAnalyzer:
         self.hb_progress_ns = 0
         self.hb_now_ns = 0
         self._hang_detected_ns = 0
+        self._final = False  # the hang being judged is at the end of the input
         self.refused = 0  # items naming ranks outside the layout (kept as dead letters)
         #: (comm, sender, receiver) -> its step as its calls show it
         self.structure: dict[tuple[int, int, int], CommStructure] = {}
@@ -453,7 +457,7 @@ class JobAnalyzer:
             self.pending_shift = None
             out = []
             for culprit in self.slow_open:
-                if v := self.book.resolve(VerdictKind.SLOWDOWN.value, culprit, rep.end_ns):
+                if v := self.book.resolve(_kind_of(culprit).value, culprit, rep.end_ns):
                     out.append(v)
                 self._forget_onset(culprit)
             self.slow_open = []
@@ -495,8 +499,11 @@ class JobAnalyzer:
         increase = float(np.mean([r.duration_ns for r in reps])) - self._level_before(reps)
         found = self.localizer.localize(reps, topo)
         if not any(r.spans for r in reps) or not self.link_culprits:
-            # last: who made the others wait (no schedule to walk, or nothing on it)
+            # last: who made the others wait (no schedule to walk, or nothing on it); and
+            # if nobody did, the transfers between nodes that took longer
             found += self.localizer.who_waits(reps, topo, increase)
+            if not self.link_culprits:
+                found += self.localizer.slow_transfers(reps, topo, increase)
         for f in found:
             if f.rank is not None and f.rank in link_ends:
                 continue
@@ -513,6 +520,9 @@ class JobAnalyzer:
             if f.rank is not None:
                 fields.update(rank=f.rank, gpu=topo.gpu(f.rank))
                 return f"rank:{f.rank}", {"cause": f.cause, **fields}
+            if f.link is not None:  # the network between nodes
+                fields.update(link=f.link, phase=Phase.TRANSFER)
+                return f"nodes:{f.link}", {"cause": f.cause, **fields}
             return f"node:{f.node}", {"cause": f.cause, **fields}
         return None
 
@@ -544,11 +554,11 @@ class JobAnalyzer:
         """Open slowdowns (but ``skip``) at their shares of a step of ``duration`` ns."""
         out: list[msgspec.Struct] = []
         for culprit in self.slow_open:
-            current = self.book.current(VerdictKind.SLOWDOWN.value, culprit)
+            current = self.book.current(_kind_of(culprit).value, culprit)
             if culprit == skip or current is None:
                 continue
             if v := self.book.report(
-                VerdictKind.SLOWDOWN,
+                _kind_of(culprit),
                 current.cause,
                 culprit,
                 onset_step=current.onset_step,
@@ -585,9 +595,12 @@ class JobAnalyzer:
         severity = self._share(culprit, duration)
         out = self._link_severity(duration, rep)
         cause = fields.pop("cause")
+        kind = _kind_of(culprit)
         who = (
             texts.who(fields["rank"], fields.get("gpu"), fields.get("node"))
             if "rank" in fields
+            else _network(fields["link"])
+            if culprit.startswith("nodes:")
             else f"host {fields.get('node')}"
             if culprit != "job"
             else "an unlocalised part of the job"
@@ -596,7 +609,7 @@ class JobAnalyzer:
         where = texts.where(None, phase.value if phase else None, fields.get("microbatch"),
                             fields.get("pp_stage"))  # fmt: skip
         fields["summary"] = (
-            f"slowdown: {who} - iteration {ratio:.2f}x slower since step "
+            f"{kind.value.replace('_', ' ')}: {who} - iteration {ratio:.2f}x slower since step "
             f"{onset} ({texts.percent(severity)} throughput lost to it), cause "
             f"{cause.value.replace('_', ' ')}{f', {where}' if where else ''}"
         )
@@ -607,7 +620,7 @@ class JobAnalyzer:
             "baseline_step_ns": float(self.shift.baseline or 0),
         }
         v = self.book.report(
-            VerdictKind.SLOWDOWN,
+            kind,
             cause,
             culprit,
             onset_step=onset,
@@ -754,7 +767,13 @@ class JobAnalyzer:
         rep: StepReport,
     ) -> list[msgspec.Struct]:
         """A straggler for a step or a few, over already: reported with its culprit and the
-        time it cost, and resolved at once (a second one makes it intermittent)."""
+        time it cost, and resolved at once (a second one makes it intermittent). Only one
+        that stands out: a rank or host named, and well over the noise (at least 1.5x,
+        and twice the bar a shift must clear)."""
+        if "rank" not in fields and not culprit.startswith("node:"):
+            return []
+        if ratio < 1.0 + max(0.5, 2 * self.shift.bar):
+            return []
         reps = [r for r in self.recent if onset <= r.step < onset + length and r.complete]
         level = self._level_before_step(onset)
         lost = sum(max(0.0, r.duration_ns - level) for r in reps)
@@ -935,7 +954,7 @@ class JobAnalyzer:
             return None
         return float(np.median(self.durations))
 
-    def tick(self, now_ns: int) -> list[msgspec.Struct]:
+    def tick(self, now_ns: int, final: bool = False) -> list[msgspec.Struct]:
         """The hang watchdog: call periodically with the current (event) time.
 
         With heartbeats, progress is a completed sequence number that moved and the
@@ -948,12 +967,20 @@ class JobAnalyzer:
         link samples read seconds ahead of the collectives are not silence of the job
         (the flow passes the time the collectives showed, moved on by the wall clock only
         while they show nothing new).
+
+        ``final``: the input ended (a recording): its end is silence that goes on. A call
+        some ranks posted and others never did, at least a step's time before the end
+        and with no progress since, is a hang (a recording cut in the middle of a step
+        leaves only calls younger than that open).
         """
         self.now_ns = max(self.now_ns, now_ns)
         if self.topo is None or self.hang_open:
             return []
         exp = self.expected_step_ns() or 0.0
         limit = max(self.settings.hang_factor * exp, self.settings.min_hang_ms * 1e6)
+        if final:
+            limit = max(exp, 0.02 * self.settings.min_hang_ms * 1e6)
+        self._final = final
         topo = self.topo
         diag: HangDiagnosis | None
         if self.hb_latest:
@@ -961,7 +988,7 @@ class JobAnalyzer:
             if not self.hb_progress_ns or silent <= limit:
                 return []
             fresh = sum(hb.ts_ns > self.hb_progress_ns for hb in self.hb_latest.values())
-            if fresh < topo.job.world_size and silent <= 3 * limit:
+            if fresh < topo.job.world_size and silent <= 3 * limit and not final:
                 return []  # wait until every rank reported after the freeze
             diag = self._unfollowed_hang()
             if diag is None:
@@ -969,11 +996,30 @@ class JobAnalyzer:
                     h: {"pp": 0, "tp": 1, "dp": 3}.get(c.role.value, 2)
                     for h, c in topo.comms.items()
                 }
-                diag = diagnose_from_heartbeats(
-                    self.hb_latest, self._members(), list(self.stuck.ops.values()), prio
+                # a rank whose heartbeats stopped before the job did, while the others beat
+                stopped = frozenset(
+                    r for r, hb in self.hb_latest.items() if hb.ts_ns < self.hb_progress_ns
                 )
+                diag = diagnose_from_heartbeats(
+                    self.hb_latest, self._members(), list(self.stuck.ops.values()), prio,
+                    silent=stopped if len(stopped) < len(self.hb_latest) else frozenset(),
+                )  # fmt: skip
                 if diag is not None and len(diag.alternatives) > 1:
                     diag = self._earliest_call(diag, prio)
+                if diag is not None and self.partials:
+                    # a call open since earlier, on the same communicator, names who
+                    # failed first (a dead rank's peers may stop beating after it)
+                    first = diagnose_hang(
+                        list(self.partials.values()), list(self.stuck.ops.values()),
+                        self._members(),
+                    )  # fmt: skip
+                    if (
+                        first is not None
+                        and first.comm_hash == diag.comm_hash
+                        and first.seq < diag.seq
+                        and first.culprit_rank is not None
+                    ):
+                        diag = first
             detected = self.hb_now_ns
         else:
             now = max(self.coll_now_ns, now_ns)
@@ -1068,9 +1114,16 @@ class JobAnalyzer:
         sender_stage = topo.coords(sender)[0] if sender >= 0 else None
         to = partial.receiver if partial is not None else -1
         receiver_stage = topo.coords(to)[0] if to >= 0 else None
-        pos = topo.position(
-            diag.comm_hash, diag.seq, op or CollOp.ALL_REDUCE, sender_stage, receiver_stage
-        )
+        folder = self._folder(diag.comm_hash)
+        note = next((n for (h, _, _), n in self.structure.items() if h == diag.comm_hash), None)
+        if partial is not None and folder is not None:  # where its folder places it
+            pos = folder.position(partial, now=True)
+        elif note is None or note.agrees:  # the layout's schedule, where the calls follow it
+            pos = topo.position(
+                diag.comm_hash, diag.seq, op or CollOp.ALL_REDUCE, sender_stage, receiver_stage
+            )
+        else:
+            pos = None
         onset = (
             diag.first_wait_ns
             or (partial.first_arrival_ns if partial else 0)
@@ -1121,7 +1174,11 @@ class JobAnalyzer:
                 f"posted and never completed on {fields.get('link', 'the network')} - "
                 f"{where}"
             )
+        if self._final:
+            summary += " (the recording ended there)"
         ev = {**diag.evidence, "silent_ns": float(silent), "expected_step_ns": exp}
+        if self._final:
+            ev["recording_ended"] = 1.0
         v = self.book.report(
             VerdictKind.HANG,
             diag.cause,
@@ -1140,11 +1197,11 @@ class JobAnalyzer:
         return [v] if v else []
 
     def finish(self) -> list[msgspec.Struct]:
-        """End of input: close the steps still open, and judge a shift still waiting for
-        link samples that will not come."""
+        """End of input: a hang it ended in (see :meth:`tick`), the steps still open
+        closed, and a shift still waiting for link samples that will not come judged."""
         if self.assembler is None:
             return []
-        out: list[msgspec.Struct] = []
+        out: list[msgspec.Struct] = self.tick(self.now_ns, final=True)
         for folder in self.folders.values():  # what the job's own folders still hold
             rows, items = folder.flush()
             out += [*rows, *self._from_folder(items)]
@@ -1167,6 +1224,20 @@ class JobAnalyzer:
             return []
         cp = critical_path(rep.node_durations(d), self.topo.job.pp, self.topo.job.num_microbatches)
         return [f"{ph[0].upper()}{mb}s{s}" for s, ph, mb in cp.path]
+
+
+def _kind_of(culprit: str) -> VerdictKind:
+    """The kind of a step-time incident by its culprit: the network between nodes is a
+    link's degradation, anyone else's a slowdown."""
+    return VerdictKind.LINK_DEGRADATION if culprit.startswith("nodes:") else VerdictKind.SLOWDOWN
+
+
+def _network(link: str) -> str:
+    """'the network between a and b' for "a<->b", 'the network links of n' for one node."""
+    nodes = link.split("<->")
+    if len(nodes) == 1:
+        return f"the network links of {nodes[0]}"
+    return f"the network between {', '.join(nodes[:-1])} and {nodes[-1]}"
 
 
 def _ranks_of(item: Any) -> tuple[int, ...]:

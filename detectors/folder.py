@@ -435,7 +435,7 @@ class StepFolder:
         if agrees:
             note = f"{what}, as the layout says"
         elif hint:
-            begins = f", beginning at its {c.anchor}th call" if c.anchor else ""
+            begins = f", beginning at its call {c.anchor + 1}" if c.anchor else ""
             note = f"its calls repeat every {what}{begins}; the layout says {hint}"
         else:
             note = f"its calls repeat every {what} (the layout says nothing)"

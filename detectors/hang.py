@@ -182,6 +182,7 @@ def diagnose_from_heartbeats(
     member_of: dict[int, tuple[int, ...]],
     stuck_proxies: Sequence[ProxySummary],
     priority: dict[int, int] | None = None,
+    silent: frozenset[int] = frozenset(),
 ) -> HangDiagnosis | None:
     """The same diagnosis from each rank's latest heartbeat (issued/completed per communicator).
 
@@ -190,13 +191,15 @@ def diagnose_from_heartbeats(
     records themselves are late or lost. ``priority`` orders communicators when
     the culprit is missing from several calls (lower first: the most specific
     place in the schedule, e.g. a pipeline Recv before the gradient sync).
+    ``silent`` ranks stopped beating while the others went on (a process stopped or
+    gone): whatever their last heartbeat said they were in, they are not waiting.
     """
     issued: dict[int, dict[int, int]] = {}
     waiting: set[int] = set()
     for rank, hb in latest.items():
         for cp in hb.comms:
             issued.setdefault(cp.comm_hash, {})[rank] = cp.issued_seq
-            if cp.issued_seq > cp.completed_seq:
+            if cp.issued_seq > cp.completed_seq and rank not in silent:
                 waiting.add(rank)
     behind: list[tuple[int, int, int, tuple[int, ...]]] = []  # (rank, comm, seq, waiters)
     stuck_comms: list[tuple[int, int, tuple[int, ...]]] = []
@@ -226,7 +229,11 @@ def diagnose_from_heartbeats(
             missing=(rank,),
             waiting=waiters,
             alternatives=alternatives,
-            evidence={"waiting_ranks": float(len(waiting)), "source_heartbeats": 1.0},
+            evidence={
+                "waiting_ranks": float(len(waiting)),
+                "source_heartbeats": 1.0,
+                **({"heartbeats_stopped": 1.0} if rank in silent else {}),
+            },
         )
     if stuck_comms:
         for comm, seq, members in stuck_comms:

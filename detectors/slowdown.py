@@ -43,6 +43,7 @@ class SlowdownFinding:
     microbatch: int | None
     critical: bool
     evidence: dict[str, float] = field(default_factory=dict)
+    link: str | None = None  # the network between nodes, where that is the cause
 
 
 class SlowdownLocalizer:
@@ -87,6 +88,8 @@ class SlowdownLocalizer:
         self.base_lead: np.ndarray | None = None
         self._blame: list[np.ndarray] = []
         self.base_blame: np.ndarray | None = None  # who made the others wait, any layout
+        self._xsum: list[dict[int, int]] = []
+        self.base_xsum: dict[int, float] = {}  # per communicator, a step's transfer time
         self.expected: dict[tuple, float] = {}
         self._seed_nodes: dict[tuple, list[float]] = {}
 
@@ -103,6 +106,7 @@ class SlowdownLocalizer:
             self._late.append(rep.lateness_ns.copy())
             self._lead.append(rep.host_lead_ns.copy())
             self._blame.append(rep.blame_any_ns.copy())
+            self._xsum.append(dict(rep.transfer_sum_ns))
             for d, nodes in rep.spans.items():
                 for key, (b, e) in nodes.items():
                     self._seed_nodes.setdefault((d, *key), []).append(float(e - b))
@@ -110,14 +114,24 @@ class SlowdownLocalizer:
                 self.base_late = np.median(np.array(self._late), axis=0)
                 self.base_lead = np.median(np.array(self._lead), axis=0)
                 self.base_blame = np.median(np.array(self._blame), axis=0)
+                comms = {c for x in self._xsum for c in x}
+                self.base_xsum = {
+                    c: float(np.median([x.get(c, 0) for x in self._xsum])) for c in comms
+                }
                 self.expected = _medians(self._seed_nodes)
                 self._late, self._lead, self._blame, self._seed_nodes = [], [], [], {}
+                self._xsum = []
             return
         self.base_late += 0.05 * (rep.lateness_ns - self.base_late)
         self.base_lead += 0.05 * (rep.host_lead_ns - self.base_lead)
         if self.base_blame is None:  # pickled by a version without it
             self.base_blame = rep.blame_any_ns.copy()
         self.base_blame += 0.05 * (rep.blame_any_ns - self.base_blame)
+        xsum = getattr(self, "base_xsum", None)
+        if xsum is None:  # pickled by a version without it
+            xsum = self.base_xsum = {}
+        for c, x in rep.transfer_sum_ns.items():
+            xsum[c] = xsum.get(c, float(x)) + 0.05 * (x - xsum.get(c, float(x)))
         expected, alpha = self.expected, self.alpha
         for replica, nodes in rep.spans.items():
             for node, (b, e) in nodes.items():
@@ -226,6 +240,55 @@ class SlowdownLocalizer:
                 )
             )
         return out
+
+    def slow_transfers(
+        self, reports: Sequence[StepReport], topo: Topology, increase: float, share: float = 0.5
+    ) -> list[SlowdownFinding]:
+        """The network, where the step time added went into transfers between nodes: the
+        communicators spanning nodes whose instances' transfer times (after everyone
+        came) grew by ``share`` of it or more. The culprit is the node every one of them
+        has in common, if one; else the network between their nodes (a collective's
+        timings cannot tell which node's link is slow when it spans only those)."""
+        reps = [r for r in reports if r.complete] or list(reports)
+        base = getattr(self, "base_xsum", {})
+        if not reps or not base or increase <= 0:
+            return []
+        growth: dict[int, float] = {}
+        for c in {c for r in reps for c in r.transfer_sum_ns}:
+            info = topo.comms.get(c)
+            if info is None or len({topo.node(r) for r in info.ranks}) < 2:
+                continue
+            g = float(np.mean([r.transfer_sum_ns.get(c, 0) for r in reps])) - base.get(c, 0.0)
+            if g > 0:
+                growth[c] = g
+        total = sum(growth.values())
+        if total < share * increase:
+            return []
+        grown = [c for c, g in growth.items() if g >= 0.2 * total]
+        node_sets = [{topo.node(r) for r in topo.comms[c].ranks} for c in grown]
+        common = set.intersection(*node_sets)
+        nodes = sorted(set.union(*node_sets))
+        node = next(iter(common)) if len(common) == 1 else None
+        top = max(grown, key=growth.__getitem__)
+        before = base.get(top, 0.0)
+        return [
+            SlowdownFinding(
+                Cause.NETWORK_LINK,
+                None,
+                node,
+                None,
+                None,
+                None,
+                critical=True,
+                evidence={
+                    "transfer_growth_ns": total,
+                    "step_time_added_ns": float(increase),
+                    "transfer_ratio": (before + growth[top]) / before if before else 0.0,
+                    "communicators": float(len(grown)),
+                },
+                link=f"{node}" if node else "<->".join(nodes),
+            )
+        ]
 
     def _host_node(self, lead: np.ndarray, topo: Topology) -> tuple[str, float, float] | None:
         base = self.base_lead

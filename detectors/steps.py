@@ -57,6 +57,8 @@ class StepReport:
     spans: dict[int, dict[NodeKey, list[int]]]
     replica_end: dict[int, int]
     transfer_ns: dict[int, int]
+    #: per communicator, its instances' transfer times (after the last arrival) summed
+    transfer_sum_ns: dict[int, int] = field(default_factory=dict)
 
     def node_durations(self, replica: int) -> dict[NodeKey, float]:
         return {k: float(e - b) for k, (b, e) in self.spans.get(replica, {}).items()}
@@ -93,6 +95,7 @@ class StepPart:
     spans: dict[int, dict[NodeKey, list[int]]] = field(default_factory=dict)
     replica_end: dict[int, int] = field(default_factory=dict)
     transfer: dict[int, int] = field(default_factory=dict)
+    transfer_sum: dict[int, int] = field(default_factory=dict)
     #: the per-rank figures once sealed, one column per rank (see :meth:`seal`)
     sealed: np.ndarray | None = None
     #: instances folded since, with what they add (see :meth:`fold`), until :func:`_figures`
@@ -132,10 +135,13 @@ class StepPart:
             self.last_arrival = a_max
         if role is CommRole.DP and e_max > self.dp_end:
             self.dp_end = e_max
-        if role is CommRole.DP or role is CommRole.PP:
-            x = e_max - a_max if e_max > a_max else 0  # the transfer after the last arrival
-            if x >= self.transfer.get(inst.comm_hash, 0):
-                self.transfer[inst.comm_hash] = x
+        x = e_max - a_max if e_max > a_max else 0  # the transfer after the last arrival
+        if x:
+            self.transfer_sum[inst.comm_hash] = self.transfer_sum.get(inst.comm_hash, 0) + x
+        if (role is CommRole.DP or role is CommRole.PP) and x >= self.transfer.get(
+            inst.comm_hash, 0
+        ):
+            self.transfer[inst.comm_hash] = x
         several = len(inst.ranks) >= 2
         grouped = role is CommRole.TP and several
         adds = (_WAITS if role is not CommRole.PP else 0) | (_WAIT_MODEL if grouped else 0)
@@ -222,6 +228,8 @@ class StepPart:
             self.last_arrival = other.last_arrival
         for c, x in other.transfer.items():
             self.transfer[c] = max(self.transfer.get(c, 0), x)
+        for c, x in other.transfer_sum.items():
+            self.transfer_sum[c] = self.transfer_sum.get(c, 0) + x
         for replica, nodes in other.spans.items():
             mine = self.spans.get(replica)
             if mine is None:  # the usual case: one TP group's nodes, met here first
@@ -612,6 +620,7 @@ class StepAssembler:
                     spans=acc.spans,
                     replica_end=acc.replica_end,
                     transfer_ns=acc.transfer,
+                    transfer_sum_ns=acc.transfer_sum,
                 )
             )
             self._closed_upto = max(self._closed_upto, s)
