@@ -952,6 +952,20 @@ def report(obj: _Ctx, job: str, out: str | None) -> None:
 @click.option("--seeds", default=3, show_default=True, help="Seeds per scenario.")
 @click.option("--scenario", "names", multiple=True, help="Only these scenarios.")
 @click.option(
+    "--corpus",
+    "corpora",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="A folder of labelled recordings (one folder per case with records.jsonl and "
+    "labels.jsonl, as `megatrace lab` leaves them); repeatable.",
+)
+@click.option(
+    "--simulator/--no-simulator",
+    default=True,
+    show_default=True,
+    help="Score the simulator's catalogue too.",
+)
+@click.option(
     "--baselines/--no-baselines",
     default=True,
     show_default=True,
@@ -976,58 +990,41 @@ def evaluate(
     scales: tuple[str, ...],
     seeds: int,
     names: tuple[str, ...],
+    corpora: tuple[Path, ...],
+    simulator: bool,
     baselines: bool,
     ep: int,
     cp: int,
     heartbeat_p2p: bool,
     pp_group_comm: bool,
 ) -> None:
-    """Detection quality on the labelled scenario catalogue, megatrace beside its peers."""
-    shape = {"ep": ep, "cp": cp, "heartbeat_p2p": heartbeat_p2p, "pp_group_comm": pp_group_comm}
-    from detectors.baselines import BASELINES
-    from detectors.replay import Replay
-    from detectors.scoring import Score
-    from producers.sim.scenarios import SCENARIOS, NotApplicable, build
-    from schemas.records import Verdict
+    """Detection quality, megatrace beside its peers: on the simulator's labelled catalogue
+    and on folders of labelled recordings (real jobs: the lab's, or any kept)."""
+    from megatrace import evaluate as ev
 
-    todo = []
-    for sc in scales:
-        for n in names or SCENARIOS:
-            if n == "story":
-                continue
-            try:
-                build(n, scale=sc, seed=100, **shape)
-            except NotApplicable as e:
-                click.echo(f"skipping {n} at {sc}: {e}")
-                continue
-            todo += [(n, sc, seed) for seed in range(seeds)]
-    methods = ["megatrace", *(BASELINES if baselines else [])]
-    scores = {m: Score() for m in methods}
-    cost: dict[str, float] = dict.fromkeys(methods, 0.0)
-    with click.progressbar(
-        todo, label="scenarios", item_show_func=lambda x: x and f"{x[0]} {x[1]} seed {x[2]}"
-    ) as bar:
-        done = 0
-        for name, scale, seed in bar:
-            run = build(name, scale=scale, seed=seed + 100, **shape)
-            records = list(run.records(emit_kernels=baselines))
-            replay = Replay()
-            t0 = time.perf_counter()
-            found = [v for v in replay.run(records) if isinstance(v, Verdict)]
-            cost["megatrace"] += time.perf_counter() - t0
-            step_ns = next(iter(replay.jobs.values())).expected_step_ns() or 0.0
-            scores["megatrace"].add_run(run.labels, found, run.steps, step_ns)
-            for m in methods[1:]:
-                t0 = time.perf_counter()
-                found = BASELINES[m]().run(records)
-                cost[m] += time.perf_counter() - t0
-                scores[m].add_run(run.labels, found, run.steps, step_ns)
-            if not sys.stderr.isatty():  # the bar only draws on a terminal: say each run
-                done += 1
-                click.echo(f"  [{done}/{len(todo)}] {name} {scale} seed {seed}", err=True)
-    for m in methods:
-        click.echo(f"\n== {m} ({cost[m]:.1f}s of analysis over {len(todo)} runs)")
-        for line in scores[m].table():
+    shape = {"ep": ep, "cp": cp, "heartbeat_p2p": heartbeat_p2p, "pp_group_comm": pp_group_comm}
+
+    def said(name: str) -> None:
+        if not sys.stderr.isatty():  # the bar only draws on a terminal: say each run
+            click.echo(f"  {name}", err=True)
+
+    if simulator:
+        todo, make = ev.simulated(scales, names, seeds, shape, kernels=baselines)
+        with click.progressbar(
+            todo, label="scenarios", item_show_func=lambda x: x and f"{x[0]} {x[1]} seed {x[2]}"
+        ) as bar:
+            res = ev.score((make(x) for x in bar), baselines, said)
+        click.echo("\n# simulator")
+        for line in res.tables():
+            click.echo(line)
+    for root in corpora:
+        try:
+            cases = list(ev.corpus(root))
+        except FileNotFoundError as e:
+            raise click.ClickException(str(e)) from None
+        res = ev.score(cases, baselines, said)
+        click.echo(f"\n# corpus {root} ({len(cases)} cases)")
+        for line in res.tables():
             click.echo(line)
 
 
