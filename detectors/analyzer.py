@@ -216,8 +216,12 @@ class JobAnalyzer:
     def _structure_in(self, note: CommStructure) -> list[msgspec.Struct]:
         """A communicator's step as its calls show it (stored; the job's account of where
         the layout does not hold)."""
-        self.structure[(note.comm_hash, note.sender, note.receiver)] = note
         self.folded_elsewhere.add(note.comm_hash)
+        if note.clock == "learning":  # it will send parts: its steps wait for them
+            if self.assembler is not None:
+                self.assembler.expect(note.comm_hash)
+            return []
+        self.structure[(note.comm_hash, note.sender, note.receiver)] = note
         out: list[msgspec.Struct] = [note]
         folder = self.folders.get(note.comm_hash)
         if folder is not None:  # what it held waiting for its own learning is placed now
@@ -344,6 +348,10 @@ class JobAnalyzer:
             if isinstance(x, StepPart):
                 out += self._part(x, own=True)
             elif isinstance(x, CommStructure):
+                if x.clock == "learning":
+                    if self.assembler is not None:
+                        self.assembler.expect(x.comm_hash)
+                    continue
                 self.structure[(x.comm_hash, x.sender, x.receiver)] = x
                 out.append(x)
             elif isinstance(x, Instance):

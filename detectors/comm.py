@@ -156,13 +156,16 @@ class CommAnalyzer:
             )
         )  # fmt: skip
 
-    def expire(self, now_ns: int) -> list[Any]:
-        """Partial instances open too long, for the job (see ``CollectiveAligner.expire``)."""
+    def expire(self, now_ns: int) -> tuple[list[AlignedCollective], list[Any]]:
+        """Partial instances open too long, for the job (see ``CollectiveAligner.expire``),
+        and what the folder held too long to learn a step from (see
+        :meth:`~detectors.folder.StepFolder.expire`): (stored rows, items for the job)."""
         out: list[Any] = []
         for inst in self.aligner.expire(now_ns):
             self._partials += 1
             out += self.folder.partial(inst)
-        return out + self.folder.progress()
+        rows, held = self.folder.expire(now_ns)
+        return rows, out + held + self.folder.progress()
 
     def flush(self) -> tuple[list[AlignedCollective], list[Any]]:
         """End of a bounded input: held instances and open parts, and open instances as

@@ -41,8 +41,8 @@ is, and for instances the job already saw as partial, they go to the job unchang
 ...     return Instance("j", 7, seq, CollOp.ALL_REDUCE, -1, 2, 8, (0, 2), (t, t + 2),
 ...                     (t, t + 2), (t + 9, t + 9))
 >>> out = [folder.update(inst(s)) for s in range(4)]
->>> out[0], out[1]  # held until the calls show what a step is
-(([], []), ([], []))
+>>> [x.note for x in out[0][1]], out[0][0], out[1]  # held until the calls show a step
+(['its step is being learned from its calls'], [], ([], []))
 >>> rows, items = out[2]  # three steps seen: one instance each, as the layout says
 >>> [(type(x).__name__, getattr(x, "step", None)) for x in items]
 [('CommStructure', None), ('StepPart', 0), ('StepPart', 1), ('StepPart', 2)]
@@ -85,6 +85,9 @@ class StepFolder:
         calls so far decide.
     """
 
+    #: how long instances may be held waiting for a step to be learned (event time)
+    patience_ns = 30_000_000_000
+
     def __init__(self, give_up_steps: int = 2, max_open_steps: int = 8, max_held: int = 8192):
         if give_up_steps < 1 or max_open_steps < 1 or max_held < 1:
             raise ValueError("give_up_steps, max_open_steps and max_held must be at least 1")
@@ -120,9 +123,11 @@ class StepFolder:
         self._votes: dict[tuple[int, int], dict[int, int]] = {}
         self._distrust: set[tuple[int, int]] = set()
         self._sent: set[int] = set()  # marks: steps whose part was sent whole
+        self._announced = False  # the job was told the communicator will send parts
 
     #: place by the layout without learning: a folder resumed from a version that did
     _trust_layout = False
+    _announced = True  # (one resumed from such a version sent parts already)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "cycles" in state:
@@ -210,16 +215,43 @@ class StepFolder:
                 cycle = CallCycle(hint=hint)
             self.cycles[seq_key] = cycle
         learned = cycle.add(inst.seq, (inst.op, inst.size_bytes), ext[0])
+        hello = [] if self._announced else self._hello()
         if not self._held:
             step = self._step_of(inst, ext[0], force=False)
             if step is not None:
-                return [self._fold(inst, ext, step)], self._done()
+                return [self._fold(inst, ext, step)], [*hello, *self._done()]
         self._held.append((inst, ext))  # after those held before it
         if learned or len(self._held) > self.max_held:
-            return self._release(force=not learned)
+            rows, out = self._release(force=not learned)
+            return rows, [*hello, *out]
         if self._mark_ends and ext[0] <= self._mark_ends[-1]:  # late: its mark came
-            return self._release()
-        return [], []
+            rows, out = self._release()
+            return rows, [*hello, *out]
+        return [], hello
+
+    def _hello(self) -> list[CommStructure]:
+        """Told once, at the communicator's first instance: it will send parts (the job
+        waits for a communicator whose step is being learned; one never used, never)."""
+        self._announced = True
+        return [
+            CommStructure(
+                job=self.job,
+                comm_hash=self.comm_hash,
+                ts_ns=self._last_call_ns,
+                role=self.role,
+                clock="learning",
+                note="its step is being learned from its calls",
+            )
+        ]
+
+    def expire(self, now_ns: int) -> tuple[list[AlignedCollective], list[Any]]:
+        """Event time moved on to ``now_ns``: instances held longer than ``patience_ns``
+        while no step could be learned from them (a communicator with a few calls at
+        start-up and none since) are placed by what there is, so that the job does not
+        wait for their communicator."""
+        if not self._held or now_ns - self._held[0][1][0] < self.patience_ns:
+            return [], []
+        return self._release(force=True)
 
     def partial(self, inst: Instance) -> list[Any]:
         """A partial instance goes to the job as it is; so will its completion."""

@@ -95,7 +95,9 @@ class Replay:
     def tick(self, now_ns: int) -> list[msgspec.Struct]:
         out: list[msgspec.Struct] = []
         for (job, _), comm in self.comms.items():
-            out += self._to_job(job, comm.expire(now_ns))
+            rows, items = comm.expire(now_ns)
+            out += rows
+            out += self._to_job(job, items)
             out += comm.stats()
         for a in self.jobs.values():
             out += a.tick(now_ns)

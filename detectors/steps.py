@@ -499,6 +499,7 @@ class StepAssembler:
         self._expected = (-1, 0)
         self._known = -1
         self._reported: dict[int, set[int]] = {}  # step -> the communicators whose part came
+        self._learning: set[int] = set()  # communicators that said parts will come, none yet
 
     def expected_instances(self) -> int:
         """Instances one complete step has (cached; recomputed when communicators are added)."""
@@ -535,17 +536,57 @@ class StepAssembler:
         self._parts.setdefault(part.step, []).append(part)
         comms = part.comms or (part.comm_hash,)
         self._reported.setdefault(part.step, set()).update(comms)
+        ends = self.__dict__.setdefault("_comm_end", {})
+        for c in comms:
+            if part.end > ends.get(c, 0):
+                ends[c] = part.end
+        if self._learning:
+            self._learning = self._learning - set(comms)
         return self._after(acc, comms, by_count=False)
+
+    #: for one pickled by a version without them
+    _learning: frozenset[int] | set[int] = frozenset()
+    _typical_ns = 0  # the latest step's duration
+
+    def expect(self, comm_hash: int) -> None:
+        """A communicator said it will send parts (its steps are being learned): steps wait
+        for it until its first part comes."""
+        if comm_hash not in self._seen.newest or self._seen.newest[comm_hash] < 0:
+            if isinstance(self._learning, frozenset):
+                self._learning = set(self._learning)
+            self._learning.add(comm_hash)
+            self._seen.advance((comm_hash,), -1)
 
     def _all_reported(self, step: int) -> bool:
         """Every communicator that keeps up sent its part of ``step`` (each tells its own
-        step's end: the count of instances a step holds is the communicators' to know)."""
+        step's end: the count of instances a step holds is the communicators' to know),
+        and none is still learning its steps."""
         got = self._reported.get(step)
-        if not got:
+        if not got or self._learning:
             return False
-        low = step - self.behind_steps
-        newest = self._seen.newest
-        return all(c in got for c, s in newest.items() if s >= low)
+        return all(c in got for c in self._waited(step))
+
+    #: a communicator whose newest part ended this long (event time) before the newest
+    #: any communicator's did is not waited for: it went quiet (at least this many steps)
+    quiet_ns, quiet_steps = 30_000_000_000, 16
+
+    def _waited(self, step: int) -> list[int]:
+        """The communicators a step waits for: those that reported lately (in event time:
+        a topic's partitions are read at different paces, so a communicator many steps
+        behind may only be read later), those learning their steps, and those not heard
+        from whose layout gives them instances every step."""
+        topo, learning = self.topo, self._learning
+        ends = self.__dict__.setdefault("_comm_end", {})
+        newest_end = max(ends.values(), default=0)
+        typical = self._prev_end and self._typical_ns
+        cut = newest_end - max(self.quiet_ns, self.quiet_steps * (typical or 0))
+        return [
+            c
+            for c, s in self._seen.newest.items()
+            if c in learning
+            or (s < 0 and topo.instances_per_step(c) > 0)
+            or (s >= 0 and ends.get(c, newest_end) >= cut)
+        ]
 
     def _after(
         self, acc: StepPart, comms: tuple[int, ...], by_count: bool = True
@@ -570,7 +611,11 @@ class StepAssembler:
         :attr:`behind_steps` behind the newest is not waited for.
         """
         self._advance_only(comms, step)
-        watermark = self._seen.low(within=self.behind_steps) - 2
+        if self._learning:  # a communicator's steps are not known yet: its parts will come
+            return []
+        newest = self._seen.newest
+        waited = self._waited(self._seen.high())
+        watermark = min((newest[c] for c in waited), default=-1) - 2
         if watermark > self._closed_upto:
             return self._close_through(watermark)
         return []
@@ -594,6 +639,7 @@ class StepAssembler:
                 end = acc.dp_end or acc.end
                 start = self._prev_end if self._prev_end is not None else acc.start
                 self._prev_end = end
+                self._typical_ns = end - start
             parts = self._parts.get(s)
             whole = acc.n > 0 and (
                 self._all_reported(s) if parts else acc.n >= self.expected_instances()

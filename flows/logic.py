@@ -109,12 +109,13 @@ class AlignLogic(StatefulBatchLogic[list[Any], AlignOut, tuple[CommAnalyzer, int
             if isinstance(rec, Collective):
                 self.clock.saw(rec.arrival_ns)
                 break
-        forward += self.comm.expire(self.clock.now())
-        return _out([*rows, *self.comm.stats()], forward), StatefulBatchLogic.RETAIN
+        more, expired = self.comm.expire(self.clock.now())
+        forward += expired
+        return _out([*rows, *more, *self.comm.stats()], forward), StatefulBatchLogic.RETAIN
 
     def on_notify(self) -> tuple[list[AlignOut], bool]:
-        forward = self.comm.expire(self.clock.now())
-        return _out(self.comm.stats(), forward), StatefulBatchLogic.RETAIN
+        rows, forward = self.comm.expire(self.clock.now())
+        return _out([*rows, *self.comm.stats()], forward), StatefulBatchLogic.RETAIN
 
     def on_eof(self) -> tuple[list[AlignOut], bool]:
         """End of a bounded input: whatever is still open is reported as it stands."""
@@ -124,7 +125,8 @@ class AlignLogic(StatefulBatchLogic[list[Any], AlignOut, tuple[CommAnalyzer, int
 
     def notify_at(self) -> datetime | None:
         # no timer after the end of a bounded input: a pending timer keeps the flow alive
-        return _next_tick() if self.comm.n_open and not self.ended else None
+        busy = self.comm.n_open or self.comm.folder.n_held
+        return _next_tick() if busy and not self.ended else None
 
     def snapshot(self) -> tuple[CommAnalyzer, int]:
         # Bytewax pickles a snapshot at the epoch boundary, before this logic runs again,
