@@ -58,6 +58,9 @@ from schemas.records import (
 )
 from schemas.units import Cause, CollOp, DeadLetterReason, Phase, VerdictKind
 
+#: A shift whose first steps name the network or nobody is localised again until it has
+#: lasted this many steps (a rank's lateness takes a few steps to stand out of the noise).
+_SETTLE_STEPS = 8
 #: A culprit whose sends wait this many times longer than usual on their own data
 #: (SendGPUWait) is confirmed as a GPU producing late (the decision table of docs/method.md).
 GPU_WAIT_CONFIRMS = 3.0
@@ -487,6 +490,13 @@ class JobAnalyzer:
         waited = rep.end_ns - confirmed_ns >= self.settings.link_wait_ms * 1e6
         if links_behind and not waited and not final:
             return []
+        reps = self._since(onset)
+        if not final and len(reps) < _SETTLE_STEPS:
+            # who waits for whom takes a few steps to show: a network or nobody, named
+            # from the first steps of a shift, is only believed once it settled
+            found = self._culprit(reps)
+            if found is None or found[0].startswith("nodes:"):
+                return []
         self.pending_shift = None
         return self._slowdown(rep, ratio, onset)
 
@@ -1021,11 +1031,16 @@ class JobAnalyzer:
                         list(self.partials.values()), list(self.stuck.ops.values()),
                         self._members(),
                     )  # fmt: skip
+                    # (heartbeats that stopped cannot say who stopped first; the calls'
+                    # own times can)
                     if (
                         first is not None
-                        and first.comm_hash == diag.comm_hash
-                        and first.seq < diag.seq
                         and first.culprit_rank is not None
+                        and first.cause == Cause.COMPUTE
+                        and (
+                            (first.comm_hash == diag.comm_hash and first.seq < diag.seq)
+                            or diag.culprit_rank in stopped
+                        )
                     ):
                         diag = first
             detected = self.hb_now_ns
@@ -1149,6 +1164,9 @@ class JobAnalyzer:
             fields.update(
                 rank=rank, node=topo.node(rank), gpu=topo.gpu(rank), pp_stage=topo.coords(rank)[0]
             )
+        several = [r for r in diag.missing if r is not None]
+        if len(several) > 1 and diag.cause == Cause.COMPUTE:
+            fields["culprit_ranks"] = several
         if diag.link:
             fields.update(
                 link=topo.link_name(*diag.link), src_rank=diag.link[0], dst_rank=diag.link[1]
@@ -1168,6 +1186,14 @@ class JobAnalyzer:
                 f"{call} on {fields['link']} ({role.value} communicator, seq {diag.seq}): "
                 f"the transfer is posted and its proxy waits on the GPU "
                 f"({'SendGPUWait' if producing else 'RecvGPUWait'}), not the network - {where}"
+            )
+        elif diag.cause == Cause.COMPUTE and len(several) > 1:
+            nodes = sorted({topo.node(r) for r in several})
+            summary = (
+                f"hang: ranks {texts.listed(several)} on {texts.listed(nodes)} never joined "
+                f"{call} on the {role.value} communicator (seq {diag.seq}) - {where}; "
+                f"{texts.plural(len(diag.waiting), 'rank')} of that call "
+                f"{'waits' if len(diag.waiting) == 1 else 'wait'} on them"
             )
         elif diag.cause == Cause.COMPUTE:
             summary = (

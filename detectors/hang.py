@@ -86,6 +86,8 @@ def diagnose_hang(
         # the one whose missing call others have waited on longest
         rank, insts = min(culprits.items(), key=lambda kv: min(i.first_arrival_ns for i in kv[1]))
         inst = min(insts, key=lambda i: i.first_arrival_ns)
+        # every rank that never joined that call and waits nowhere: all of them stopped
+        missing = tuple(sorted(r for r, mine in culprits.items() if inst in mine))
         return HangDiagnosis(
             Cause.COMPUTE,
             rank,
@@ -94,7 +96,7 @@ def diagnose_hang(
             inst.sender,
             inst.op,
             inst.first_arrival_ns,
-            missing=(rank,),
+            missing=missing,
             waiting=tuple(sorted(inst.ranks)),
             evidence={
                 "open_instances": float(len(open_instances)),
@@ -218,6 +220,10 @@ def diagnose_from_heartbeats(
         prio = priority or {}
         rank, comm, seq, waiters = min(culprits, key=lambda b: (prio.get(b[1], 9), b[2], b[0]))
         alternatives = tuple((c, q) for r, c, q, _w in culprits if r == rank)
+        # every rank as far behind on that communicator, waiting nowhere, stopped as well
+        behind_at = {r: q for r, c, q, _w in culprits if c == comm}
+        low = issued[comm].get(rank, -1)
+        missing = tuple(sorted(r for r in behind_at if issued[comm].get(r, -1) == low))
         return HangDiagnosis(
             Cause.COMPUTE,
             rank,
@@ -226,7 +232,7 @@ def diagnose_from_heartbeats(
             -1,
             None,
             0,
-            missing=(rank,),
+            missing=missing,
             waiting=waiters,
             alternatives=alternatives,
             evidence={

@@ -106,7 +106,7 @@ class Replay:
     def finish(self) -> list[msgspec.Struct]:
         out = self.tick(self.now_ns)
         for (job, _), comm in self.comms.items():
-            rows, items = comm.folder.flush()
+            rows, items = comm.flush()  # held and open instances, as they stand
             out += rows
             out += self._to_job(job, items)
             out += comm.stats(final=True)

@@ -159,6 +159,6 @@ def _culprit_ok(lab: FaultLabel, v: Verdict) -> bool:
         return False  # a hang's culprit includes what stopped: the GPU or the network
     if lab.link is not None:
         return v.link == lab.link
-    if lab.rank is not None:
-        return v.rank == lab.rank
+    if lab.rank is not None:  # named alone, or among the several the verdict names
+        return v.rank == lab.rank or lab.rank in v.culprit_ranks
     return v.node == lab.node

@@ -14,8 +14,10 @@ MEGATRACE's Algorithm 2 over :class:`~detectors.steps.StepReport` tables:
 
 Where no schedule can be walked (a data-parallel job, a layout its calls do not
 follow), :meth:`SlowdownLocalizer.who_waits` names who makes the others wait: the
-ranks whose exclusive blame as last arriver, over every collective, grew by a good
-share of the step time added.
+ranks whose time waiting in collectives did not grow while everyone else's did, by a
+good share of the step time added; and where nobody did,
+:meth:`SlowdownLocalizer.slow_transfers` names the network between the nodes whose
+transfers grew.
 
 Nodes that got slower but have slack (a pipeline bubble) are never blamed.
 """
@@ -87,7 +89,9 @@ class SlowdownLocalizer:
         self.base_late: np.ndarray | None = None
         self.base_lead: np.ndarray | None = None
         self._blame: list[np.ndarray] = []
-        self.base_blame: np.ndarray | None = None  # who made the others wait, any layout
+        self.base_blame: np.ndarray | None = None  # the last arrivers' blame, any layout
+        self._wait: list[np.ndarray] = []
+        self.base_wait: np.ndarray | None = None  # each rank's time waiting in collectives
         self._xsum: list[dict[int, int]] = []
         self.base_xsum: dict[int, float] = {}  # per communicator, a step's transfer time
         self.expected: dict[tuple, float] = {}
@@ -106,6 +110,7 @@ class SlowdownLocalizer:
             self._late.append(rep.lateness_ns.copy())
             self._lead.append(rep.host_lead_ns.copy())
             self._blame.append(rep.blame_any_ns.copy())
+            self._wait.append(rep.wait_ns.copy())
             self._xsum.append(dict(rep.transfer_sum_ns))
             for d, nodes in rep.spans.items():
                 for key, (b, e) in nodes.items():
@@ -114,6 +119,8 @@ class SlowdownLocalizer:
                 self.base_late = np.median(np.array(self._late), axis=0)
                 self.base_lead = np.median(np.array(self._lead), axis=0)
                 self.base_blame = np.median(np.array(self._blame), axis=0)
+                self.base_wait = np.median(np.array(self._wait), axis=0)
+                self._wait = []
                 comms = {c for x in self._xsum for c in x}
                 self.base_xsum = {
                     c: float(np.median([x.get(c, 0) for x in self._xsum])) for c in comms
@@ -127,6 +134,9 @@ class SlowdownLocalizer:
         if self.base_blame is None:  # pickled by a version without it
             self.base_blame = rep.blame_any_ns.copy()
         self.base_blame += 0.05 * (rep.blame_any_ns - self.base_blame)
+        if getattr(self, "base_wait", None) is None:  # pickled by a version without it
+            self.base_wait = rep.wait_ns.astype(float)
+        self.base_wait += 0.05 * (rep.wait_ns - self.base_wait)
         xsum = getattr(self, "base_xsum", None)
         if xsum is None:  # pickled by a version without it
             xsum = self.base_xsum = {}
@@ -206,40 +216,43 @@ class SlowdownLocalizer:
     def who_waits(
         self, reports: Sequence[StepReport], topo: Topology, increase: float, share: float = 0.3
     ) -> list[SlowdownFinding]:
-        """The ranks that made the others wait more than they used to, in any layout (the
-        last arriver's exclusive blame over every collective): those whose blame grew
-        by ``share`` of the step time added or more, most first. With no schedule to
-        walk (a data-parallel job, a layout the calls do not follow), this is who the
-        slowdown is."""
+        """Who made the others wait, in any layout: the ranks whose time waiting in
+        collectives did not grow while every other rank's grew by ``share`` of the step
+        time added or more (they came late; the others waited for them). One such rank is
+        the culprit; several, all of one node, that node's host. Nobody where the others'
+        waiting explains less (the time went into transfers: a network, or where the
+        collectives run on the CPU, as Gloo's do, a rank slow at them too), or where the
+        late ranks are many (a quarter of the job; half, all on one node)."""
         reps = [r for r in reports if r.complete] or list(reports)
-        base = self.base_blame
-        if not reps or base is None or increase <= 0:
+        base = getattr(self, "base_wait", None)
+        if not reps or base is None or increase <= 0 or len(base) < 2:
             return []
-        growth = np.mean([r.blame_any_ns for r in reps], axis=0) - base
-        order = np.argsort(growth)[::-1]
-        out = []
-        for r in order.tolist():
-            g = float(growth[r])
-            if g < share * increase:
-                break
-            others = np.delete(growth, r)
-            out.append(
-                SlowdownFinding(
-                    Cause.COMPUTE,
-                    r,
-                    topo.node(r),
-                    None,
-                    None,
-                    None,
-                    critical=True,
-                    evidence={
-                        "rank_blame_growth_ns": g,
-                        "step_time_added_ns": float(increase),
-                        "peer_blame_growth_ns": float(np.median(others)) if len(others) else 0.0,
-                    },
-                )
-            )
-        return out
+        grew = np.mean([r.wait_ns for r in reps], axis=0) - base
+        typical = float(np.median(grew))
+        late = [r for r, x in enumerate(grew.tolist()) if x <= 0.25 * typical]
+        others = [x for r, x in enumerate(grew.tolist()) if r not in late]
+        one_node = len({topo.node(r) for r in late}) == 1
+        if not late or not others or len(late) > max(1, len(grew) // (2 if one_node else 4)):
+            return []
+        waited = float(np.median(others))
+        if waited < share * increase:
+            return []
+        evidence = {
+            "others_wait_growth_ns": waited,
+            "step_time_added_ns": float(increase),
+            "late_ranks": float(len(late)),
+        }
+        if len(late) == 1:
+            (r,) = late
+            evidence["rank_wait_growth_ns"] = float(grew[r])
+            return [SlowdownFinding(Cause.COMPUTE, r, topo.node(r), None, None, None,
+                                    critical=True, evidence=evidence)]  # fmt: skip
+        nodes = {topo.node(r) for r in late}
+        if len(nodes) == 1:
+            (node,) = nodes
+            return [SlowdownFinding(Cause.HOST_CPU, None, node, None, None, None,
+                                    critical=True, evidence=evidence)]  # fmt: skip
+        return []
 
     def slow_transfers(
         self, reports: Sequence[StepReport], topo: Topology, increase: float, share: float = 0.5

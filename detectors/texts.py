@@ -65,6 +65,16 @@ def where(
     return ", ".join(parts)
 
 
+def listed(items: list[object]) -> str:
+    """Items in words.
+
+    >>> listed([2]), listed([2, 3]), listed(["a", "b", "c"])
+    ('2', '2 and 3', 'a, b and c')
+    """
+    words = [str(x) for x in items]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
+
+
 def who(rank: int | None, gpu: int | None, node: str | None) -> str:
     """A rank with its GPU and node, or the node alone ('' when neither is known)."""
     if rank is None:
@@ -77,7 +87,7 @@ def culprit(v: Verdict) -> str:
     """Who or what a verdict blames, in a few words."""
     ranks = list(getattr(v, "culprit_ranks", None) or [])
     if len(ranks) > 1:
-        return "ranks " + ", ".join(map(str, ranks))
+        return "ranks " + listed(ranks)
     if v.cause in (Cause.NETWORK_LINK, Cause.NIC) and v.link:
         return v.link
     if v.rank is not None:

@@ -43,7 +43,7 @@ class Fault:
     kind: str  # slow_link | slow_rank | slow_node | hang | kill | transient
     target: int
     at_step: int = 12
-    lasts_s: float = 3.0  # a transient straggler's quota is lifted after this long
+    lasts_steps: int = 1  # a transient straggler's quota is lifted after this many steps
     cpus: float = 0.1  # the CPU quota of a slow rank or node
     rate_mbit: float = 60.0  # a slow link's rate
 
@@ -92,7 +92,7 @@ def _cases() -> list[Case]:
                     wl,
                     ranks,
                     steps=steps,
-                    faults=(Fault("transient", 1, at, lasts_s=2.0),),
+                    faults=(Fault("transient", 1, at, cpus=0.05),),
                 ),
                 Case(
                     f"{wl}-link-and-rank",
@@ -239,8 +239,8 @@ def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
             who = [f.target] if f.kind != "slow_node" else ranks.node_ranks(f.target)
             group = lab.cgroup(f"{case.name[:20]}-{i}", ranks.pids(who))
             lab.quota(group, f.cpus)
-            if f.kind == "transient":
-                time.sleep(f.lasts_s)
+            if f.kind == "transient":  # a step or two of rank 0 under the quota
+                ranks.wait_step(f.at_step + f.lasts_steps, timeout_s=120)
                 lab.quota(group, None)
                 inj.ended_ns = time.time_ns()
             else:

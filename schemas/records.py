@@ -461,6 +461,8 @@ class Verdict(Record, frozen=True, kw_only=True, tag="verdict"):
     kind: VerdictKind
     cause: Cause
     rank: Rank | None = None
+    #: every rank to blame where it is several (``rank`` is the first); empty for one
+    culprit_ranks: list[Rank] = field(default_factory=list)
     node: str | None = None
     gpu: Count | None = None
     link: str | None = None

@@ -101,7 +101,7 @@ def test_a_cpu_quota_makes_the_rank_late_for_its_collectives(runs) -> None:
             late[phase][rank].append(t - first)
     mean = {p: {r: float(np.mean(v)) for r, v in ranks.items()} for p, ranks in late.items()}
     assert mean["after"][1] > 3 * mean["before"][1], mean
-    assert all(mean["after"][1] > 3 * mean["after"][r] for r in (0, 2, 3)), mean
+    assert all(mean["after"][1] > 1.5 * mean["after"][r] for r in (0, 2, 3)), mean
 
 
 def test_a_stopped_rank_goes_silent_while_the_others_go_on(runs) -> None:
