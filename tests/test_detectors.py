@@ -349,6 +349,9 @@ def test_folding_per_communicator_changes_nothing_the_job_concludes() -> None:
             tick()
             next_tick = now + Replay().tick_ns
     tick()
+    for al in aligners.values():  # the end of the input: open instances as they stand
+        for inst in al.open_instances():
+            plain += job.update(inst)
     plain += job.finish()
     # proxy windows (EdgeThroughput) are made per communicator only: without them the job
     # has no SendGPUWait evidence, the one thing the plain path cannot know (nor has it
