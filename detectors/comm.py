@@ -171,7 +171,10 @@ class CommAnalyzer:
         """End of a bounded input: held instances and open parts, and open instances as
         they stand: (stored rows, items for the job)."""
         rows, out = self.folder.flush()
+        told = self.folder.told_partial
         for inst in self.aligner.open_instances():
+            if inst.key in told:  # reported partial already, as it stands
+                continue
             self._partials += 1
             out += self.folder.partial(inst)
         return rows, out + self.folder.progress()

@@ -493,6 +493,11 @@ class StepFolder:
             self.comm_hash, self.job = inst.comm_hash, inst.job
 
     @property
+    def told_partial(self) -> set[Key]:
+        """Instances the job was given as partial, whose completion has not come."""
+        return self._partial
+
+    @property
     def per_step(self) -> int:
         """Instances a step holds on this communicator, as its calls show (0: not known)."""
         return self._per_step()
