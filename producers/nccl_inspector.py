@@ -221,13 +221,20 @@ class InspectorReader:
 
     # ------------------------------------------------------------------ records
     def _global_ranks(self) -> dict[tuple[str, int], int]:
-        """Each process's rank: its rank in the world's communicator (one every process
-        reported on), else the processes numbered by host and process id (the Inspector
-        names no global rank; :attr:`numbered` says so)."""
+        """Each process's rank: its rank in the world's communicator (the largest one, on
+        which every process seen so far reported, whether or not all its members have yet:
+        a rank read from it never changes as more files arrive), else the processes
+        numbered by host and process id (the Inspector names no global rank; :attr:`numbered`
+        says so)."""
         processes = sorted({p for m in self._members.values() for p in m.values()})
         if not processes:
             return {}
-        worlds = [c for c, m in self._members.items() if len(m) == self._sizes[c] == len(processes)]
+        largest = max(self._sizes[c] for c in self._members)
+        worlds = [
+            c
+            for c, m in self._members.items()
+            if self._sizes[c] == largest and len(m) == len(processes)
+        ]
         if worlds:
             self.numbered = False
             return {p: r for r, p in self._members[min(worlds)].items()}
@@ -248,6 +255,8 @@ class InspectorReader:
         if not ranks:
             return []
         world = max(ranks.values()) + 1
+        if not self.numbered:  # the world's communicator says its size before all report
+            world = max(world, *(self._sizes[c] for c in self._members))
         first = min((o.start_ns or o.dump_ns for o in self._ops), default=0)
         out: list[msgspec.Struct] = []
         if world != self._told_world:
