@@ -81,13 +81,16 @@ class RunReport:
                 f"(its times are local: UTC{tz / 3600:+g} h)"
             )
         for what, n in sorted(self.inferred.items()):
-            out.append(f"inferred: {what} ({n:,} calls)")
+            out.append(f"inferred: {what} ({n:,} call{'' if n == 1 else 's'})")
         for name, why in sorted(self.skipped_files.items()):
             out.append(f"skipped file {name}: {why}")
         for name, n in sorted(self.skipped_lines.items()):
-            out.append(f"skipped {n:,} line(s) of {name}: not call lines")
+            out.append(f"skipped {n:,} line{'' if n == 1 else 's'} of {name}: not call lines")
         for rank, n in sorted(self.outside.items()):
-            out.append(f"skipped {n:,} call(s) of rank {rank}: outside the configured world")
+            out.append(
+                f"skipped {n:,} call{'' if n == 1 else 's'} of rank {rank}: "
+                "outside the configured world"
+            )
         return out
 
 
