@@ -20,8 +20,11 @@ the job's analyzer the same items.
 ...         rank_in_comm=rank, op=CollOp.ALL_REDUCE, seq=0, count=1, size_bytes=2,
 ...         dtype=DType.BFLOAT16, enqueue_ns=a, start_ns=a, end_ns=e)
 >>> rows, forward = comm.update([rec(0, 100, 500), rec(1, 300, 500)])
->>> rows, [type(x).__name__ for x in forward]   # no schedule yet: the instance goes as it is
-([], ['Instance', 'CommProgress'])
+>>> rows, [type(x).__name__ for x in forward]  # no schedule yet: the instance waits for it
+([], ['CommProgress'])
+>>> _, forward = comm.flush()  # none came: it goes to the job as it is
+>>> [type(x).__name__ for x in forward]
+['Instance']
 >>> rows, _ = comm.update([rec(1, 300, 500)])  # rank 1's record again: late, ignored
 >>> (s,) = comm.stats()
 >>> s.records, s.late_records, s.out_of_order_records, s.open_instances
@@ -118,7 +121,9 @@ class CommAnalyzer:
                 forward.extend(f)
             else:
                 align()
-                self.folder.learn(item)
+                r, f = self.folder.learn(item)
+                rows.extend(r)
+                forward.extend(f)
         align()
         if proxies:
             self._proxies(proxies, forward)

@@ -35,7 +35,8 @@ is, and for instances the job already saw as partial, they go to the job unchang
 ...               num_microbatches=1)
 >>> folder = StepFolder()
 >>> folder.learn(CommSchedule(job, CommInfo(job="j", ts_ns=0, comm_hash=7,
-...     role=CommRole.DP, ranks=[0, 2], pp_stage=0)))
+...     role=CommRole.DP, ranks=[0, 2], pp_stage=0)))  # no instance came before it
+([], [])
 >>> def inst(seq):  # one all-reduce a step, every 100 ms
 ...     t = 100_000_000 * seq
 ...     return Instance("j", 7, seq, CollOp.ALL_REDUCE, -1, 2, 8, (0, 2), (t, t + 2),
@@ -114,6 +115,7 @@ class StepFolder:
         self._mark_ends: list[int] = []  # the job's iteration markers, by end
         self._mark_step: dict[int, int] = {}  # end -> step
         self._held: list[tuple[Instance, Extent]] = []
+        self._early = []
         self._sealed_upto = -1  # marks: parts up to this step were sent
         self._last_call_ns = 0  # the newest first arrival of an instance folded or held
         self._marker_rank = -1  # the rank whose markers the marks are
@@ -143,12 +145,41 @@ class StepFolder:
                 setattr(self, name, state[name])
 
     # ------------------------------------------------------------------ inputs
-    def learn(self, schedule: Any) -> None:
-        """The communicator's schedule (again, when the job record changes)."""
+    def learn(self, schedule: Any) -> tuple[list[AlignedCollective], list[Any]]:
+        """The communicator's schedule (again, when the job record changes); the instances
+        that came before it, folded now: (stored rows, items for the job)."""
         topo = Topology.from_job(schedule.job)
         topo.add(schedule.comm)
         self.topo, self.role = topo, schedule.comm.role
         self.comm_hash, self.job = schedule.comm.comm_hash, schedule.comm.job
+        early, self._early = self._early, []
+        rows: list[AlignedCollective] = []
+        out: list[Any] = []
+        for inst in early:
+            r, o = self.update(inst)
+            rows += r
+            out += o
+        return rows, out
+
+    #: complete instances that came before the communicator's schedule (none, for one
+    #: pickled by a version that sent them to the job)
+    _early: list[Instance] = []  # noqa: RUF012 - never changed in place (see below)
+
+    def _before_schedule(self, inst: Instance) -> list[Any]:
+        """A complete instance before the schedule: held, so that one folder places all of
+        the communicator's instances (its schedule crosses from another partition, and may
+        come after its first records); the job gets them as they are only when too many
+        wait, or too long (:meth:`expire`): a communicator with no record of its own."""
+        if "_early" not in self.__dict__:  # resumed from a version without it
+            self._early = []
+        self._early.append(inst)
+        if len(self._early) > self.max_held:
+            return self._give_early()
+        return []
+
+    def _give_early(self) -> list[Any]:
+        early, self._early = self._early, []
+        return list(early)
 
     def adopt(self, note: CommStructure) -> tuple[list[AlignedCollective], list[Any]]:
         """A sequence's step as another folder of this communicator learned it (the job's
@@ -199,9 +230,11 @@ class StepFolder:
             self._last_arrival = ext[1]
         if ext[2] > self._last_end:
             self._last_end = ext[2]
-        if self.topo is None or (self._partial and inst.key in self._partial):
+        if self._partial and inst.key in self._partial:  # the job saw it partial
             self._partial.discard(inst.key)
             return [], [inst]
+        if self.topo is None:
+            return [], self._before_schedule(inst)
         seq_key = (inst.sender, inst.receiver)
         self._last_call_ns = max(self._last_call_ns, ext[0])
         cycle = self.cycles.get(seq_key)
@@ -249,6 +282,8 @@ class StepFolder:
         while no step could be learned from them (a communicator with a few calls at
         start-up and none since) are placed by what there is, so that the job does not
         wait for their communicator."""
+        if self._early and now_ns - min(self._early[0].arrival) >= self.patience_ns:
+            return [], self._give_early()
         if not self._held or now_ns - self._held[0][1][0] < self.patience_ns:
             return [], []
         return self._release(force=True)
@@ -276,7 +311,7 @@ class StepFolder:
         """Every held instance placed as best it can be, and every open part, oldest first
         (end of a bounded input): (stored rows, items for the job)."""
         rows, out = self._release(force=True, final=True)
-        out += [self._parts[s].seal() for s in sorted(self._parts)]
+        out = [*self._give_early(), *out, *(self._parts[s].seal() for s in sorted(self._parts))]
         self._parts = {}
         return rows, out
 
@@ -405,12 +440,13 @@ class StepFolder:
         """Cycles: a part is done when it holds a step's instances, or given up on once
         an instance ``give_up_steps`` later came."""
         per_step = self._per_step()
-        out = [self._parts.pop(s).seal() for s in sorted(self._parts)
-               if per_step and self._parts[s].n >= per_step]  # fmt: skip
-        stale = [s for s in self._parts if s <= self._newest - self.give_up_steps]
-        if len(self._parts) - len(stale) > self.max_open_steps:
-            stale.append(min(s for s in self._parts if s not in stale))
-        return out + [self._parts.pop(s).seal() for s in sorted(stale)]
+        done = {s for s, p in self._parts.items() if per_step and p.n >= per_step}
+        done.update(s for s in self._parts if s <= self._newest - self.give_up_steps)
+        if len(self._parts) - len(done) > self.max_open_steps:
+            done.add(min(s for s in self._parts if s not in done))
+        # in step order: the job takes a communicator's later step for a sign that it is
+        # done with the earlier ones
+        return [self._parts.pop(s).seal() for s in sorted(done)]
 
     def _sealed_by_marks(self, final: bool) -> list[StepPart]:
         """Marks: a marked step's part is done once the communicator went past its end (or

@@ -914,3 +914,36 @@ def test_a_groups_step_figures_equal_the_general_computation_bit_for_bit() -> No
             np.full(n, k), base,
         )  # fmt: skip
         assert np.array_equal(dense, general), (k, n)
+
+
+def test_a_communicators_records_read_before_its_schedule_are_placed_like_the_others() -> None:
+    """In the flow a communicator's schedule crosses from the metadata partition, and its
+    first records may be read before it: its steps are still whole, and the job
+    concludes what it does when the metadata comes first."""
+    from schemas.records import Collective, CommInfo
+
+    run = build("story", scale="tiny", seed=4, steps=30, kernels=False)
+    records = list(run.records())
+    late = sorted({r.comm_hash for r in records if isinstance(r, CommInfo)})[::3]
+    held = [r for r in records if isinstance(r, CommInfo) and r.comm_hash in late]
+    reordered, first_calls = [], 0
+    for r in records:
+        if r in held:
+            continue
+        reordered.append(r)
+        if isinstance(r, Collective) and r.comm_hash in late:
+            first_calls += 1
+            if first_calls == 40:  # a few steps of these communicators' calls came first
+                reordered += held
+    assert first_calls > 40
+
+    def outcome(recs: list) -> tuple[list, list]:
+        out = list(Replay().run(recs))
+        steps = [(s.step, s.instances) for s in out if isinstance(s, StepSummary)]
+        verdicts = sorted(
+            (v.kind.value, v.rank, v.onset_step) for v in out
+            if isinstance(v, Verdict) and v.revision == 0
+        )  # fmt: skip
+        return steps, verdicts
+
+    assert outcome(reordered) == outcome(records)

@@ -25,8 +25,8 @@ import json, sys
 from infra.clickhouse import connect
 c = connect(sys.argv[1]); db = sys.argv[2]
 out = {t: c.query(f"SELECT count() FROM {db}.{t} FINAL").result_rows[0][0] for t in sys.argv[3:]}
-out["verdicts"] = sorted(r[0] for r in c.query(
-    f"SELECT verdict_id, kind FROM {db}.verdicts FINAL").result_rows)
+out["verdicts"] = sorted(list(r) for r in c.query(
+    f"SELECT verdict_id, kind, rank, onset_step, link FROM {db}.verdicts FINAL").result_rows)
 print(json.dumps(out))
 """
 
@@ -72,7 +72,7 @@ def test_two_processes_store_and_conclude_what_one_does(settings: Settings, tmp_
     expected = Counter(TABLE_FOR[type(r)].name for r in records)
     tables = sorted(expected)
     stored: Counter[str] = Counter()
-    verdicts: list[str] = []
+    verdicts: list[list] = []
     for url in urls:
         out = subprocess.run(
             [sys.executable, "-c", READ, url, "so", *tables],
@@ -85,5 +85,9 @@ def test_two_processes_store_and_conclude_what_one_does(settings: Settings, tmp_
         verdicts += got.pop("verdicts")
         stored.update(got)
     assert dict(stored) == dict(expected)  # each partition was read by exactly one process
-    one_process = {v.verdict_id for v in Replay().run(records) if isinstance(v, Verdict)}
-    assert sorted(verdicts) == sorted(one_process)
+    one_process = {
+        v.verdict_id: [v.verdict_id, v.kind.value, v.rank, v.onset_step, v.link]
+        for v in Replay().run(records)
+        if isinstance(v, Verdict)
+    }
+    assert sorted(verdicts) == sorted(one_process.values())
