@@ -108,6 +108,7 @@ def test_a_real_gloo_job_names_the_slow_rank_and_the_hung_rank(
         1,
         24,
     )
+    assert VerdictKind.SLOWDOWN in verdicts, [v.summary for v in verdicts.values()]
     slow = verdicts[VerdictKind.SLOWDOWN]
     # onset within two steps of the injection: real step times on two shared cores are noisy,
     # and a step boundary blurs across pipeline stages
