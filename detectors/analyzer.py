@@ -61,6 +61,8 @@ from schemas.units import Cause, CollOp, DeadLetterReason, Phase, VerdictKind
 #: A shift whose first steps name the network or nobody is localised again until it has
 #: lasted this many steps (a rank's lateness takes a few steps to stand out of the noise).
 _SETTLE_STEPS = 8
+#: Records of a job held until its job record comes (they may overtake it); beyond, refused.
+_EARLY_HELD = 100_000
 #: A culprit whose sends wait this many times longer than usual on their own data
 #: (SendGPUWait) is confirmed as a GPU producing late (the decision table of docs/method.md).
 GPU_WAIT_CONFIRMS = 3.0
@@ -131,7 +133,7 @@ class JobAnalyzer:
         self.hb_now_ns = 0
         self._hang_detected_ns = 0
         self._final = False  # the hang being judged is at the end of the input
-        self.refused = 0  # items naming ranks outside the layout (kept as dead letters)
+        self.refused = 0  # items kept as dead letters: outside the layout, or no job record
         #: (comm, sender, receiver) -> its step as its calls show it
         self.structure: dict[tuple[int, int, int], CommStructure] = {}
         #: the job's own folders, for instances that reach it unfolded (see _instance)
@@ -149,8 +151,10 @@ class JobAnalyzer:
         if self.topo is None and not isinstance(item, JobInfo):
             if isinstance(item, RankInfo | CommInfo):
                 self._pending_meta.append(item)
-            elif len(self._early) < 100_000:  # records that overtook the job record
+            elif len(self._early) < _EARLY_HELD:  # records that overtook the job record
                 self._early.append(item)
+            else:  # bounded: beyond it, kept as dead letters, never silently dropped
+                return [self._no_job_record(item)]
             return []
         out: list[msgspec.Struct] = []
         if self._early and not isinstance(item, JobInfo | RankInfo | CommInfo):
@@ -164,6 +168,17 @@ class JobAnalyzer:
         if self.topo is not None and (refused := self._outside(item)) is not None:
             return [*out, refused]
         return out + handle(self, item)
+
+    def _no_job_record(self, item: Any) -> DeadLetter:
+        self.refused += 1
+        return DeadLetter(
+            ts_ns=event_time(item) if isinstance(item, msgspec.Struct) else _item_time(item),
+            reason=DeadLetterReason.NO_JOB_RECORD,
+            error=f"job {self.job} sent no job record before {_EARLY_HELD:,} of its records: "
+            "not analysed (its layout is unknown)",
+            step_id="analyze",
+            raw=encode(item) if isinstance(item, msgspec.Struct) else _describe(item),
+        )
 
     def _outside(self, item: Any) -> DeadLetter | None:
         """A dead letter (reason ``out_of_layout``) for an item naming a rank outside the

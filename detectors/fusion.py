@@ -40,7 +40,10 @@ class VerdictBook:
         self.job = job
         self.min_change = min_change
         self._open: dict[tuple[str, str], Verdict] = {}
-        self.history: list[Verdict] = []
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        state.pop("history", None)  # every revision, kept by a version that grew it forever
+        self.__dict__.update(state)
 
     def report(
         self,
@@ -99,7 +102,6 @@ class VerdictBook:
                 **fields,
             )
         self._open[key] = v
-        self.history.append(v)
         return v
 
     def resolve(self, kind: str, culprit: str, ts_ns: int) -> Verdict | None:
@@ -109,7 +111,6 @@ class VerdictBook:
         v = msgspec.structs.replace(
             current, revision=current.revision + 1, status=VerdictStatus.RESOLVED, resolved_ns=ts_ns
         )
-        self.history.append(v)
         return v
 
     def current(self, kind: str, culprit: str) -> Verdict | None:

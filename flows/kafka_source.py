@@ -30,7 +30,8 @@ class RawBatch:
     """One poll of one partition: its messages (``confluent_kafka.Message``) in log order.
 
     A message whose ``error()`` is set is an event, not a record (transient broker
-    errors: librdkafka retries by itself), and is skipped by the reader. The messages
+    errors: librdkafka retries by itself): the source takes it out, counts it and says
+    so (:meth:`_Quiet.events`). The messages
     stay in the worker that polled them (the first step decodes them), so they are
     never pickled."""
 
@@ -106,12 +107,48 @@ class _Quiet:
         self.health = health
         self.asked_ns = 0  # when a partition last asked the lost broker for metadata
         self.warned_ns = 0
+        #: error events polls returned in place of messages (no record in them), in all
+        self.broker_events = 0
+        self._events_told_ns = 0
+        self._events_told = 0
 
     def on_error(self, err: Any) -> None:
         from confluent_kafka import KafkaError
 
         if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
             self.health.lost(time.monotonic_ns())
+
+
+    def events(self, where: str, errors: list[Any]) -> None:
+        """Error events a poll returned (librdkafka retries what it can by itself):
+        counted, and said on stderr at most every 10 s.
+
+        >>> import contextlib, io
+        >>> class Event:  # what a poll returns for an error: a message with error() set
+        ...     def error(self):
+        ...         return "Broker: Not leader"
+        >>> q, err = _Quiet(BrokerHealth()), io.StringIO()
+        >>> with contextlib.redirect_stderr(err):
+        ...     q.events("megatrace.comm[0]", [Event(), Event()])
+        ...     q.events("megatrace.comm[0]", [Event()])  # within 10 s: counted, not said
+        >>> q.broker_events, err.getvalue().count("megatrace:")
+        (3, 1)
+        >>> said = err.getvalue()
+        >>> said.split(" (")[0]
+        'megatrace: 2 error event(s) from the broker, no record in them'
+        >>> said.split(" (")[1].strip()
+        'latest on megatrace.comm[0]: Broker: Not leader)'
+        """
+        self.broker_events += len(errors)
+        now = time.monotonic_ns()
+        if self._events_told_ns and now - self._events_told_ns < 10 * 1_000_000_000:
+            return
+        print(
+            f"megatrace: {self.broker_events - self._events_told:,} error event(s) from the "
+            f"broker, no record in them (latest on {where}: {errors[-1].error()})",
+            file=sys.stderr,
+        )
+        self._events_told_ns, self._events_told = now, self.broker_events
 
 
 class _Partition(StatefulSourcePartition[RawBatch, int]):
@@ -160,7 +197,11 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
             raise StopIteration
         # never block the worker
         msgs = self._consumer.consume(self._batch_size, 0) if self._consumer else []
-        last = next((m for m in reversed(msgs) if m.error() is None), None)
+        errors = [m for m in msgs if m.error() is not None]
+        if errors:
+            self._quiet.events(part_name(self._topic, self._partition), errors)
+            msgs = [m for m in msgs if m.error() is None]
+        last = msgs[-1] if msgs else None
         now = time.monotonic_ns()
         if last is not None:
             batch = RawBatch(self._topic, self._partition, msgs)

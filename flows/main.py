@@ -204,7 +204,7 @@ def decode_batch(batch: RawBatch, retention_days: int = 0) -> Decoded:
         )
 
     for m in batch.messages:
-        if m.error() is not None:
+        if m.error() is not None:  # an event, no record: the source counted and said it
             continue
         raw = m.value() or b""
         try:

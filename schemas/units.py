@@ -279,3 +279,5 @@ class DeadLetterReason(StrEnum):
     RETENTION = "retention"
     #: a row the store refused even alone
     REFUSED_BY_STORE = "refused_by_store"
+    #: a record of a job whose job record never came, beyond what is held waiting for it
+    NO_JOB_RECORD = "no_job_record"

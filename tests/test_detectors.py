@@ -947,3 +947,19 @@ def test_a_communicators_records_read_before_its_schedule_are_placed_like_the_ot
         return steps, verdicts
 
     assert outcome(reordered) == outcome(records)
+
+
+def test_records_of_a_job_that_never_sent_its_job_record_are_bounded_and_kept() -> None:
+    """Records may overtake their job record and wait for it, up to a bound; beyond it each
+    one is a dead letter that says why, never dropped without a word."""
+    from detectors.analyzer import _EARLY_HELD, JobAnalyzer
+    from schemas.records import DeadLetter, Heartbeat
+    from schemas.units import DeadLetterReason
+
+    job = JobAnalyzer("j")
+    out = []
+    for i in range(_EARLY_HELD + 3):
+        out += job.update(Heartbeat(job="j", node="n", rank=0, ts_ns=i + 1))
+    assert len(out) == 3 and all(isinstance(d, DeadLetter) for d in out)
+    assert {d.reason for d in out} == {DeadLetterReason.NO_JOB_RECORD}
+    assert out[0].ts_ns == _EARLY_HELD + 1 and "no job record" in out[0].error
