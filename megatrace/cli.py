@@ -199,15 +199,9 @@ def db_init(obj: _Ctx) -> None:
 @click.pass_obj
 def deadletters(obj: _Ctx) -> None:
     """Count refused records per reason (from ClickHouse)."""
-    s = obj.stack()
-    rows = (
-        s.clickhouse()
-        .query(
-            f"SELECT reason, count() FROM {obj.settings.clickhouse.database}.dead_letters FINAL "
-            "GROUP BY reason ORDER BY reason"
-        )
-        .result_rows
-    )
+    from infra.queries import dead_letter_counts
+
+    rows = dead_letter_counts(obj.stack().clickhouse(), obj.settings.clickhouse.database)
     for reason, n in rows:
         click.echo(f"{reason:>16}  {n}")
     if not rows:
@@ -266,8 +260,8 @@ def run(
     """
     from datetime import timedelta
 
-    from bytewax._bytewax import cli_main
     from bytewax.recovery import RecoveryConfig, init_db_dir
+    from bytewax.run import cli_main  # what `python -m bytewax.run` calls
 
     from flows.main import Role, build_flow, input_topics, tune_gc
 
@@ -845,6 +839,7 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
     from detectors.texts import plural
     from flows.main import build_flow, tune_gc
     from infra.clickhouse import insert_records, read_records
+    from infra.queries import align_account, step_account
     from producers.sim.scenarios import build
 
     s = obj.stack()
@@ -892,26 +887,17 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
     click.echo("  found:")
     for line in summary_table(verdicts):
         click.echo(f"    {line}")
-    ((n_steps, mean_ms, cut, after_close),) = client.query(
-        f"SELECT count(), round(avg(duration_ns) / 1e6, 1), countIf(instances < "
-        f"expected_instances), max(late_instances) FROM {db_name}.steps FINAL "
-        "WHERE job = {j:String}",
-        parameters={"j": sp.job},
-    ).result_rows
+    st = step_account(client, db_name, sp.job)
     click.echo(
-        f"  {plural(n_steps, 'step')} analysed (mean {mean_ms} ms; {cut:,} closed without "
-        f"some of their collectives, {plural(after_close, 'collective')} came after their "
-        f"step closed); query them in {_redact(s.clickhouse_url())} database {db_name}"
+        f"  {plural(st.steps, 'step')} analysed (mean {st.mean_ms} ms; {st.cut:,} closed "
+        f"without some of their collectives, {plural(st.after_close, 'collective')} came after "
+        f"their step closed); query them in {_redact(s.clickhouse_url())} database {db_name}"
     )
-    ((comms, read, late, unordered, partial),) = client.query(
-        "SELECT count(), sum(records), sum(late_records), sum(out_of_order_records), "
-        f"sum(partial_reports) FROM {db_name}.comm_accounts WHERE job = {{j:String}}",
-        parameters={"j": sp.job},
-    ).result_rows
+    al = align_account(client, db_name, sp.job)
     click.echo(
-        f"  alignment: {plural(read, 'collective record')} on {plural(comms, 'communicator')}, "
-        f"{late:,} late, {unordered:,} out of order, {plural(partial, 'collective')} reported "
-        "partial"
+        f"  alignment: {plural(al.records, 'collective record')} on "
+        f"{plural(al.comms, 'communicator')}, {al.late:,} late, {al.out_of_order:,} out of "
+        f"order, {plural(al.partial, 'collective')} reported partial"
     )
     from megatrace.report import write_report
 
