@@ -119,3 +119,31 @@ def test_a_table_from_before_columns_were_added_gets_them_and_keeps_its_rows(
     assert got[1] == new
     names = [r[0] for r in ch.query(f"DESCRIBE TABLE {database}.steps").result_rows]
     assert names[: len(TABLES["steps"].column_names)] == TABLES["steps"].column_names
+
+
+def test_the_command_lines_questions_count_what_is_stored(ch: Any, database: str) -> None:
+    from infra.queries import align_account, dead_letter_counts, step_account
+    from schemas.records import DeadLetter
+    from schemas.units import DeadLetterReason as R
+
+    dead = [
+        DeadLetter(ts_ns=i + 1, reason=r, error="e", raw=b"x%d" % i)
+        for i, r in enumerate([R.MALFORMED, R.MALFORMED, R.OUT_OF_LAYOUT])
+    ]
+    steps = [
+        StepSummary(
+            job="j",
+            step=s,
+            start_ns=s * 10**8,
+            end_ns=(s + 1) * 10**8,
+            duration_ns=10**8 + s * 10**6,
+            instances=9 if s else 7,
+            expected_instances=9,
+            late_instances=s,
+        )
+        for s in range(3)
+    ]
+    insert_records(ch, database, [*dead, *steps])
+    assert dead_letter_counts(ch, database) == [("malformed", 2), ("out_of_layout", 1)]
+    assert step_account(ch, database, "j") == (3, 101.0, 1, 2)
+    assert align_account(ch, database, "nobody") == (0, 0, 0, 0, 0)
