@@ -9,8 +9,8 @@ it pickles. The same object runs in the Bytewax flow and offline.
 
 Inputs: job metadata records; from the communicators,
 :class:`~detectors.align.Instance` (complete or partial),
-:class:`~detectors.steps.StepPart` (one communicator's or several merged),
-:class:`~detectors.parts.CommProgress`, :class:`~detectors.parts.EdgeThroughput`
+:class:`~detectors.parts.StepPart` (one communicator's or several merged),
+:class:`~detectors.merge.CommLiveness`, :class:`~detectors.edges.EdgeThroughput`
 and stuck :class:`ProxySummary`; from the nodes,
 :class:`~detectors.node.NodeDigest` (or raw :class:`LinkSample`, which go
 through a node analyzer kept here); :class:`Heartbeat`; other records only
@@ -31,15 +31,18 @@ import numpy as np
 from detectors import texts
 from detectors.align import Instance, Key, aligned_record
 from detectors.changepoint import ShiftDetector
+from detectors.edges import EdgeThroughput, StuckProxies
 from detectors.folder import StepFolder
-from detectors.fusion import VerdictBook
 from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang
 from detectors.links import LinkEvent, LinkMonitor
+from detectors.merge import CommLiveness
 from detectors.node import NodeAnalyzer, NodeDigest
-from detectors.parts import CommProgress, CommSchedule, EdgeThroughput, ScheduleBook, StuckProxies
+from detectors.parts import StepPart
+from detectors.schedule import CommSchedule, ScheduleBook
 from detectors.slowdown import SlowdownLocalizer
-from detectors.steps import StepAssembler, StepPart, StepReport
+from detectors.steps import StepAssembler, StepReport
 from detectors.topology import Topology
+from detectors.verdicts import VerdictBook
 from schemas.codec import encode
 from schemas.config import DetectSettings
 from schemas.records import (
@@ -302,7 +305,7 @@ class JobAnalyzer:
             return [v] if v else []
         return []
 
-    def _progress_in(self, p: CommProgress) -> list[msgspec.Struct]:
+    def _progress_in(self, p: CommLiveness) -> list[msgspec.Struct]:
         return self._progress(p.last_arrival_ns, p.last_end_ns)
 
     def _job(self, info: JobInfo) -> list[msgspec.Struct]:
@@ -1330,7 +1333,7 @@ _HANDLERS: dict[type, Callable[[JobAnalyzer, Any], list[msgspec.Struct]]] = {
     NodeDigest: JobAnalyzer._digest,
     EdgeThroughput: JobAnalyzer._edge_throughput,
     Heartbeat: JobAnalyzer._heartbeat_in,
-    CommProgress: JobAnalyzer._progress_in,
+    CommLiveness: JobAnalyzer._progress_in,
     Instance: JobAnalyzer._instance,
     ProxySummary: JobAnalyzer._proxy_in,
     JobInfo: JobAnalyzer._job_in,

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from detectors.fusion import verdict_id
+from detectors.verdicts import verdict_id
 from schemas.records import Collective, Kernel, Verdict
 from schemas.units import Cause, CollOp, KernelKind, VerdictKind
 

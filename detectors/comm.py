@@ -6,7 +6,7 @@
 per step), and passes on only the proxy summaries the job needs (stuck ones,
 and the completion of one that was stuck: a network hang's evidence), plus
 each edge's throughput over every ``edge_window`` completed sends
-(:class:`~detectors.parts.EdgeThroughput`), and, from :meth:`CommAnalyzer.stats`,
+(:class:`~detectors.edges.EdgeThroughput`), and, from :meth:`CommAnalyzer.stats`,
 its account of how the records met (:class:`~schemas.records.AlignStats`). The
 flow keeps one per (job, communicator) key; the offline
 :class:`~detectors.replay.Replay` keeps one per communicator too, so both hand
@@ -21,7 +21,7 @@ the job's analyzer the same items.
 ...         dtype=DType.BFLOAT16, enqueue_ns=a, start_ns=a, end_ns=e)
 >>> rows, forward = comm.update([rec(0, 100, 500), rec(1, 300, 500)])
 >>> rows, [type(x).__name__ for x in forward]  # no schedule yet: the instance waits for it
-([], ['CommProgress'])
+([], ['CommLiveness'])
 >>> _, forward = comm.flush()  # none came: it goes to the job as it is
 >>> [type(x).__name__ for x in forward]
 ['Instance']
@@ -38,8 +38,9 @@ from __future__ import annotations
 from typing import Any
 
 from detectors.align import CollectiveAligner
+from detectors.edges import EdgeThroughput, StuckProxies
 from detectors.folder import StepFolder
-from detectors.parts import CommSchedule, EdgeThroughput, StepMark, StuckProxies
+from detectors.schedule import CommSchedule, StepMark
 from schemas.records import AlignedCollective, AlignStats, Collective, ProxySummary
 from schemas.units import Direction
 

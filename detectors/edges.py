@@ -69,3 +69,41 @@ def edge_cause(send: ProxySummary, recv: ProxySummary | None) -> EdgeCause:
 
 
 __all__ = ["EdgeCause", "edge_cause"]
+
+
+class StuckProxies:
+    """Proxy operations posted and not completed (a network hang's evidence), by
+    (comm, seq, rank, channel, peer, direction); the oldest go beyond ``limit``."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self.limit = limit
+        self.ops: dict[tuple[int, ...], ProxySummary] = {}
+
+    def update(self, p: ProxySummary) -> bool:
+        """Note a summary; True when it is stuck, or completes one that was."""
+        if p.steps_done < p.steps_posted:
+            self.ops[(p.comm_hash, p.seq, p.rank, p.channel, p.peer, p.direction)] = p
+            if len(self.ops) > self.limit:
+                self.ops.pop(next(iter(self.ops)))
+            return True
+        if not self.ops:  # nothing stuck (nearly always): nothing to complete
+            return False
+        key = (p.comm_hash, p.seq, p.rank, p.channel, p.peer, p.direction)
+        return self.ops.pop(key, None) is not None
+
+
+class EdgeThroughput(NamedTuple):
+    """Throughput of one edge over a window of its completed sends, from proxy summaries:
+    bytes over time in SendWait, the measure the NCCL plugin's link samples use (the
+    network's share of the transfer). The job uses it for sources that send no link
+    samples of their own. ``gpu_wait_ns`` is the mean SendGPUWait per send: how long the
+    sender's data was not there yet (its GPU's share; the decision table of docs/method.md)."""
+
+    job: str
+    src_rank: int
+    dst_rank: int
+    ts_ns: int
+    window_ns: int
+    size_bytes: int
+    throughput_gbps: float
+    gpu_wait_ns: int = 0

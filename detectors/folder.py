@@ -5,13 +5,13 @@ At 4,096 ranks a step has about 120,000 collective instances; folding each one i
 the job's step account in the job's single worker costs seconds per step.
 :class:`StepFolder` does that folding per communicator instead, where the
 communicator's records already are (one flow worker per communicator), and hands the
-job one :class:`~detectors.steps.StepPart` per (communicator, step): the job merges
+job one :class:`~detectors.parts.StepPart` per (communicator, step): the job merges
 about one part per communicator per step. It also builds the stored row of each
 instance it folds.
 
 Which step an instance is in comes from the job, in this order of trust:
 
-1. **the job's iteration markers** (:class:`~detectors.parts.StepMark`, from the
+1. **the job's iteration markers** (:class:`~detectors.schedule.StepMark`, from the
    training log, the profiler's step or the collector's step hook): an instance is in
    the first marked step that ended at or after its first member came;
 2. **its calls** (:class:`~detectors.cycle.CallCycle`, one per sequence: the
@@ -30,7 +30,7 @@ is, and for instances the job already saw as partial, they go to the job unchang
 >>> from detectors.align import Instance
 >>> from schemas.records import CommInfo, JobInfo
 >>> from schemas.units import CollOp, CommRole
->>> from detectors.parts import CommSchedule
+>>> from detectors.schedule import CommSchedule
 >>> job = JobInfo(job="j", ts_ns=0, world_size=4, tp=2, pp=1, dp=2, num_layers=1,
 ...               num_microbatches=1)
 >>> folder = StepFolder()
@@ -60,7 +60,7 @@ from typing import Any
 
 from detectors.align import Instance, Key, instance_row
 from detectors.cycle import CallCycle, Cycle
-from detectors.steps import StepPart
+from detectors.parts import StepPart
 from detectors.topology import Position, Topology
 from schemas.records import AlignedCollective, CommStructure
 from schemas.units import CollOp, CommRole, Phase
@@ -299,13 +299,13 @@ class StepFolder:
 
     def progress(self) -> list[Any]:
         """The communicator's liveness, when it moved since the last call."""
-        from detectors.parts import CommProgress
+        from detectors.merge import CommLiveness
 
         now = (self._last_arrival, self._last_end)
         if now == self._reported:
             return []
         self._reported = now
-        return [CommProgress(self.job, self.comm_hash, *now)]
+        return [CommLiveness(self.job, self.comm_hash, *now)]
 
     def flush(self) -> tuple[list[AlignedCollective], list[Any]]:
         """Every held instance placed as best it can be, and every open part, oldest first

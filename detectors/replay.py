@@ -24,8 +24,9 @@ import msgspec
 
 from detectors.analyzer import JobAnalyzer
 from detectors.comm import CommAnalyzer
-from detectors.parts import CommProgress, PartMerger, ScheduleBook, StepMark, shard_of
-from detectors.steps import StepPart
+from detectors.merge import CommLiveness, PartMerger, shard_of
+from detectors.parts import StepPart
+from detectors.schedule import ScheduleBook, StepMark
 from schemas.config import DetectSettings
 from schemas.records import Collective, ProxySummary
 
@@ -83,7 +84,7 @@ class Replay:
         out: list[msgspec.Struct] = []
         analyzer = self.jobs[job]
         for x in items:
-            if isinstance(x, StepPart | CommProgress):
+            if isinstance(x, StepPart | CommLiveness):
                 key = (job, shard_of(x.comm_hash, self.settings.part_shards))
                 merger = self.mergers.get(key) or self.mergers.setdefault(key, PartMerger())
                 for merged in [*merger.update(x), *merger.progress()]:

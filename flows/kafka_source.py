@@ -68,7 +68,7 @@ class BrokerHealth:
 
     The source tells it (librdkafka's error callback: lost; a record, or an answer to a
     metadata request: back); the flow's clocks read it, so that a broker's outage, the
-    pipeline's silence, is not taken for every job's (see ``flows.logic._Clock``).
+    pipeline's silence, is not taken for every job's (see ``flows.state._Clock``).
     The newest ``keep`` outages that are over are kept.
 
     >>> h = BrokerHealth()

@@ -39,10 +39,12 @@ from bytewax.dataflow import Dataflow
 
 from detectors.alerting import AlertGate
 from detectors.console import IncidentLog
-from detectors.parts import CommProgress, CommSchedule, StepMark, shard_of
-from detectors.steps import StepPart
+from detectors.merge import CommLiveness, shard_of
+from detectors.parts import StepPart
+from detectors.schedule import CommSchedule, StepMark
 from flows.kafka_source import BrokerHealth, RawBatch, RawKafkaSource, part_name
-from flows.logic import (
+from flows.sinks import AsyncClickHouseSink, ClickHouseSink
+from flows.state import (
     AlignLogic,
     AlignOut,
     AnalyzeLogic,
@@ -52,7 +54,6 @@ from flows.logic import (
     TableRows,
     schedules,
 )
-from flows.sinks import AsyncClickHouseSink, ClickHouseSink
 from flows.webhooks import WebhookSink
 from infra.clickhouse import Rows
 from infra.rowbinary import plan_for
@@ -360,14 +361,14 @@ def own_tables() -> list[str]:
 
 def forward_to_job(kv: tuple[str, AlignOut]) -> tuple[str, list[Any]]:
     """What a communicator tells its job directly (step parts and progress are merged)."""
-    return job_of(kv[0]), [x for x in kv[1].forward if not isinstance(x, StepPart | CommProgress)]
+    return job_of(kv[0]), [x for x in kv[1].forward if not isinstance(x, StepPart | CommLiveness)]
 
 
 def parts_by_shard(
     shards: int, kv: tuple[str, AlignOut]
-) -> list[tuple[str, list[StepPart | CommProgress]]]:
+) -> list[tuple[str, list[StepPart | CommLiveness]]]:
     """A communicator's step parts and progress, keyed by (job, shard of its communicators)."""
-    parts = [x for x in kv[1].forward if isinstance(x, StepPart | CommProgress)]
+    parts = [x for x in kv[1].forward if isinstance(x, StepPart | CommLiveness)]
     if not parts:
         return []
     return [(f"{job_of(kv[0])}:{shard_of(parts[0].comm_hash, shards)}", parts)]
@@ -519,7 +520,7 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], health: BrokerHealth) 
     aligned = op.stateful_batch(
         "align", by_comm, lambda resume: AlignLogic(cfg.detect, resume, health)
     )
-    # (job:shard, list[StepPart | CommProgress]) -> (job:shard, list[StepPart | CommProgress]):
+    # (job:shard, list[StepPart | CommLiveness]) -> (job:shard, list[StepPart | CommLiveness]):
     # one part per shard and step, the newest progress of the shard's communicators
     shards = functools.partial(parts_by_shard, cfg.detect.part_shards)
     parts = op.stateful_batch(
@@ -528,7 +529,7 @@ def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], health: BrokerHealth) 
     # (job:node, list[LinkSample]) -> (job:node, [NodeDigest]): the links that changed
     by_node = op.flat_map("links_by_node", decoded, links_by_node)
     digests = op.stateful_batch("node", by_node, lambda resume: NodeLogic(cfg.detect, resume))
-    # (job, list[StepPart | Instance | CommProgress | NodeDigest | other]) -> (job, list[result])
+    # (job, list[StepPart | Instance | CommLiveness | NodeDigest | other]) -> (job, list[result])
     forward = op.filter("with_forward", op.map("forward_to_job", aligned, forward_to_job), _any)
     to_job = op.merge(
         "to_job",

@@ -500,9 +500,10 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
     """
     from detectors.analyzer import JobAnalyzer
     from detectors.comm import CommAnalyzer
+    from detectors.merge import CommLiveness, PartMerger, shard_of
     from detectors.node import NodeAnalyzer
-    from detectors.parts import CommProgress, PartMerger, ScheduleBook, shard_of
-    from detectors.steps import StepPart
+    from detectors.parts import StepPart
+    from detectors.schedule import ScheduleBook
     from schemas.records import Collective, LinkSample, ProxySummary
 
     tune_gc()  # as the flow does
@@ -546,7 +547,7 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
     def to_job_now(forward: list[Any]) -> None:
         nonlocal t_merge
         for x in forward:
-            if isinstance(x, StepPart | CommProgress):  # merged per shard first
+            if isinstance(x, StepPart | CommLiveness):  # merged per shard first
                 t0 = time.perf_counter()
                 key = shard_of(x.comm_hash, shards)
                 merger = mergers.get(key) or mergers.setdefault(key, PartMerger())

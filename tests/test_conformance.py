@@ -24,10 +24,11 @@ from detectors.analyzer import JobAnalyzer
 from detectors.changepoint import ShiftDetector
 from detectors.comm import CommAnalyzer
 from detectors.links import LinkMonitor
+from detectors.merge import PartMerger
 from detectors.node import NodeAnalyzer
-from detectors.parts import PartMerger, ScheduleBook
+from detectors.parts import StepPart
 from detectors.replay import Replay
-from detectors.steps import StepPart
+from detectors.schedule import ScheduleBook
 from producers.sim.scenarios import build
 from schemas.config import AlertSettings
 from schemas.records import (

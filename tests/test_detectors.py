@@ -434,7 +434,7 @@ def test_a_senders_wait_on_its_own_data_is_evidence_against_its_baseline() -> No
     """the decision table of docs/method.md on edges that are slow, not stuck: a slow link's
     sender does not wait on its data (SendGPUWait at its baseline); a sender whose
     windows show it waiting far longer than usual is reported so."""
-    from detectors.parts import EdgeThroughput
+    from detectors.edges import EdgeThroughput
 
     run = build("mixed", scale="demo", seed=0)  # a 2x slower GPU and a 5x slower link
     replay = Replay()
@@ -499,7 +499,7 @@ def test_without_link_samples_a_degraded_link_is_found_from_proxy_summaries() ->
 def test_a_sealed_step_part_refuses_more_instances() -> None:
     """A communicator seals its part of a step when it sends it; folding into it later
     would change what the job already merged, so it is an error that says so."""
-    from detectors.steps import StepPart
+    from detectors.parts import StepPart
     from detectors.topology import Topology
     from schemas.units import CommRole
 
@@ -518,7 +518,7 @@ def test_a_sealed_step_part_refuses_more_instances() -> None:
 def test_lateness_is_exact_at_real_clock_readings() -> None:
     """Arrivals are nanoseconds since 1970 (~1.8e18), where a float's step is 256 ns: the
     wait-time model must measure a 1,000 ns spread as +-500 ns, not in 256 ns steps."""
-    from detectors.steps import StepPart, dense_ranks
+    from detectors.parts import StepPart, dense_ranks
     from detectors.topology import Topology
     from schemas.units import CommRole
 
@@ -541,8 +541,8 @@ def test_lateness_is_exact_at_real_clock_readings() -> None:
 def test_a_communicator_that_goes_quiet_holds_merged_parts_back_two_steps_at_most() -> None:
     """A job restarted with new communicators leaves the old ones silent for good:
     the merger stops waiting for them instead of delaying every later step."""
-    from detectors.parts import PartMerger
-    from detectors.steps import StepPart
+    from detectors.merge import PartMerger
+    from detectors.parts import StepPart
 
     def part(step: int, comm: int) -> StepPart:
         return StepPart(step, comm_hash=comm, n=1, start=step).seal()
@@ -855,7 +855,7 @@ def test_a_folder_pickled_by_a_version_that_placed_by_the_layout_goes_on_so() ->
     the steps it had open stay numbered as they were."""
     from detectors.comm import CommAnalyzer
     from detectors.folder import StepFolder
-    from detectors.parts import ScheduleBook
+    from detectors.schedule import ScheduleBook
     from schemas.records import Collective, CommInfo, JobInfo
     from schemas.units import CommRole
 
@@ -892,7 +892,7 @@ def test_a_groups_step_figures_equal_the_general_computation_bit_for_bit() -> No
     """Parts whose instances all have the same members (nearly every part: a TP or DP
     group's, a pipeline pair's) take a shorter computation of their per-rank figures;
     it must give exactly what the general one gives, ties and rounding included."""
-    from detectors.steps import _any_figures, _member_figures
+    from detectors.parts import _any_figures, _member_figures
 
     rng = np.random.default_rng(7)
     for _ in range(400):

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from flows.logic import RowBatchLogic
+from flows.state import RowBatchLogic
 from schemas.config import ConfigError, load_settings
 
 

@@ -6,7 +6,7 @@ import msgspec
 
 from detectors.align import Instance
 from detectors.replay import Replay
-from flows.logic import QUIET_NS, AnalyzeLogic
+from flows.state import QUIET_NS, AnalyzeLogic
 from producers.sim.scenarios import build
 from schemas.config import DetectSettings
 from schemas.records import Heartbeat, LinkSample, Verdict

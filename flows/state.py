@@ -17,9 +17,10 @@ from bytewax.operators import StatefulBatchLogic
 
 from detectors.analyzer import JobAnalyzer
 from detectors.comm import CommAnalyzer
+from detectors.merge import CommLiveness, PartMerger
 from detectors.node import NodeAnalyzer, NodeDigest
-from detectors.parts import CommProgress, CommSchedule, PartMerger, ScheduleBook, StepMark
-from detectors.steps import StepPart
+from detectors.parts import StepPart
+from detectors.schedule import CommSchedule, ScheduleBook, StepMark
 from flows.kafka_source import BrokerHealth
 from schemas.config import DetectSettings
 from schemas.records import AlignedCollective, AlignStats, Collective
@@ -151,7 +152,7 @@ def schedules(
     return book, out
 
 
-Merged = StepPart | CommProgress
+Merged = StepPart | CommLiveness
 
 
 class MergeLogic(StatefulBatchLogic[list[Merged], list[Merged], PartMerger]):

@@ -1,0 +1,121 @@
+"""One verdict per incident: stable ids, updates and resolution.
+
+An incident is identified by (job, kind, culprit, onset step): re-processing
+the same input after a restart gives the same ``verdict_id``, so the
+ReplacingMergeTree keeps one row. Each material change (severity moved by
+more than ``min_change``, more bursts, resolution) raises ``revision``.
+
+>>> book = VerdictBook("job-1")
+>>> v = book.report(VerdictKind.SLOWDOWN, Cause.COMPUTE, "rank:5", onset_step=12,
+...                 onset_ns=1, detected_ns=2, severity=0.3, confidence=0.9, rank=5)
+>>> v.revision, v.status.value
+(0, 'open')
+>>> book.report(VerdictKind.SLOWDOWN, Cause.COMPUTE, "rank:5", onset_step=12,
+...             onset_ns=1, detected_ns=3, severity=0.31, confidence=0.9, rank=5) is None
+True
+>>> book.resolve("slowdown", "rank:5", 9).status.value
+'resolved'
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from schemas.records import Verdict
+from schemas.units import Cause, VerdictKind, VerdictStatus
+
+
+def verdict_id(job: str, kind: str, culprit: str, onset: int | None) -> str:
+    """Stable across re-processing: the onset step, or the onset time when the step is unknown."""
+    raw = f"{job}|{kind}|{culprit}|{onset}".encode()
+    return hashlib.sha1(raw, usedforsecurity=False).hexdigest()[:16]
+
+
+class VerdictBook:
+    """Open incidents of one job."""
+
+    def __init__(self, job: str, min_change: float = 0.05) -> None:
+        self.job = job
+        self.min_change = min_change
+        self._open: dict[tuple[str, str], Verdict] = {}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        state.pop("history", None)  # every revision, kept by a version that grew it forever
+        self.__dict__.update(state)
+
+    def report(
+        self,
+        kind: VerdictKind,
+        cause: Cause,
+        culprit: str,
+        *,
+        onset_step: int | None,
+        onset_ns: int,
+        detected_ns: int,
+        severity: float,
+        confidence: float,
+        **fields: object,
+    ) -> Verdict | None:
+        """Open an incident, or update it if it changed materially; None if nothing new."""
+        key = (kind.value, culprit)
+        severity = min(max(severity, 0.0), 1.0)
+        current = self._open.get(key)
+        if current is None:
+            v = Verdict(
+                job=self.job,
+                verdict_id=verdict_id(
+                    self.job,
+                    kind.value,
+                    culprit,
+                    onset_step if onset_step is not None else onset_ns,
+                ),
+                kind=kind,
+                cause=cause,
+                onset_step=onset_step,
+                onset_ns=onset_ns,
+                detected_ns=detected_ns,
+                severity=severity,
+                confidence=confidence,
+                **fields,
+            )  # type: ignore[arg-type]
+        else:
+            changed = (
+                abs(severity - current.severity) > self.min_change
+                or cause != current.cause
+                or any(
+                    getattr(current, k) != v
+                    for k, v in fields.items()
+                    if k != "evidence" and k != "summary"
+                )
+            )
+            if not changed:
+                return None
+            v = msgspec.structs.replace(
+                current,
+                revision=current.revision + 1,
+                status=VerdictStatus.UPDATE,
+                cause=cause,
+                severity=severity,
+                confidence=confidence,
+                **fields,
+            )
+        self._open[key] = v
+        return v
+
+    def resolve(self, kind: str, culprit: str, ts_ns: int) -> Verdict | None:
+        current = self._open.pop((kind, culprit), None)
+        if current is None:
+            return None
+        v = msgspec.structs.replace(
+            current, revision=current.revision + 1, status=VerdictStatus.RESOLVED, resolved_ns=ts_ns
+        )
+        return v
+
+    def current(self, kind: str, culprit: str) -> Verdict | None:
+        """The latest revision of an open incident (None if none is open)."""
+        return self._open.get((kind, culprit))
+
+    def open_incidents(self) -> list[Verdict]:
+        return list(self._open.values())
