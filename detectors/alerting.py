@@ -23,7 +23,7 @@ settings
     :class:`~schemas.config.AlertSettings` (levels, step, interval, cap).
 
 >>> from schemas.records import Verdict
->>> from schemas.units import VerdictKind, Cause, VerdictStatus
+>>> from schemas.enums import VerdictKind, Cause, VerdictStatus
 >>> def v(rev, sev, t, status=VerdictStatus.UPDATE):
 ...     return Verdict(job="j", verdict_id="abc", revision=rev, status=status,
 ...                    kind=VerdictKind.SLOWDOWN, cause=Cause.COMPUTE, rank=3,
@@ -44,8 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas.config import AlertSettings
+from schemas.enums import AlertLevel, VerdictKind, VerdictStatus
 from schemas.records import Alert, Verdict
-from schemas.units import AlertLevel, VerdictKind, VerdictStatus
 
 _HOUR_NS = 3_600_000_000_000
 

@@ -12,7 +12,7 @@ but did not finish. Completed instances are evicted at once, so state stays
 bounded by what is genuinely in flight.
 
 >>> from schemas.records import Collective
->>> from schemas.units import CollOp, DType
+>>> from schemas.enums import CollOp, DType
 >>> al = CollectiveAligner()
 >>> def rec(rank, a, e):
 ...     return Collective(job="j", node="n", rank=rank, comm_hash=9, comm_size=2,
@@ -34,8 +34,8 @@ from types import ModuleType
 from typing import NamedTuple
 
 from detectors.topology import Position, Topology
+from schemas.enums import CollOp, CommRole, Phase
 from schemas.records import AlignedCollective, Collective, CommInfo
-from schemas.units import CollOp, CommRole, Phase
 
 Key = tuple[int, int, int, int]  # (comm_hash, sender, receiver, seq); -1, -1 for collectives
 _SEND, _RECV = CollOp.SEND, CollOp.RECV

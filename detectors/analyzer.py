@@ -45,6 +45,7 @@ from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
 from schemas.codec import encode
 from schemas.config import DetectSettings
+from schemas.enums import Cause, CollOp, DeadLetterReason, Phase, VerdictKind
 from schemas.records import (
     CommInfo,
     CommStructure,
@@ -59,7 +60,6 @@ from schemas.records import (
     StepSummary,
     event_time,
 )
-from schemas.units import Cause, CollOp, DeadLetterReason, Phase, VerdictKind
 
 #: A shift whose first steps name the network or nobody is localised again until it has
 #: lasted this many steps (a rank's lateness takes a few steps to stand out of the noise).

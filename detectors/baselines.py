@@ -25,8 +25,8 @@ from collections.abc import Iterable
 import numpy as np
 
 from detectors.verdicts import verdict_id
+from schemas.enums import Cause, CollOp, KernelKind, VerdictKind
 from schemas.records import Collective, Kernel, Verdict
-from schemas.units import Cause, CollOp, KernelKind, VerdictKind
 
 
 def _verdict(

@@ -13,7 +13,7 @@ flow keeps one per (job, communicator) key; the offline
 the job's analyzer the same items.
 
 >>> from schemas.records import Collective
->>> from schemas.units import CollOp, DType
+>>> from schemas.enums import CollOp, DType
 >>> comm = CommAnalyzer()
 >>> def rec(rank, a, e):
 ...     return Collective(job="j", node="n", rank=rank, comm_hash=9, comm_size=2,
@@ -41,8 +41,8 @@ from detectors.align import CollectiveAligner
 from detectors.edges import EdgeThroughput, StuckProxies
 from detectors.folder import StepFolder
 from detectors.schedule import CommSchedule, StepMark
+from schemas.enums import Direction
 from schemas.records import AlignedCollective, AlignStats, Collective, ProxySummary
-from schemas.units import Direction
 
 
 class CommAnalyzer:

@@ -18,7 +18,7 @@ show_job
     Start each line with the job's id (a flow may watch several jobs).
 
 >>> from schemas.records import Verdict
->>> from schemas.units import Cause, VerdictKind, VerdictStatus
+>>> from schemas.enums import Cause, VerdictKind, VerdictStatus
 >>> def v(rev, sev, status=VerdictStatus.UPDATE, rank=15):
 ...     return Verdict(job="j", verdict_id="a1", revision=rev, status=status,
 ...                    kind=VerdictKind.SLOWDOWN, cause=Cause.COMPUTE, rank=rank, gpu=3,
@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from detectors import texts
 from detectors.alerting import level_of
 from schemas.config import AlertSettings
+from schemas.enums import AlertLevel, VerdictStatus
 from schemas.records import Verdict
-from schemas.units import AlertLevel, VerdictStatus
 
 
 @dataclass

@@ -15,7 +15,7 @@ SendPeerWait at u and RecvGPUWait at v dominate        v's GPU, late consuming
 many edges; :class:`~detectors.analyzer.JobAnalyzer` makes it.)
 
 >>> from schemas.records import ProxySummary
->>> from schemas.units import Direction
+>>> from schemas.enums import Direction
 >>> def p(rank, peer, d, **w):
 ...     return ProxySummary(job="j", node="n", rank=rank, comm_hash=1, seq=0, channel=0,
 ...         peer=peer, direction=d, steps_posted=8, steps_done=4, size_bytes=1,
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from schemas.enums import Cause, Direction
 from schemas.records import ProxySummary
-from schemas.units import Cause, Direction
 
 
 class EdgeCause(NamedTuple):

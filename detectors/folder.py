@@ -29,7 +29,7 @@ is, and for instances the job already saw as partial, they go to the job unchang
 
 >>> from detectors.align import Instance
 >>> from schemas.records import CommInfo, JobInfo
->>> from schemas.units import CollOp, CommRole
+>>> from schemas.enums import CollOp, CommRole
 >>> from detectors.schedule import CommSchedule
 >>> job = JobInfo(job="j", ts_ns=0, world_size=4, tp=2, pp=1, dp=2, num_layers=1,
 ...               num_microbatches=1)
@@ -62,8 +62,8 @@ from detectors.align import Instance, Key, instance_row
 from detectors.cycle import CallCycle, Cycle
 from detectors.parts import StepPart
 from detectors.topology import Position, Topology
+from schemas.enums import CollOp, CommRole, Phase
 from schemas.records import AlignedCollective, CommStructure
-from schemas.units import CollOp, CommRole, Phase
 
 Extent = tuple[int, int, int]  # an instance's first arrival, last arrival, last end
 _UNKNOWN = Phase.UNKNOWN.value

@@ -15,7 +15,7 @@ This is a pure function over tables: it returns one diagnosis, not a list of
 every waiting rank.
 
 >>> from detectors.align import Instance
->>> from schemas.units import CollOp
+>>> from schemas.enums import CollOp
 >>> waiting = Instance("j", 5, 7, CollOp.ALL_REDUCE, -1, 2, 8, (0,), (10,), (12,), (-1,))
 >>> diagnose_hang([waiting], []).culprit_rank
 1
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 from detectors.align import Instance
 from detectors.edges import edge_cause
+from schemas.enums import Cause, CollOp, Direction
 from schemas.records import Heartbeat, ProxySummary
-from schemas.units import Cause, CollOp, Direction
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import numpy as np
 
 from detectors.align import Instance
 from detectors.topology import Topology
-from schemas.units import CommRole
+from schemas.enums import CommRole
 
 NodeKey = tuple[int, str, int]  # (stage, phase, micro-batch) of one pipeline replica
 _NEVER = 1 << 62
@@ -217,7 +217,7 @@ def dense_ranks(parts: list[StepPart], world: int) -> dict[str, np.ndarray]:
     """The per-rank figures of several parts of one step, merged, as arrays.
 
     >>> from detectors.align import Instance
-    >>> from schemas.units import CollOp, CommRole
+    >>> from schemas.enums import CollOp, CommRole
     >>> def dp(ranks, arrivals):  # a data-parallel all-reduce that ends at 70
     ...     n = len(ranks)
     ...     return Instance("j", 5, 0, CollOp.ALL_REDUCE, -1, n, 8, ranks, arrivals,

@@ -35,7 +35,7 @@ class ScheduleBook:
     markers for every communicator (the first marker of each step; a communicator
     that comes later is given the recent ones).
 
-    >>> from schemas.units import CommRole
+    >>> from schemas.enums import CommRole
     >>> book = ScheduleBook()
     >>> book.update(CommInfo(job="j", ts_ns=0, comm_hash=7, role=CommRole.TP, ranks=[0, 1]))
     []

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from schemas.enums import VerdictKind
 from schemas.records import FaultLabel, Verdict
-from schemas.units import VerdictKind
 
 
 @dataclass

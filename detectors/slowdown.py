@@ -32,7 +32,7 @@ import numpy as np
 from detectors.critical_path import critical_path
 from detectors.steps import StepReport
 from detectors.topology import Topology
-from schemas.units import Cause
+from schemas.enums import Cause
 
 
 @dataclass(frozen=True)

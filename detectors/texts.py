@@ -19,8 +19,8 @@ their nouns.
 
 from __future__ import annotations
 
+from schemas.enums import Cause, VerdictKind
 from schemas.records import Verdict
-from schemas.units import Cause, VerdictKind
 
 _PLURALS = {"micro-batch": "micro-batches", "is": "are", "waits": "wait"}
 _PHASES = {

@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from schemas.enums import CollOp, CommRole, Phase
 from schemas.records import CommInfo, JobInfo, RankInfo
-from schemas.units import CollOp, CommRole, Phase
 
 FWD, BWD = Phase.FORWARD.value, Phase.BACKWARD.value
 

@@ -23,8 +23,8 @@ import hashlib
 
 import msgspec
 
+from schemas.enums import Cause, VerdictKind, VerdictStatus
 from schemas.records import Verdict
-from schemas.units import Cause, VerdictKind, VerdictStatus
 
 
 def verdict_id(job: str, kind: str, culprit: str, onset: int | None) -> str:

@@ -118,7 +118,6 @@ class _Quiet:
         if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
             self.health.lost(time.monotonic_ns())
 
-
     def events(self, where: str, errors: list[Any]) -> None:
         """Error events a poll returned (librdkafka retries what it can by itself):
         counted, and said on stderr at most every 10 s.

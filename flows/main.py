@@ -59,6 +59,7 @@ from infra.clickhouse import Rows
 from infra.rowbinary import plan_for
 from schemas.codec import SchemaError, dead_letter, decode_input, encode
 from schemas.config import AlertSettings, ClickHouseSettings, DetectSettings, Settings
+from schemas.enums import DeadLetterReason
 from schemas.records import (
     Alert,
     Collective,
@@ -73,7 +74,6 @@ from schemas.records import (
 )
 from schemas.tables import TABLE_FOR, TABLES
 from schemas.topics import Topics
-from schemas.units import DeadLetterReason
 
 _CLICKHOUSE = ClickHouseSettings()  # the defaults' one home
 
@@ -263,7 +263,7 @@ def comm_records_by_comm(d: Decoded) -> list[tuple[str, list[Collective | ProxyS
     """A poll's collectives and proxy summaries, per (job, communicator), in log order.
 
     >>> from schemas.records import Heartbeat
-    >>> from schemas.units import CollOp, DType
+    >>> from schemas.enums import CollOp, DType
     >>> def coll(comm, seq):
     ...     return Collective(job="j", node="n", rank=0, comm_hash=comm, comm_size=2,
     ...         rank_in_comm=0, op=CollOp.ALL_REDUCE, seq=seq, count=1, size_bytes=2,

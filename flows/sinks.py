@@ -53,9 +53,9 @@ from infra.clickhouse import (
 )
 from schemas.codec import encode
 from schemas.config import ClickHouseSettings
+from schemas.enums import DeadLetterReason
 from schemas.records import DeadLetter
 from schemas.tables import TABLES
-from schemas.units import DeadLetterReason
 
 Timed = tuple[dict[str, Rows], int]  # rows per table, the oldest producer time (ms, 0: none)
 OnWrite = Callable[[int, int, int], None]  # (records, oldest producer ms, stored ms)

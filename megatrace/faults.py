@@ -142,8 +142,8 @@ def webhook_row() -> Row:
     from detectors.alerting import AlertGate
     from flows.webhooks import WebhookDelivery
     from schemas.config import load_settings
+    from schemas.enums import Cause, VerdictKind, VerdictStatus
     from schemas.records import Verdict
-    from schemas.units import Cause, VerdictKind, VerdictStatus
 
     calls = [0]
     hang = threading.Event()

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from infra.netlab import NetLab, Node
+from schemas.enums import Cause, VerdictKind
 from schemas.records import FaultLabel, Iteration, Verdict
-from schemas.units import Cause, VerdictKind
 
 Say = Callable[[str], None]
 

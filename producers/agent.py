@@ -39,8 +39,8 @@ from producers.spool import Position, Spool, SpoolError
 from producers.tail import new_lines
 from schemas.codec import SchemaError, dead_letter, decode_input, encode
 from schemas.config import AgentSettings
+from schemas.enums import DeadLetterReason
 from schemas.topics import Topics, message_key
-from schemas.units import DeadLetterReason
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import msgspec
 
+from schemas.enums import ClockSource, KernelKind
 from schemas.records import Kernel
-from schemas.units import ClockSource, KernelKind
 
 #: The external-correlation kind megatrace marks NCCL calls with (CUPTI's "custom 0").
 NCCL_EXTERNAL_KIND = 4

@@ -47,8 +47,8 @@ import msgspec
 
 from producers.megatron_config import MegatronConfig
 from producers.torch_collector import comm_hash, megatron_groups
+from schemas.enums import CollOp, CommRole, DType, torch_op
 from schemas.records import Collective, CommInfo, CommProgress, Heartbeat
-from schemas.units import CollOp, CommRole, DType, torch_op
 
 
 class DumpFormatError(ValueError):

@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from schemas.codec import decode, encode
+from schemas.enums import CollOp, KernelKind
 from schemas.records import Collective, Heartbeat, Kernel
-from schemas.units import CollOp, KernelKind
 
 FLOAT32 = 7  # ncclFloat32
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import msgspec
 
+from schemas.enums import CommRole, KernelKind, torch_op
 from schemas.records import CommInfo, Kernel
-from schemas.units import CommRole, KernelKind, torch_op
 
 
 class TraceError(ValueError):

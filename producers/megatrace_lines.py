@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 
 from producers.megatron_config import ConfigFormatError
+from schemas.enums import CollOp
 from schemas.records import Collective
-from schemas.units import CollOp
 
 
 class LogFormatError(ConfigFormatError):

@@ -46,8 +46,8 @@ from detectors.topology import one_f_one_b
 from producers.megatrace_lines import CallLine, LogFormatError
 from producers.megatron_config import MegatronConfig
 from producers.torch_collector import comm_hash, megatron_groups
+from schemas.enums import DTYPE_BYTES, CollOp, CommRole
 from schemas.records import Collective, CommInfo
-from schemas.units import DTYPE_BYTES, CollOp, CommRole
 
 # --------------------------------------------------------------------------- reader
 

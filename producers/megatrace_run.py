@@ -38,8 +38,8 @@ from producers.megatron_config import (
     read_training_log,
 )
 from producers.tail import new_lines
+from schemas.enums import CollOp
 from schemas.records import CommInfo, JobInfo, LinkSample, RankInfo
-from schemas.units import CollOp
 
 _CSV_FUNCS = {
     0: CollOp.BROADCAST,

@@ -38,8 +38,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from schemas.enums import DType
 from schemas.records import Iteration, JobInfo, RankInfo
-from schemas.units import DType
 
 
 class ConfigFormatError(ValueError):

@@ -50,8 +50,8 @@ from typing import Any
 
 import msgspec
 
+from schemas.enums import CollOp, CommRole, Direction, DType
 from schemas.records import Collective, CommInfo, JobInfo, ProxySummary, RankInfo
-from schemas.units import CollOp, CommRole, Direction, DType
 
 
 class InspectorFormatError(ValueError):

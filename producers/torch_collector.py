@@ -49,6 +49,7 @@ from typing import Any
 
 import msgspec
 
+from schemas.enums import TORCH_OP_NAMES, CollOp, CommRole, DType
 from schemas.records import (
     Collective,
     CommInfo,
@@ -58,7 +59,6 @@ from schemas.records import (
     JobInfo,
     RankInfo,
 )
-from schemas.units import TORCH_OP_NAMES, CollOp, CommRole, DType
 
 Sink = Callable[[list[msgspec.Struct]], None]
 

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 import msgspec
 
 from schemas.codec import decode, encode
+from schemas.enums import CollOp, DType
 from schemas.records import Collective
-from schemas.units import CollOp, DType
 
 
 def _sample(n: int) -> list[bytes]:

@@ -27,8 +27,9 @@ from typing import Annotated, Any, TypeVar, Union
 
 import msgspec
 
+from schemas.enums import DeadLetterReason
 from schemas.records import ALL_TYPES, EVENT_TYPES, DeadLetter
-from schemas.units import SCHEMA_VERSION, DeadLetterReason
+from schemas.units import SCHEMA_VERSION
 
 #: Schema versions each record tag accepts. A new version adds a line here.
 SUPPORTED_VERSIONS: dict[str, frozenset[int]] = {

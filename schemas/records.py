@@ -25,34 +25,36 @@ from __future__ import annotations
 
 from msgspec import Struct, field
 
-from schemas.units import (
-    COMM_HASH_END,
-    SCHEMA_VERSION,
+from schemas.enums import (
     AlertLevel,
     Cause,
     ClockSource,
     CollOp,
-    CommHash,
     CommRole,
-    Count,
     DeadLetterReason,
     Direction,
     DType,
+    KernelKind,
+    Phase,
+    Schedule,
+    VerdictKind,
+    VerdictStatus,
+)
+from schemas.units import (
+    COMM_HASH_END,
+    SCHEMA_VERSION,
+    CommHash,
+    Count,
     DurationNs,
     Fraction,
     JobId,
-    KernelKind,
     NodeName,
-    Phase,
     Positive,
     Rank,
-    Schedule,
     Seq,
     SeqOrNone,
     Tag,
     TimeNs,
-    VerdictKind,
-    VerdictStatus,
     Version,
 )
 

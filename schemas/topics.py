@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from msgspec import Struct
 
+from schemas.enums import CollOp, DType  # noqa: F401 - used by the doctest
 from schemas.records import (
     AlignedCollective,
     Collective,
@@ -40,7 +41,6 @@ from schemas.records import (
     RankInfo,
     Verdict,
 )
-from schemas.units import CollOp, DType  # noqa: F401 - used by the doctest
 
 
 class Topics(Struct, frozen=True, kw_only=True):

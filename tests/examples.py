@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import msgspec
 
+from schemas.enums import (
+    Cause,
+    CollOp,
+    CommRole,
+    DeadLetterReason,
+    Direction,
+    DType,
+    KernelKind,
+    Phase,
+    Schedule,
+    VerdictKind,
+    VerdictStatus,
+)
 from schemas.records import (
     AlignedCollective,
     AlignStats,
@@ -23,19 +36,6 @@ from schemas.records import (
     RankStep,
     StepSummary,
     Verdict,
-)
-from schemas.units import (
-    Cause,
-    CollOp,
-    CommRole,
-    DeadLetterReason,
-    Direction,
-    DType,
-    KernelKind,
-    Phase,
-    Schedule,
-    VerdictKind,
-    VerdictStatus,
 )
 
 T0 = 1_790_000_000_123_456_789  # ns, with sub-microsecond digits on purpose

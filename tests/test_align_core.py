@@ -18,8 +18,8 @@ import pytest
 
 import detectors.align as align
 from detectors.align import CollectiveAligner
+from schemas.enums import CollOp, DType
 from schemas.records import Collective
-from schemas.units import CollOp, DType
 
 
 def test_the_compiled_core_is_built() -> None:

@@ -15,9 +15,9 @@ from infra.clickhouse import (
     insert_records,
     read_records,
 )
+from schemas.enums import VerdictStatus
 from schemas.records import StepSummary, Verdict
 from schemas.tables import TABLE_FOR, TABLES
-from schemas.units import VerdictStatus
 from schemas.views import VIEWS
 from tests.examples import every_record
 
@@ -123,8 +123,8 @@ def test_a_table_from_before_columns_were_added_gets_them_and_keeps_its_rows(
 
 def test_the_command_lines_questions_count_what_is_stored(ch: Any, database: str) -> None:
     from infra.queries import align_account, dead_letter_counts, step_account
+    from schemas.enums import DeadLetterReason as R
     from schemas.records import DeadLetter
-    from schemas.units import DeadLetterReason as R
 
     dead = [
         DeadLetter(ts_ns=i + 1, reason=r, error="e", raw=b"x%d" % i)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from detectors.console import IncidentLog
+from schemas.enums import Cause, Phase, VerdictKind, VerdictStatus
 from schemas.records import Verdict
-from schemas.units import Cause, Phase, VerdictKind, VerdictStatus
 
 
 def _incident(**fields: object) -> Verdict:

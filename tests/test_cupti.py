@@ -13,8 +13,8 @@ from producers.cupti import (
     CuptiUnavailable,
     activity_record,
 )
+from schemas.enums import KernelKind
 from schemas.records import Kernel
-from schemas.units import KernelKind
 
 KINDS = {10: "kernel", 1: "memcpy", 2: "memset", 29: "external_correlation"}  # CUPTI's numbers
 

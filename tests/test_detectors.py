@@ -14,8 +14,8 @@ from detectors.hang import diagnose_hang
 from detectors.replay import Replay
 from producers.sim.scenarios import build
 from schemas.config import DetectSettings
+from schemas.enums import Cause, CollOp, Direction, VerdictKind
 from schemas.records import ProxySummary, StepSummary, Verdict
-from schemas.units import Cause, CollOp, Direction, VerdictKind
 
 
 def _inst(comm, seq, ranks, arrivals, ends, size=2, sender=-1, op=CollOp.ALL_REDUCE):
@@ -249,8 +249,8 @@ def test_step_rows_say_whether_every_instance_came() -> None:
 
 def test_step_rows_count_the_instances_that_came_after_their_step_closed() -> None:
     from detectors.align import CollectiveAligner
+    from schemas.enums import CommRole
     from schemas.records import Collective, CommInfo
-    from schemas.units import CommRole
 
     recs = list(build("healthy", scale="tiny", seed=0, steps=12).records(emit_kernels=False))
     dp = next(r for r in recs if isinstance(r, CommInfo) and r.role is CommRole.DP)
@@ -501,7 +501,7 @@ def test_a_sealed_step_part_refuses_more_instances() -> None:
     would change what the job already merged, so it is an error that says so."""
     from detectors.parts import StepPart
     from detectors.topology import Topology
-    from schemas.units import CommRole
+    from schemas.enums import CommRole
 
     run = build("healthy", scale="tiny", seed=0, steps=2, kernels=False)
     topo = Topology.from_job(run.spec.job_info())
@@ -520,7 +520,7 @@ def test_lateness_is_exact_at_real_clock_readings() -> None:
     wait-time model must measure a 1,000 ns spread as +-500 ns, not in 256 ns steps."""
     from detectors.parts import StepPart, dense_ranks
     from detectors.topology import Topology
-    from schemas.units import CommRole
+    from schemas.enums import CommRole
 
     topo = Topology.from_job(build("healthy", scale="tiny", seed=0, steps=1).spec.job_info())
     t = 1_800_000_000_123_456_789
@@ -592,8 +592,8 @@ def test_a_rank_sending_both_ways_on_one_communicator_makes_two_transfers() -> N
     activations down and gradients up with per-peer sequence numbers: both are seq 0,
     and each meets its own receiver's Recv."""
     from detectors.align import CollectiveAligner
+    from schemas.enums import DType
     from schemas.records import Collective
-    from schemas.units import DType
 
     def call(rank: int, op: CollOp, peer: int, t: int) -> Collective:
         return Collective(job="j", node="n", rank=rank, comm_hash=9, comm_size=3,
@@ -621,8 +621,8 @@ def test_a_send_that_names_no_peer_still_meets_its_recv_on_a_pair() -> None:
     """A source may leave a Send's peer out (the schema allows it): on a pair's
     communicator the sender implies the receiver, and the Recv names the sender."""
     from detectors.align import CollectiveAligner
+    from schemas.enums import DType
     from schemas.records import Collective
-    from schemas.units import DType
 
     def call(rank: int, op: CollOp, peer: int | None) -> Collective:
         return Collective(job="j", node="n", rank=rank, comm_hash=9, comm_size=2,
@@ -856,8 +856,8 @@ def test_a_folder_pickled_by_a_version_that_placed_by_the_layout_goes_on_so() ->
     from detectors.comm import CommAnalyzer
     from detectors.folder import StepFolder
     from detectors.schedule import ScheduleBook
+    from schemas.enums import CommRole
     from schemas.records import Collective, CommInfo, JobInfo
-    from schemas.units import CommRole
 
     recs = list(build("healthy", scale="tiny", seed=0, steps=6).records())
     book = ScheduleBook()
@@ -953,8 +953,8 @@ def test_records_of_a_job_that_never_sent_its_job_record_are_bounded_and_kept() 
     """Records may overtake their job record and wait for it, up to a bound; beyond it each
     one is a dead letter that says why, never dropped without a word."""
     from detectors.analyzer import _EARLY_HELD, JobAnalyzer
+    from schemas.enums import DeadLetterReason
     from schemas.records import DeadLetter, Heartbeat
-    from schemas.units import DeadLetterReason
 
     job = JobAnalyzer("j")
     out = []

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from megatrace.cli import cli
 from producers.flight_recorder import DumpFormatError, read_dump
 from producers.sim.scenarios import build
+from schemas.enums import CollOp
 from schemas.records import Collective, CommInfo
-from schemas.units import CollOp
 from tests.helpers import latest_verdicts, megatron_args
 
 _NAMES = {

@@ -14,8 +14,8 @@ from infra.clickhouse import insert_records, read_records
 from megatrace.cli import cli
 from producers.sim.scenarios import build
 from schemas.config import Settings
+from schemas.enums import CollOp, VerdictKind
 from schemas.records import Collective
-from schemas.units import CollOp, VerdictKind
 from tests.helpers import flow_config, latest_verdicts, publisher
 
 pytestmark = pytest.mark.integration

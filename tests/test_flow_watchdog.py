@@ -9,8 +9,8 @@ from detectors.replay import Replay
 from flows.state import QUIET_NS, AnalyzeLogic
 from producers.sim.scenarios import build
 from schemas.config import DetectSettings
+from schemas.enums import CollOp, CommRole, VerdictKind
 from schemas.records import Heartbeat, LinkSample, Verdict
-from schemas.units import CollOp, CommRole, VerdictKind
 
 
 def _hangs(batches: list[list[msgspec.Struct]]) -> list[Verdict]:

@@ -18,8 +18,8 @@ from megatrace.cli import cli
 from producers.cupti import Activity, map_activities
 from producers.gpu_check import collector_verdicts, plugin_verdicts
 from schemas.codec import decode
+from schemas.enums import CollOp, DType, KernelKind
 from schemas.records import Collective, Kernel
-from schemas.units import CollOp, DType, KernelKind
 
 DATA = Path(__file__).with_name("data")
 

@@ -20,8 +20,8 @@ from megatrace.cli import cli
 from producers.sim.scenarios import build
 from schemas.codec import SchemaError, decode_input
 from schemas.config import Settings
+from schemas.enums import DeadLetterReason as R
 from schemas.topics import Topics
-from schemas.units import DeadLetterReason as R
 from tests.helpers import flow_config, publisher
 
 _HB = b'"job":"job-h","node":"n","rank":0,"ts_ns":1'
@@ -236,8 +236,8 @@ def _stray_records() -> tuple[list, int]:
     ranks outside it: a collective of rank 500 on a communicator nobody else is on, a
     proxy summary towards rank 64, a heartbeat of rank 9."""
     from producers.sim.scenarios import build
+    from schemas.enums import CollOp, Direction, DType
     from schemas.records import Collective, Heartbeat, ProxySummary
-    from schemas.units import CollOp, Direction, DType
 
     run = build("healthy", scale="tiny", seed=0, steps=20)
     recs = [r for r in run.records(emit_kernels=False) if not isinstance(r, Heartbeat)]

@@ -13,10 +13,10 @@ from infra.clickhouse import read_records
 from producers.sim.scenarios import build
 from schemas.codec import decode
 from schemas.config import Settings
+from schemas.enums import DeadLetterReason
 from schemas.records import EVENT_TYPES, Collective, DeadLetter
 from schemas.tables import TABLE_FOR
 from schemas.topics import Topics
-from schemas.units import DeadLetterReason
 from tests.examples import every_record
 from tests.helpers import consume_all, flow_config, publisher
 

@@ -9,8 +9,8 @@ import pytest
 
 from producers.kineto import TraceError, read_kineto
 from schemas.codec import decode, encode
+from schemas.enums import CollOp, KernelKind
 from schemas.records import CommInfo, Kernel
-from schemas.units import CollOp, KernelKind
 
 FIXTURE = (
     Path(__file__).resolve().parents[2] / "shared/fixtures/kineto/rank0_allreduce_nccl2.17.json.gz"

@@ -18,8 +18,8 @@ from producers.megatrace_logs import MegatraceLogReader
 from producers.megatrace_run import follow_dir, import_dir
 from producers.megatron_config import read_megatron_config
 from producers.sim.scenarios import build
+from schemas.enums import CollOp
 from schemas.records import Collective, CommInfo, LinkSample
-from schemas.units import CollOp
 from tests.helpers import latest_verdicts, megatron_args
 
 CSV_HEADER = (

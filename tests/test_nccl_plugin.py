@@ -21,6 +21,7 @@ from producers.agent import AgentClient, NodeAgent
 from producers.nccl_plugin import P2P, Plugin
 from schemas.codec import decode, write_jsonl
 from schemas.config import Settings
+from schemas.enums import CommRole
 from schemas.records import (
     Collective,
     CommInfo,
@@ -31,7 +32,6 @@ from schemas.records import (
     RankInfo,
 )
 from schemas.topics import Topics
-from schemas.units import CommRole
 from tests.helpers import consume_all, latest_verdicts, wait_until_delivered
 
 COMM = 0x5EED_C0FFEE

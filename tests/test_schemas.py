@@ -17,8 +17,8 @@ from schemas.codec import (
     read_jsonl,
     write_jsonl,
 )
+from schemas.enums import DeadLetterReason
 from schemas.records import ALL_TYPES, Collective, Heartbeat
-from schemas.units import DeadLetterReason
 from tests.examples import every_record
 
 

@@ -12,8 +12,8 @@ from producers.sim.faults import MissingRecv, SlowGPU, SlowLink
 from producers.sim.job import JobSpec, SpecError
 from producers.sim.scenarios import build, scale_spec
 from schemas.codec import decode, encode
+from schemas.enums import CollOp, Phase
 from schemas.records import Collective, LinkSample
-from schemas.units import CollOp, Phase
 
 
 def _records(run):
@@ -122,8 +122,8 @@ def test_records_are_valid_schema_records_and_labels_match_the_faults() -> None:
 
 def test_expert_parallel_groups_are_carved_from_data_parallel_ranks() -> None:
     """ep=2: every MoE layer's dispatch and combine AllToAll run in groups of 2 dp ranks."""
+    from schemas.enums import CommRole
     from schemas.records import CommInfo
-    from schemas.units import CommRole
 
     run = build("healthy", scale="demo", seed=0, steps=2, ep=2)  # tp2 pp4 dp2
     recs = _records(run)
@@ -145,8 +145,8 @@ def test_expert_parallel_groups_are_carved_from_data_parallel_ranks() -> None:
 def test_context_parallel_groups_follow_megatrons_layout() -> None:
     """cp=2, Megatron's tp-cp-dp-pp order: CP groups are pairs of consecutive data-axis
     ranks; every layer gathers keys and values; gradients are reduced over dp x cp."""
+    from schemas.enums import CommRole
     from schemas.records import CommInfo, RankInfo
-    from schemas.units import CommRole
 
     run = build("healthy", scale="demo", seed=0, steps=2, cp=2)  # tp2 pp4 dp2 cp2
     spec = run.spec

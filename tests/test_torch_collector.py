@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from producers import torch_collector  # noqa: E402
+from schemas.enums import CollOp, CommRole  # noqa: E402
 from schemas.records import Collective, CommInfo, Heartbeat, JobInfo, RankInfo  # noqa: E402
-from schemas.units import CollOp, CommRole  # noqa: E402
 
 
 @pytest.fixture

@@ -26,8 +26,8 @@ from infra.clickhouse import read_records
 from infra.kafka import producer_config
 from producers.agent import NodeAgent
 from schemas.config import Settings
+from schemas.enums import Phase, VerdictKind
 from schemas.topics import Topics
-from schemas.units import Phase, VerdictKind
 from tests.helpers import flow_config, wait_until_delivered
 
 pytestmark = pytest.mark.integration

@@ -23,8 +23,8 @@ from flows.main import build_flow
 from flows.webhooks import WebhookDelivery, payload, sign_generic
 from producers.sim.scenarios import build
 from schemas.config import AlertSettings, Settings, WebhookSettings, load_settings
+from schemas.enums import AlertLevel, Cause, VerdictKind, VerdictStatus
 from schemas.records import Alert, Verdict
-from schemas.units import AlertLevel, Cause, VerdictKind, VerdictStatus
 from tests.helpers import flow_config, publisher
 
 

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 
 from producers.sim.engine import KERNEL_NAMES, OPS, Engine, StepTrace
+from schemas.enums import ClockSource, CollOp, Direction, DType, KernelKind
 from schemas.records import (
     Collective,
     CommProgress,
@@ -24,7 +25,6 @@ from schemas.records import (
     LinkSample,
     ProxySummary,
 )
-from schemas.units import ClockSource, CollOp, Direction, DType, KernelKind
 
 _CLOCK = ClockSource.SIMULATED
 #: An unfinished proxy operation is reported this long after it started, with the

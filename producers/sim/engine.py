@@ -41,7 +41,7 @@ from producers.sim.faults import (
     SlowNIC,
 )
 from producers.sim.job import JobSpec, Layout
-from schemas.units import CollOp, Phase
+from schemas.enums import CollOp, Phase
 
 OPS = list(CollOp)
 OP_CODE = {op: i for i, op in enumerate(OPS)}

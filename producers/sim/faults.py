@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from producers.sim.job import JobSpec
+from schemas.enums import Cause, Phase, VerdictKind
 from schemas.records import FaultLabel
-from schemas.units import Cause, Phase, VerdictKind
 
 
 @dataclass(frozen=True)

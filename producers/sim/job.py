@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from schemas.enums import CommRole, Schedule
 from schemas.records import CommInfo, JobInfo, RankInfo
-from schemas.units import CommRole, Schedule
 
 
 class SpecError(ValueError):

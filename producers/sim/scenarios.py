@@ -33,8 +33,8 @@ from producers.sim.faults import (
     SlowNIC,
 )
 from producers.sim.job import JobSpec
+from schemas.enums import Phase
 from schemas.records import FaultLabel, event_time
-from schemas.units import Phase
 
 #: Cluster sizes: name -> (tp, pp, dp, gpus_per_node, layers, global batch)
 SCALES: dict[str, tuple[int, int, int, int, int, int]] = {
