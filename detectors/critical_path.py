@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from detectors.topology import BWD, FWD, one_f_one_b
+from schemas.layout import BWD, FWD, one_f_one_b
 
 NodeId = tuple[int, str, int]  # (stage, phase, micro-batch)
 

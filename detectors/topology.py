@@ -36,19 +36,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from schemas.enums import CollOp, CommRole, Phase
+from schemas.layout import BWD, FWD, Layout, nic_name, one_f_one_b
 from schemas.records import CommInfo, JobInfo, RankInfo
-
-FWD, BWD = Phase.FORWARD.value, Phase.BACKWARD.value
-
-
-def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
-    """Megatron's non-interleaved 1F1B order of (phase, micro-batch) nodes for one stage."""
-    warm = min(stages - stage - 1, microbatches)
-    order = [(FWD, mb) for mb in range(warm)]
-    for i in range(microbatches - warm):
-        order += [(FWD, warm + i), (BWD, i)]
-    order += [(BWD, mb) for mb in range(microbatches - warm, microbatches)]
-    return order
 
 
 class Position(NamedTuple):
@@ -82,24 +71,30 @@ class Topology:
             self.comms[rec.comm_hash] = rec
 
     # ------------------------------------------------------------------ ranks
+    @property
+    def layout(self) -> Layout:
+        """The layout the job record states (:mod:`schemas.layout`)."""
+        lay = self.__dict__.get("_layout")
+        if lay is None or lay[0] is not self.job:
+            lay = self.__dict__["_layout"] = (self.job, Layout.of(self.job))
+        return lay[1]
+
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(pp stage, data-axis index, tp index) from Megatron's layout (the data axis
         has dp x cp ranks; it is the dp index without context parallelism)."""
-        j = self.job
-        d = j.dp * j.cp
-        return rank // (j.tp * d), (rank // j.tp) % d, rank % j.tp
+        return self.layout.coords(rank)
 
     def node(self, rank: int) -> str:
         info = self.ranks.get(rank)
-        return info.node if info else f"node-{rank // self.job.gpus_per_node}"
+        return info.node if info else self.layout.node(rank)
 
     def gpu(self, rank: int) -> int:
         info = self.ranks.get(rank)
-        return info.gpu if info else rank % self.job.gpus_per_node
+        return info.gpu if info else self.layout.gpu(rank)
 
     def nic(self, rank: int) -> str:
         info = self.ranks.get(rank)
-        return info.nic if info and info.nic else f"gpu{self.gpu(rank)}"
+        return info.nic if info and info.nic else nic_name(self.gpu(rank))
 
     def link_name(self, src: int, dst: int) -> str:
         return f"{self.node(src)}/{self.nic(src)}->{self.node(dst)}/{self.nic(dst)}"

@@ -46,8 +46,8 @@ from typing import Any
 import msgspec
 
 from producers.megatron_config import MegatronConfig
-from producers.torch_collector import comm_hash, megatron_groups
 from schemas.enums import CollOp, CommRole, DType, torch_op
+from schemas.layout import Layout, comm_hash
 from schemas.records import Collective, CommInfo, CommProgress, Heartbeat
 
 
@@ -275,7 +275,8 @@ class FlightRecorderImport:
                 f"dumps name rank {world - 1}, beyond the world of {cfg.world_size}"
             )
         groups = self._groups(dumps, read, cfg.world_size)
-        layout = megatron_groups(cfg.world_size, cfg.tp, cfg.pp, cfg.dp) if self.config else {}
+        shape = Layout(cfg.world_size, cfg.tp, cfg.pp, cfg.dp)
+        layout = shape.groups() if self.config else {}
         first_ns = min((c.created for cs in read.values() for c in cs), default=0)
         out: list[msgspec.Struct] = [cfg.job_record(self.job, first_ns, "flight-recorder")]
         hashes: dict[str, int] = {}
@@ -296,7 +297,7 @@ class FlightRecorderImport:
                     role=_role(desc, ranks, layout, cfg.world_size),
                     ranks=list(ranks),
                     name=f"pg {name}" + (f" ({desc})" if desc else ""),
-                    pp_stage=min(r // (cfg.tp * cfg.dp) for r in ranks),
+                    pp_stage=min(shape.coords(r)[0] for r in ranks),
                     inferred=name not in listed_names,
                 )
             )

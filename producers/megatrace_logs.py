@@ -42,11 +42,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from detectors.topology import one_f_one_b
 from producers.megatrace_lines import CallLine, LogFormatError
 from producers.megatron_config import MegatronConfig
-from producers.torch_collector import comm_hash, megatron_groups
 from schemas.enums import DTYPE_BYTES, CollOp, CommRole
+from schemas.layout import Layout, comm_hash, one_f_one_b
 from schemas.records import Collective, CommInfo
 
 # --------------------------------------------------------------------------- reader
@@ -87,7 +86,10 @@ class MegatraceLogReader:
         self.cfg = config
         self.job = job
         self.eager = eager
-        self.layout = megatron_groups(config.world_size, config.tp, config.pp, config.dp)
+        self._layout = Layout(
+            config.world_size, config.tp, config.pp, config.dp, 1, config.gpus_per_node
+        )
+        self.layout = self._layout.groups()
         self.inferred: Counter[str] = Counter()
         #: calls of ranks outside the configured world (left out), per rank
         self.outside: dict[int, int] = {}
@@ -106,10 +108,10 @@ class MegatraceLogReader:
 
     # ------------------------------------------------------------------ helpers
     def node(self, rank: int) -> str:
-        return f"node-{rank // self.cfg.gpus_per_node}"
+        return self._layout.node(rank)
 
     def stage(self, rank: int) -> int:
-        return rank // (self.cfg.tp * self.cfg.dp)
+        return self._layout.coords(rank)[0]
 
     def _meta(self, ts: int) -> list[msgspec.Struct]:
         if self._meta_done:

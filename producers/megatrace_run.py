@@ -39,6 +39,7 @@ from producers.megatron_config import (
 )
 from producers.tail import new_lines
 from schemas.enums import CollOp
+from schemas.layout import Layout, nic_name
 from schemas.records import CommInfo, JobInfo, LinkSample, RankInfo
 
 _CSV_FUNCS = {
@@ -150,6 +151,7 @@ def read_call_log(path: Path, report: RunReport) -> Iterator[CallLine]:
 
 def read_link_csv(path: Path, job: str, cfg: MegatronConfig) -> Iterator[LinkSample]:
     """The per-NIC throughput CSV (bandwidth in Gb/s)."""
+    lay = Layout(cfg.world_size, gpus_per_node=cfg.gpus_per_node)
     with open(path, newline="") as f:
         for n, row in enumerate(csv.DictReader(f), 2):
             try:
@@ -157,15 +159,15 @@ def read_link_csv(path: Path, job: str, cfg: MegatronConfig) -> Iterator[LinkSam
                 dev = int(row["DevIndex"])
                 yield LinkSample(
                     job=job,
-                    node=f"node-{src // cfg.gpus_per_node}",
+                    node=lay.node(src),
                     rank=src,
                     ts_ns=_timestamp_ns(row["Timestamp"] or row["Time"]),
                     window_ns=0,
-                    nic=f"mlx5_{dev}",
+                    nic=nic_name(dev),
                     src_rank=src,
                     dst_rank=dst,
-                    dst_node=f"node-{dst // cfg.gpus_per_node}",
-                    dst_nic=f"mlx5_{dev}",
+                    dst_node=lay.node(dst),
+                    dst_nic=nic_name(dev),
                     comm_hash=int(row["Group"]) & (2**64 - 1) if row.get("Group") else None,
                     func=_CSV_FUNCS.get(int(row["Func"])) if row.get("Func") else None,
                     throughput_gbps=float(row["Bandwidth"]),

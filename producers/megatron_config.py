@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.enums import DType
+from schemas.layout import Layout
 from schemas.records import Iteration, JobInfo, RankInfo
 
 
@@ -91,18 +92,19 @@ class MegatronConfig:
         )
 
     def rank_record(self, job: str, ts_ns: int, rank: int, node: str) -> RankInfo:
-        """Where one rank runs and its Megatron coordinates (tp = r % TP first)."""
-        stage, rest = divmod(rank, self.tp * self.dp)
+        """Where one rank runs and its Megatron coordinates (:mod:`schemas.layout`)."""
+        lay = Layout(self.world_size, self.tp, self.pp, self.dp, 1, self.gpus_per_node)
+        stage, d, t = lay.coords(rank)
         return RankInfo(
             job=job,
             ts_ns=ts_ns,
             rank=rank,
             node=node,
-            gpu=rank % self.gpus_per_node,
-            nic=f"mlx5_{rank % self.gpus_per_node}",
-            tp_rank=rank % self.tp,
+            gpu=lay.gpu(rank),
+            nic=lay.nic(rank),
+            tp_rank=t,
             pp_stage=stage,
-            dp_rank=rest // self.tp,
+            dp_rank=d,
         )
 
 

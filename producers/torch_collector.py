@@ -37,19 +37,19 @@ at B from A). Roles (TP/PP/DP) follow the declared Megatron layout.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import socket
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from schemas.enums import TORCH_OP_NAMES, CollOp, CommRole, DType
+from schemas.layout import Layout, comm_hash
 from schemas.records import (
     Collective,
     CommInfo,
@@ -93,36 +93,6 @@ def _torch() -> Any:
             "the PyTorch collector needs torch: pip install 'megatrace[torch]'"
         ) from None
     return dist
-
-
-def comm_hash(kind: str, ranks: Iterable[int]) -> int:
-    """A communicator's hash, the same on every member.
-
-    >>> comm_hash("group", [0, 1]) == comm_hash("group", (0, 1))
-    True
-    """
-    digest = hashlib.blake2b(f"{kind}:{','.join(map(str, ranks))}".encode(), digest_size=8)
-    return int.from_bytes(digest.digest(), "little") >> 1
-
-
-def megatron_groups(world: int, tp: int, pp: int, dp: int) -> dict[tuple[int, ...], CommRole]:
-    """Member ranks -> role of Megatron's TP, DP and PP groups (tp = r % TP first).
-
-    >>> g = megatron_groups(8, 2, 2, 2)
-    >>> g[(0, 1)], g[(0, 2)], g[(0, 4)]
-    (<CommRole.TP: 'tp'>, <CommRole.DP: 'dp'>, <CommRole.PP: 'pp'>)
-    """
-    out: dict[tuple[int, ...], CommRole] = {}
-    for s in range(pp):
-        for d in range(dp if tp > 1 else 0):
-            out[tuple(s * tp * dp + d * tp + t for t in range(tp))] = CommRole.TP
-        for t in range(tp if dp > 1 else 0):
-            out[tuple(s * tp * dp + d * tp + t for d in range(dp))] = CommRole.DP
-    for d in range(dp if pp > 1 else 0):
-        for t in range(tp):
-            out[tuple(s * tp * dp + d * tp + t for s in range(pp))] = CommRole.PP
-    out.setdefault(tuple(range(world)), CommRole.WORLD)
-    return out
 
 
 class _Comm:
@@ -229,6 +199,7 @@ class Collector:
         self._gpu: GpuTimer | None = None  # built at the first call on a CUDA tensor
         self.layout: dict[tuple[int, ...], CommRole] = {}
         self.tp = self.pp = self.dp = 1
+        self._layout = Layout(self.world, 1, 1, 1)  # none told: a stage a rank
         self.step: int | None = None
         self._marks: deque[Iteration] = deque()  # step markers, from step_done
         self._last_step_ns = 0
@@ -263,7 +234,8 @@ class Collector:
         """The job's parallel layout (Megatron order); rank 0 publishes the job record."""
         dp = dp or self.world // (tp * pp)
         self.tp, self.pp, self.dp = tp, pp, dp
-        self.layout = megatron_groups(self.world, tp, pp, dp)
+        self._layout = Layout(self.world, tp, pp, dp)
+        self.layout = self._layout.groups()
         now = time.time_ns()
         if self.rank == 0:
             self._meta.append(
@@ -283,7 +255,7 @@ class Collector:
                     distributed_optimizer=distributed_optimizer,
                 )
             )
-        stage, rest = divmod(self.rank, tp * dp)
+        stage, d, t = self._layout.coords(self.rank)
         self._meta.append(
             RankInfo(
                 job=self.job,
@@ -291,9 +263,9 @@ class Collector:
                 rank=self.rank,
                 node=self.node,
                 gpu=self.gpu,
-                tp_rank=self.rank % tp,
+                tp_rank=t,
                 pp_stage=stage,
-                dp_rank=rest // tp,
+                dp_rank=d,
             )
         )
         self._announced.clear()
@@ -301,7 +273,7 @@ class Collector:
             self._announce(c)
 
     def _stage(self, rank: int) -> int:
-        return rank // (self.tp * self.dp)
+        return self._layout.coords(rank)[0]
 
     def _announce(self, c: _Comm) -> None:
         if c.hash in self._announced:
@@ -811,4 +783,4 @@ if __name__ == "__main__":
     _launch(sys.argv[1:])
 
 
-__all__ = ["Collector", "CollectorError", "comm_hash", "disable", "enable", "megatron_groups"]
+__all__ = ["Collector", "CollectorError", "disable", "enable"]

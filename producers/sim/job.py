@@ -41,9 +41,11 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
+from schemas import layout as megatron
 from schemas.enums import CommRole, Schedule
 from schemas.records import CommInfo, JobInfo, RankInfo
 
@@ -154,23 +156,31 @@ class JobSpec:
     def num_nodes(self) -> int:
         return -(-self.world_size // self.gpus_per_node)
 
+    @cached_property
+    def layout(self) -> megatron.Layout:
+        """How ranks are numbered and named (:mod:`schemas.layout`, shared with every reader
+        and the detectors)."""
+        return megatron.Layout(
+            self.world_size, self.tp, self.pp, self.dp, self.cp, self.gpus_per_node
+        )
+
     def rank(self, stage: int, d: int, tp: int) -> int:
         """The global rank at (pp stage, data-axis index, tp index)."""
-        return stage * self.tp * self.dpc + d * self.tp + tp
+        return self.layout.rank(stage, d, tp)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(pp stage, data-axis index, tp index) of a global rank (the data-axis index is
         the dp index without context parallelism)."""
-        return rank // (self.tp * self.dpc), (rank // self.tp) % self.dpc, rank % self.tp
+        return self.layout.coords(rank)
 
     def node_of(self, rank: int) -> str:
-        return f"node-{rank // self.gpus_per_node}"
+        return self.layout.node(rank)
 
     def gpu_of(self, rank: int) -> int:
-        return rank % self.gpus_per_node
+        return self.layout.gpu(rank)
 
     def nic_of(self, rank: int) -> str:
-        return f"mlx5_{rank % self.gpus_per_node}"
+        return self.layout.nic(rank)
 
     def job_info(self) -> JobInfo:
         return JobInfo(
