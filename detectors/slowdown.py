@@ -219,10 +219,14 @@ class SlowdownLocalizer:
         """Who made the others wait, in any layout: the ranks whose time waiting in
         collectives did not grow while every other rank's grew by ``share`` of the step
         time added or more (they came late; the others waited for them). One such rank is
-        the culprit; several, all of one node, that node's host. Nobody where the others'
-        waiting explains less (the time went into transfers: a network, or where the
-        collectives run on the CPU, as Gloo's do, a rank slow at them too), or where the
-        late ranks are many (a quarter of the job; half, all on one node)."""
+        the culprit; several, all of one node, that node's host, unless one of them made
+        the others wait far more than the rest as the last to arrive (its exclusive blame
+        grew by ``share`` of the time added, and twice any other rank's: in a pipeline,
+        the slow rank's downstream stages are held up with it, and do not wait more in
+        their own collectives either). Nobody where the others' waiting explains less
+        (the time went into transfers: a network, or where the collectives run on the CPU,
+        as Gloo's do, a rank slow at them too), or where the late ranks are many (a
+        quarter of the job; half, all on one node)."""
         reps = [r for r in reports if r.complete] or list(reports)
         base = getattr(self, "base_wait", None)
         if not reps or base is None or increase <= 0 or len(base) < 2:
@@ -242,6 +246,9 @@ class SlowdownLocalizer:
             "step_time_added_ns": float(increase),
             "late_ranks": float(len(late)),
         }
+        blamed = self._most_blamed(reps, late, share * increase)
+        if blamed is not None:
+            late = [blamed]
         if len(late) == 1:
             (r,) = late
             evidence["rank_wait_growth_ns"] = float(grew[r])
@@ -253,6 +260,21 @@ class SlowdownLocalizer:
             return [SlowdownFinding(Cause.HOST_CPU, None, node, None, None, None,
                                     critical=True, evidence=evidence)]  # fmt: skip
         return []
+
+    def _most_blamed(
+        self, reps: Sequence[StepReport], late: list[int], least: float
+    ) -> int | None:
+        """Of several ``late`` ranks, the one whose exclusive blame as the last arriver grew
+        by ``least`` or more and twice as much as any other rank's (None: none stands out)."""
+        base = self.base_blame
+        if len(late) < 2 or base is None:
+            return None
+        blame = np.mean([r.blame_any_ns for r in reps], axis=0) - base
+        top = max(late, key=lambda r: blame[r])
+        rest = np.delete(blame, top)
+        if blame[top] < least or blame[top] < 2 * max(float(rest.max(initial=0.0)), 0.0):
+            return None
+        return top
 
     def slow_transfers(
         self, reports: Sequence[StepReport], topo: Topology, increase: float, share: float = 0.5

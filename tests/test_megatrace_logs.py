@@ -287,3 +287,25 @@ def test_the_megatrace_analysers_config_yaml(tmp_path: Path) -> None:
         64, 2, 4, 8, 32, 8,
     )  # fmt: skip
     assert not c.sequence_parallel
+
+
+def test_a_one_step_straggler_in_a_pipeline_is_named_from_logs_without_ids(
+    tmp_path: Path,
+) -> None:
+    """A GPU 3x slower for one step of a 64-rank TP x PP x DP job, logged as the original
+    tool's oldest variant (no opCount, no groupHash): the ranks of its pipeline replica
+    downstream are held up with it and wait no more than it does in their own
+    collectives; it is the one that arrived last, far more than any other."""
+    run = build("transient-gpu", scale="small", seed=4)
+    records = list(run.records(emit_kernels=False))
+    config = write_logs(run, records, tmp_path / "logs", ids=False, save_count=False,
+                        streams="group")  # fmt: skip
+    got, _ = import_dir(tmp_path / "logs", read_megatron_config(config), "j")
+    from detectors.replay import Replay
+    from schemas.records import Verdict
+
+    (label,) = run.labels
+    found = [v for v in Replay().run(got) if isinstance(v, Verdict) and v.revision == 0]
+    assert [(v.kind, v.rank, v.onset_step) for v in found] == [
+        (label.kind, label.rank, label.onset_step)
+    ]

@@ -105,6 +105,23 @@ class IntermittentGPU(Fault):
 
 
 @dataclass(frozen=True)
+class TransientGPU(SlowGPU):
+    """One GPU computes ``factor`` times slower for a step or a few, then recovers (a
+    straggler that passes: users want its culprit and the time it cost)."""
+
+    def label(self, spec: JobSpec, onset_ns: int) -> FaultLabel:
+        return self._label(
+            spec,
+            onset_ns,
+            kind=VerdictKind.TRANSIENT_STRAGGLER,
+            cause=Cause.COMPUTE,
+            magnitude=self.factor,
+            end_step=self.end_step,
+            **_rank_fields(spec, self.rank),
+        )
+
+
+@dataclass(frozen=True)
 class HostStarvation(Fault):
     """Every rank of one node launches late (a host with too few CPU cores)."""
 

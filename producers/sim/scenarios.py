@@ -31,6 +31,7 @@ from producers.sim.faults import (
     SlowGPU,
     SlowLink,
     SlowNIC,
+    TransientGPU,
 )
 from producers.sim.job import JobSpec
 from schemas.enums import Phase
@@ -205,6 +206,18 @@ def _intermittent(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[F
     ]
 
 
+def _transient(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    onset = _onset(spec, rng, steps)
+    return [
+        TransientGPU(
+            onset_step=onset,
+            end_step=onset + 1,
+            rank=_stage_rank(spec, rng),
+            factor=float(rng.choice([2.0, 3.0])),
+        )
+    ]
+
+
 def _host_cpu(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
     return [
         HostStarvation(
@@ -331,6 +344,7 @@ SCENARIOS: dict[str, ScenarioDef] = {
     "intermittent-gpu": ScenarioDef(
         "one GPU slows 2x for 2-step bursts, periodically", _intermittent, steps=60
     ),
+    "transient-gpu": ScenarioDef("one GPU computes 2-3x slower for one step", _transient),
     "host-cpu": ScenarioDef(
         "every rank of one node launches 300 us late (starved host CPU)", _host_cpu
     ),
