@@ -261,9 +261,7 @@ class SlowdownLocalizer:
                                     critical=True, evidence=evidence)]  # fmt: skip
         return []
 
-    def _most_blamed(
-        self, reps: Sequence[StepReport], late: list[int], least: float
-    ) -> int | None:
+    def _most_blamed(self, reps: Sequence[StepReport], late: list[int], least: float) -> int | None:
         """Of several ``late`` ranks, the one whose exclusive blame as the last arriver grew
         by ``least`` or more and twice as much as any other rank's (None: none stands out)."""
         base = self.base_blame

@@ -26,7 +26,7 @@ _counter = itertools.count()
 #: Helper scripts that import an optional extra at the top: ``--doctest-modules`` imports
 #: every module, so without the extra they are left out of the collection (the tests that
 #: run them skip themselves, saying which extra they need).
-collect_ignore = [] if importlib.util.find_spec("torch") else ["torch_job.py"]
+collect_ignore = [] if importlib.util.find_spec("torch") else ["torch_job.py", "fr_job.py"]
 
 
 @pytest.fixture(scope="session")

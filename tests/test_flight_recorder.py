@@ -255,3 +255,69 @@ def test_groups_of_one_rank_and_groups_no_dump_lists(tmp_path: Path) -> None:
     colls = [c for c in got if isinstance(c, Collective)]
     assert len(colls) == 3 and all(c.end_ns is not None for c in colls)  # retired: done
     assert imp.skipped == {}
+
+
+def _fr_trace_missing(dumps: Path) -> set[int] | None:
+    """The ranks PyTorch's own analyser (``fr_trace``) says never joined, or None where it
+    cannot read the dumps."""
+    import re
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps),
+         "-p", "rank_"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if res.returncode != 0:
+        return None
+    found: set[int] = set()
+    for m in re.finditer(r"[Mm]issing ranks?[^\d\[{(]*[\[{(]([\d,\s]*)[\]})]", res.stdout):
+        found.update(int(x) for x in m.group(1).replace(",", " ").split())
+    return found
+
+
+def test_real_gloo_dumps_of_two_ranks_that_never_joined_name_both(tmp_path: Path) -> None:
+    """Flight Recorder dumps as the installed torch writes them for a real Gloo job in
+    which two ranks never joined a data-parallel all-reduce: no entry skipped, one hang
+    naming both, at least the ranks PyTorch's own analyser names (where it can read the
+    dumps: torch 2.13's cannot read Gloo's, whose groups its dumps do not list)."""
+    pytest.importorskip("torch", reason="a real job needs pip install torch==2.13.0")
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from producers.flight_recorder import import_dumps
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "TORCH_FR_BUFFER_SIZE": "2000"}  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.fr_job", "--out", str(tmp_path), "--skip", "1", "2"],
+            env={**env, "RANK": str(r)},
+            cwd=root,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for r in range(4)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+    dumps = sorted(tmp_path.glob("rank_*"))
+    assert len(dumps) == 4
+    records, skipped = import_dumps(dumps, "fr-gloo")
+    assert skipped == {}
+    from detectors.replay import Replay
+    from schemas.records import Verdict
+
+    hangs = [v for v in Replay().run(records) if isinstance(v, Verdict) and v.kind.value == "hang"]
+    assert hangs and {v.verdict_id for v in hangs} == {hangs[0].verdict_id}  # one incident
+    hang = hangs[-1]
+    assert sorted(hang.culprit_ranks) == [1, 2] and hang.rank == 1
+    theirs = _fr_trace_missing(tmp_path)
+    if theirs is not None:
+        assert theirs <= {1, 2}
