@@ -20,7 +20,6 @@ move its clock. Outputs: :class:`AlignedCollective`, :class:`StepSummary`,
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -29,11 +28,11 @@ import msgspec
 import numpy as np
 
 from detectors import texts
-from detectors.align import Instance, Key, aligned_record
+from detectors.align import Instance, aligned_record
 from detectors.changepoint import ShiftDetector
-from detectors.edges import EdgeThroughput, StuckProxies
+from detectors.edges import EdgeThroughput
 from detectors.folder import StepFolder
-from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang
+from detectors.hang import HangDiagnosis
 from detectors.links import LinkEvent, LinkMonitor
 from detectors.merge import CommLiveness
 from detectors.node import NodeAnalyzer, NodeDigest
@@ -41,8 +40,9 @@ from detectors.parts import StepPart
 from detectors.schedule import CommSchedule, ScheduleBook
 from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepAssembler, StepReport
-from detectors.topology import Topology
+from detectors.topology import Position, Topology
 from detectors.verdicts import VerdictBook
+from detectors.watchdog import HangWatch, JobView
 from schemas.codec import encode
 from schemas.config import DetectSettings
 from schemas.enums import Cause, CollOp, DeadLetterReason, Phase, VerdictKind
@@ -71,11 +71,26 @@ _EARLY_HELD = 100_000
 GPU_WAIT_CONFIRMS = 3.0
 
 
+#: the hang watchdog's state, as a version that kept it in the job pickled it
+_OLD_HANG_STATE = {
+    "partials": "partials", "stuck": "stuck", "last_progress_ns": "last_progress_ns",
+    "hb_latest": "hb_latest", "hb_done": "hb_done", "hb_progress_ns": "hb_progress_ns",
+    "hb_now_ns": "hb_now_ns", "hang_open": "open", "_hang_detected_ns": "detected_ns",
+    "_final": "final",
+}  # fmt: skip
+
+
 class JobAnalyzer:
     """The detectors of one job (see the module docstring)."""
 
-    # set on each instance by _reset; here for one pickled by a version without them
-    _final = False
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "hangs" not in state:  # pickled before the watchdog had a class of its own
+            hangs = HangWatch()
+            for old, new in _OLD_HANG_STATE.items():
+                if old in state:
+                    setattr(hangs, new, state.pop(old))
+            state["hangs"] = hangs
+        self.__dict__.update(state)
 
     def __init__(self, job: str, settings: DetectSettings | None = None) -> None:
         self.job = job
@@ -107,13 +122,10 @@ class JobAnalyzer:
         self.proxy_links = LinkMonitor(warmup=st.warmup_steps, drop=st.link_drop)
         self.book = VerdictBook(self.job)
         self.recent: deque[StepReport] = deque(maxlen=16)
-        self.partials: dict[Key, Instance] = {}
-        self.stuck = StuckProxies()
-        self.last_progress_ns = 0
+        self.hangs = HangWatch()
         self.now_ns = 0  # the newest time any input showed
         self.coll_now_ns = 0  # the newest time the collective records showed
         self.durations: deque[int] = deque(maxlen=20)
-        self.hang_open: str | None = None
         self.slow_open: list[str] = []  # open slowdown incidents' culprits, oldest first
         self.bursts: dict[str, list[tuple[int, float, int]]] = {}
         self.link_culprits: dict[tuple[int, int], str] = {}  # degraded edge -> its incident
@@ -130,12 +142,6 @@ class JobAnalyzer:
         self.pending_shift: tuple[int, float, int] | None = None
         # per sending rank: [baseline SendGPUWait per send (sum, windows), latest (EWMA)]
         self.gpu_wait: dict[int, list[float]] = {}
-        self.hb_latest: dict[int, Heartbeat] = {}
-        self.hb_done: dict[int, dict[int, int]] = {}  # rank -> comm -> completed seq
-        self.hb_progress_ns = 0
-        self.hb_now_ns = 0
-        self._hang_detected_ns = 0
-        self._final = False  # the hang being judged is at the end of the input
         self.refused = 0  # items kept as dead letters: outside the layout, or no job record
         #: (comm, sender, receiver) -> its step as its calls show it
         self.structure: dict[tuple[int, int, int], CommStructure] = {}
@@ -253,7 +259,7 @@ class JobAnalyzer:
     def _proxy_in(self, p: ProxySummary) -> list[msgspec.Struct]:
         """Stuck proxy operations (and their completion) for the hang diagnosis."""
         self._record_time(p)
-        self.stuck.update(p)
+        self.hangs.proxy(p)
         return []
 
     def _node(self, name: str) -> NodeAnalyzer:
@@ -281,29 +287,10 @@ class JobAnalyzer:
         return out
 
     def _heartbeat_in(self, hb: Heartbeat) -> list[msgspec.Struct]:
-        """Liveness and progress: a completed sequence number that moved is progress."""
-        ts = hb.ts_ns
-        if ts > self.now_ns:
-            self.now_ns = ts
-        self.hb_latest[hb.rank] = hb
-        if ts > self.hb_now_ns:
-            self.hb_now_ns = ts
-        done = self.hb_done.get(hb.rank)
-        if done is None:
-            done = self.hb_done[hb.rank] = {}
-        moved = False
-        for cp in hb.comms:
-            if cp.completed_seq > done.get(cp.comm_hash, -1):
-                done[cp.comm_hash] = cp.completed_seq
-                moved = True
-        if not moved:
-            return []
-        self.hb_progress_ns = max(self.hb_progress_ns, ts)
-        if self.hang_open and ts > self._hang_detected_ns:
-            v = self.book.resolve(VerdictKind.HANG.value, self.hang_open, ts)
-            self.hang_open = None
-            return [v] if v else []
-        return []
+        """Liveness and progress (see :meth:`HangWatch.heartbeat`)."""
+        if hb.ts_ns > self.now_ns:
+            self.now_ns = hb.ts_ns
+        return self.hangs.heartbeat(hb, self.book)
 
     def _progress_in(self, p: CommLiveness) -> list[msgspec.Struct]:
         return self._progress(p.last_arrival_ns, p.last_end_ns)
@@ -331,10 +318,10 @@ class JobAnalyzer:
         if not inst.complete:
             self.now_ns = max(self.now_ns, max(inst.arrival))
             self.coll_now_ns = max(self.coll_now_ns, max(inst.arrival))
-            self.partials[key] = inst
+            self.hangs.partial(inst)
             pos = folder.position(inst) if folder is not None else None
             return [aligned_record(self.job, self.topo, inst, pos)]
-        self.partials.pop(key, None)
+        self.hangs.completed(key)
         out: list[msgspec.Struct] = self._progress(max(inst.arrival), max(inst.end))
         if folder is None:  # a communicator the job has no record of
             return [aligned_record(self.job, self.topo, inst, None), *out]
@@ -407,15 +394,7 @@ class JobAnalyzer:
         """Collectives completed up to ``end_ns``: the job moves (and a hang may be over)."""
         self.now_ns = max(self.now_ns, arrival_ns, end_ns)
         self.coll_now_ns = max(self.coll_now_ns, arrival_ns, end_ns)
-        if end_ns <= self.last_progress_ns:
-            return []
-        self.last_progress_ns = end_ns
-        out: list[msgspec.Struct] = []
-        if self.hang_open and not self.partials and not self.hb_latest:
-            if v := self.book.resolve(VerdictKind.HANG.value, self.hang_open, end_ns):
-                out.append(v)
-            self.hang_open = None
-        return out
+        return self.hangs.progress(end_ns, self.book)
 
     # ------------------------------------------------------------------ steps
     def _step(self, rep: StepReport) -> list[msgspec.Struct]:
@@ -991,262 +970,35 @@ class JobAnalyzer:
         return float(np.median(self.durations))
 
     def tick(self, now_ns: int, final: bool = False) -> list[msgspec.Struct]:
-        """The hang watchdog: call periodically with the current (event) time.
-
-        With heartbeats, progress is a completed sequence number that moved and the
-        diagnosis uses every rank's latest heartbeat (robust to collective records that
-        arrive late, e.g. from a lagging partition). Without heartbeats (old logs),
-        progress is the newest completed instance and the diagnosis uses the partial
-        instances reported by the aligners; then ``now_ns`` is read as the collective
-        records' clock. Records in time order (offline) can pass the newest time of any
-        record. A stream processor, whose topics are read at different paces, must not:
-        link samples read seconds ahead of the collectives are not silence of the job
-        (the flow passes the time the collectives showed, moved on by the wall clock only
-        while they show nothing new).
-
-        ``final``: the input ended (a recording): its end is silence that goes on. A call
-        some ranks posted and others never did, at least a step's time before the end
-        and with no progress since, is a hang (a recording cut in the middle of a step
-        leaves only calls younger than that open).
-        """
+        """The hang watchdog (:meth:`HangWatch.tick`): call periodically with the current
+        (event) time; ``final``: the input ended."""
         self.now_ns = max(self.now_ns, now_ns)
-        if self.topo is None or self.hang_open:
+        if self.topo is None:
             return []
-        exp = self.expected_step_ns() or 0.0
-        limit = max(self.settings.hang_factor * exp, self.settings.min_hang_ms * 1e6)
-        if final:
-            limit = max(exp, 0.02 * self.settings.min_hang_ms * 1e6)
-        self._final = final
-        topo = self.topo
-        diag: HangDiagnosis | None
-        if self.hb_latest:
-            silent = self.hb_now_ns - self.hb_progress_ns
-            if not self.hb_progress_ns or silent <= limit:
-                return []
-            fresh = sum(hb.ts_ns > self.hb_progress_ns for hb in self.hb_latest.values())
-            if fresh < topo.job.world_size and silent <= 3 * limit and not final:
-                return []  # wait until every rank reported after the freeze
-            diag = self._unfollowed_hang()
-            if diag is None:
-                prio = {
-                    h: {"pp": 0, "tp": 1, "dp": 3}.get(c.role.value, 2)
-                    for h, c in topo.comms.items()
-                }
-                # a rank whose heartbeats stopped before the job did, while the others beat
-                stopped = frozenset(
-                    r for r, hb in self.hb_latest.items() if hb.ts_ns < self.hb_progress_ns
-                )
-                diag = diagnose_from_heartbeats(
-                    self.hb_latest, self._members(), list(self.stuck.ops.values()), prio,
-                    silent=stopped if len(stopped) < len(self.hb_latest) else frozenset(),
-                )  # fmt: skip
-                if diag is not None and len(diag.alternatives) > 1:
-                    diag = self._earliest_call(diag, prio)
-                if diag is not None and self.partials:
-                    # a call open since earlier, on the same communicator, names who
-                    # failed first (a dead rank's peers may stop beating after it)
-                    first = diagnose_hang(
-                        list(self.partials.values()), list(self.stuck.ops.values()),
-                        self._members(),
-                    )  # fmt: skip
-                    # (heartbeats that stopped cannot say who stopped first; the calls'
-                    # own times can)
-                    if (
-                        first is not None
-                        and first.culprit_rank is not None
-                        and first.cause == Cause.COMPUTE
-                        and (
-                            (first.comm_hash == diag.comm_hash and first.seq < diag.seq)
-                            or diag.culprit_rank in stopped
-                        )
-                    ):
-                        diag = first
-            detected = self.hb_now_ns
-        else:
-            now = max(self.coll_now_ns, now_ns)
-            silent = now - self.last_progress_ns
-            if not self.last_progress_ns or silent <= limit or not self.partials:
-                return []
-            diag = diagnose_hang(
-                list(self.partials.values()), list(self.stuck.ops.values()), self._members()
-            )
-            detected = now
-        if diag is None:
-            return []
-        return self._hang_verdict(diag, silent, exp, detected)
+        view = JobView(self.topo, self.book, self.expected_step_ns() or 0.0, self.coll_now_ns,
+                       self._place, self.settings)  # fmt: skip
+        return self.hangs.tick(now_ns, view, final)
 
-    def _unfollowed_hang(self) -> HangDiagnosis | None:
-        """A hang that began on a communicator the heartbeats do not follow, from the
-        partial instances (those the aligners reported open too long).
-
-        Heartbeats report progress per communicator as a source counts it: NCCL's
-        profiler plugin counts collectives, not point-to-point transfers, whose
-        sequence numbers run per peer. When the earliest call still open is on such a
-        communicator, the heartbeats cannot say who never joined it (whoever is behind
-        on a collective is only held up); the partial instances can: the end that never
-        posted its side of the transfer, or a transfer both ends joined (the network)."""
-        if not self.partials:
-            return None
-        followed = {cp.comm_hash for hb in self.hb_latest.values() for cp in hb.comms}
-        first = min(self.partials.values(), key=lambda i: i.first_arrival_ns)
-        if first.comm_hash in followed:
-            return None
-        return diagnose_hang(
-            list(self.partials.values()), list(self.stuck.ops.values()), self._members()
-        )
-
-    def _members(self) -> dict[int, tuple[int, ...]]:
-        """Each communicator's ranks, built only when a hang is diagnosed (tick runs often)."""
+    def _place(
+        self,
+        diag: HangDiagnosis,
+        partial: Instance | None,
+        op: CollOp | None,
+        sender_stage: int | None,
+        receiver_stage: int | None,
+    ) -> Position | None:
+        """Where a hung call sits: where its folder places it, else the layout's schedule
+        where the calls follow it."""
         assert self.topo is not None
-        return {h: tuple(c.ranks) for h, c in self.topo.comms.items()}
-
-    def _earliest_call(self, diag: HangDiagnosis, prio: dict[int, int]) -> HangDiagnosis:
-        """Of the calls the culprit never joined, the one earliest in its stage's schedule."""
-        topo = self.topo
-        assert topo is not None and diag.culprit_rank is not None
-        stage = topo.coords(diag.culprit_rank)[0]
-        order = {node: i for i, node in enumerate(topo.stage_order(stage))}
-
-        def when(alt: tuple[int, int]) -> tuple[int, int, int]:
-            comm, seq = alt
-            info = topo.comms.get(comm)
-            sender_stage = info.pp_stage if info is not None else None
-            pos = topo.position(comm, seq, CollOp.SEND, sender_stage)
-            if pos is None:
-                return (1 << 30, 1 << 30, 9)
-            idx = order.get((pos.phase, pos.microbatch), len(order))
-            # inside a node: a forward receives from upstream before it computes and sends;
-            # a backward receives from downstream first
-            sub = 0
-            if info is not None and info.role.value == "pp":
-                upper = diag.culprit_rank == info.ranks[-1]
-                sub = -1 if upper == (pos.phase == Phase.FORWARD.value) else 1
-            return (pos.step, idx, sub)
-
-        comm, seq = min(diag.alternatives, key=when)
-        return dataclasses.replace(diag, comm_hash=comm, seq=seq, sender=-1, op=None)
-
-    def _partial(self, comm_hash: int, sender: int, seq: int) -> Instance | None:
-        """The partial instance ``seq`` of ``comm_hash`` sent by ``sender`` (to any peer)."""
-        for (comm, by, _, q), inst in self.partials.items():
-            if comm == comm_hash and by == sender and q == seq:
-                return inst
-        return None
-
-    def _hang_verdict(
-        self, diag: HangDiagnosis, silent: int, exp: float, detected: int
-    ) -> list[msgspec.Struct]:
-        topo = self.topo
-        assert topo is not None
-        role = topo.role(diag.comm_hash)
-        rank = diag.culprit_rank
-        op = diag.op
-        sender = diag.sender
-        members = tuple(topo.comms[diag.comm_hash].ranks) if diag.comm_hash in topo.comms else ()
-        if role.value == "pp" and sender < 0:
-            # which end sends: the partial instance knows; else the lower stage (forward)
-            found = [s for s in members if self._partial(diag.comm_hash, s, diag.seq)]
-            sender = found[0] if found else (diag.link[0] if diag.link else members[0])
-        partial = self._partial(diag.comm_hash, sender, diag.seq)
-        if op is None and partial is not None:
-            op = partial.op
-        if role.value == "pp":
-            op = CollOp.SEND if rank is not None and rank == sender else CollOp.RECV
-        sender_stage = topo.coords(sender)[0] if sender >= 0 else None
-        to = partial.receiver if partial is not None else -1
-        receiver_stage = topo.coords(to)[0] if to >= 0 else None
         folder = self._folder(diag.comm_hash)
         note = next((n for (h, _, _), n in self.structure.items() if h == diag.comm_hash), None)
-        if partial is not None and folder is not None:  # where its folder places it
-            pos = folder.position(partial, now=True)
-        elif note is None or note.agrees:  # the layout's schedule, where the calls follow it
-            pos = topo.position(
+        if partial is not None and folder is not None:
+            return folder.position(partial, now=True)
+        if note is None or note.agrees:
+            return self.topo.position(
                 diag.comm_hash, diag.seq, op or CollOp.ALL_REDUCE, sender_stage, receiver_stage
             )
-        else:
-            pos = None
-        onset = (
-            diag.first_wait_ns
-            or (partial.first_arrival_ns if partial else 0)
-            or (self.hb_progress_ns or self.last_progress_ns)
-        )
-        fields: dict[str, Any] = {
-            "comm_hash": diag.comm_hash,
-            "seq": diag.seq,
-            "op": op,
-            "step": pos.step if pos else None,
-            "microbatch": pos.microbatch if pos else None,
-            "phase": Phase(pos.phase) if pos else None,
-        }
-        if rank is not None:
-            fields.update(
-                rank=rank, node=topo.node(rank), gpu=topo.gpu(rank), pp_stage=topo.coords(rank)[0]
-            )
-        several = [r for r in diag.missing if r is not None]
-        if len(several) > 1 and diag.cause == Cause.COMPUTE:
-            fields["culprit_ranks"] = several
-        if diag.link:
-            fields.update(
-                link=topo.link_name(*diag.link), src_rank=diag.link[0], dst_rank=diag.link[1]
-            )
-        on_link = diag.link is not None and diag.cause != Cause.COMPUTE
-        culprit = f"link:{diag.link[0]}->{diag.link[1]}" if on_link else f"rank:{rank}"
-        call = op.value if op else "its next collective"
-        phase = fields["phase"]
-        where = texts.where(fields["step"], phase.value if phase else None,
-                            fields["microbatch"], fields.get("pp_stage"))  # fmt: skip
-        where = where or "an unknown position"
-        if diag.cause == Cause.COMPUTE and diag.link is not None:
-            producing = rank == diag.link[0]
-            summary = (
-                f"hang: the GPU of rank {rank} on {fields['node']} (GPU {fields['gpu']}) "
-                f"stopped {'producing' if producing else 'consuming'} data in the middle of "
-                f"{call} on {fields['link']} ({role.value} communicator, seq {diag.seq}): "
-                f"the transfer is posted and its proxy waits on the GPU "
-                f"({'SendGPUWait' if producing else 'RecvGPUWait'}), not the network - {where}"
-            )
-        elif diag.cause == Cause.COMPUTE and len(several) > 1:
-            nodes = sorted({topo.node(r) for r in several})
-            summary = (
-                f"hang: ranks {texts.listed(several)} on {texts.listed(nodes)} never joined "
-                f"{call} on the {role.value} communicator (seq {diag.seq}) - {where}; "
-                f"{texts.plural(len(diag.waiting), 'rank')} of that call "
-                f"{'waits' if len(diag.waiting) == 1 else 'wait'} on them"
-            )
-        elif diag.cause == Cause.COMPUTE:
-            summary = (
-                f"hang: rank {rank} on {fields['node']} (GPU {fields['gpu']}) never "
-                f"joined {call} on the {role.value} communicator (seq {diag.seq}) - "
-                f"{where}; {texts.plural(len(diag.waiting), 'rank')} of that call "
-                f"{'waits' if len(diag.waiting) == 1 else 'wait'} on it"
-            )
-        else:
-            summary = (
-                f"hang: {call} on the {role.value} communicator (seq {diag.seq}) was "
-                f"posted and never completed on {fields.get('link', 'the network')} - "
-                f"{where}"
-            )
-        if self._final:
-            summary += " (the recording ended there)"
-        ev = {**diag.evidence, "silent_ns": float(silent), "expected_step_ns": exp}
-        if self._final:
-            ev["recording_ended"] = 1.0
-        v = self.book.report(
-            VerdictKind.HANG,
-            diag.cause,
-            culprit,
-            onset_step=pos.step if pos else None,
-            onset_ns=onset,
-            detected_ns=detected,
-            severity=1.0,
-            confidence=0.95,
-            summary=summary,
-            evidence=ev,
-            **fields,
-        )
-        self.hang_open = culprit
-        self._hang_detected_ns = detected
-        return [v] if v else []
+        return None
 
     def finish(self) -> list[msgspec.Struct]:
         """End of input: a hang it ended in (see :meth:`tick`), the steps still open

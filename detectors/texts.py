@@ -117,3 +117,66 @@ def cost(v: Verdict) -> str:
 
 
 __all__ = ["cause", "cost", "culprit", "kind", "percent", "plural", "where", "who"]
+
+
+def hang_summary(
+    *,
+    cause: Cause,
+    call: str,
+    role: str,
+    seq: int,
+    where: str,
+    rank: int | None = None,
+    gpu: int | None = None,
+    node: str | None = None,
+    several: tuple[list[int], list[str]] = ([], []),
+    waiting: int = 0,
+    link: str | None = None,
+    producing: bool = False,
+    ended: bool = False,
+) -> str:
+    """A hang verdict's sentence: who never joined which call (``several``: the ranks and
+    their nodes, where more than one did), or the GPU that stopped in the middle of a
+    transfer on ``link``, or the transfer the network never completed.
+
+    >>> s = hang_summary(cause=Cause.COMPUTE, call="Recv", role="pp", seq=259, rank=5, gpu=1,
+    ...                  node="node-1", waiting=1, where="forward micro-batch 3, PP stage 1")
+    >>> for part in s.split(" - "):
+    ...     print(part)
+    hang: rank 5 on node-1 (GPU 1) never joined Recv on the pp communicator (seq 259)
+    forward micro-batch 3, PP stage 1; 1 rank of that call waits on it
+    >>> s = hang_summary(cause=Cause.NETWORK_LINK, call="Send", role="pp", seq=4,
+    ...                  where="an unknown position", ended=True)
+    >>> for part in s.split(" - "):
+    ...     print(part)
+    hang: Send on the pp communicator (seq 4) was posted and never completed on the network
+    an unknown position (the recording ended there)
+    """
+    ranks, nodes = several
+    waits = "waits" if waiting == 1 else "wait"
+    if cause == Cause.COMPUTE and link is not None:
+        state = "SendGPUWait" if producing else "RecvGPUWait"
+        text = (
+            f"hang: the GPU of rank {rank} on {node} (GPU {gpu}) stopped "
+            f"{'producing' if producing else 'consuming'} data in the middle of {call} on "
+            f"{link} ({role} communicator, seq {seq}): the transfer is posted and its proxy "
+            f"waits on the GPU ({state}), not the network - {where}"
+        )
+    elif cause == Cause.COMPUTE and len(ranks) > 1:
+        text = (
+            f"hang: ranks {listed(list(ranks))} on {listed(list(nodes))} never joined {call} on "
+            f"the {role} communicator (seq {seq}) - {where}; {plural(waiting, 'rank')} of that "
+            f"call {waits} on them"
+        )
+    elif cause == Cause.COMPUTE:
+        text = (
+            f"hang: rank {rank} on {node} (GPU {gpu}) never joined {call} on the {role} "
+            f"communicator (seq {seq}) - {where}; {plural(waiting, 'rank')} of that call "
+            f"{waits} on it"
+        )
+    else:
+        text = (
+            f"hang: {call} on the {role} communicator (seq {seq}) was posted and never "
+            f"completed on {link or 'the network'} - {where}"
+        )
+    return text + (" (the recording ended there)" if ended else "")

@@ -963,3 +963,29 @@ def test_records_of_a_job_that_never_sent_its_job_record_are_bounded_and_kept() 
     assert len(out) == 3 and all(isinstance(d, DeadLetter) for d in out)
     assert {d.reason for d in out} == {DeadLetterReason.NO_JOB_RECORD}
     assert out[0].ts_ns == _EARLY_HELD + 1 and "no job record" in out[0].error
+
+
+def test_a_job_pickled_with_its_hang_state_inside_resumes_with_the_same_verdicts() -> None:
+    """A flow's snapshot taken before the watchdog had a class of its own keeps the hang
+    state in the job's own attributes: resumed from it, the job concludes the same."""
+    from detectors.analyzer import _OLD_HANG_STATE
+
+    run = build("missing-recv", scale="tiny", seed=2, steps=30)
+    records = list(run.records(emit_kernels=False))
+    fresh, resumed = Replay(), Replay()
+    expected = [*(v for r in records for v in fresh.update(r)), *fresh.finish()]
+    cut = len(records) * 3 // 4
+    got = [v for r in records[:cut] for v in resumed.update(r)]
+    for job in resumed.jobs.values():  # as the older version pickled it, then resumed
+        state = pickle.loads(pickle.dumps(job.__dict__))
+        hangs = state.pop("hangs")
+        state.update({old: getattr(hangs, new) for old, new in _OLD_HANG_STATE.items()})
+        job.__dict__.clear()
+        job.__setstate__(state)
+    got += [*(v for r in records[cut:] for v in resumed.update(r)), *resumed.finish()]
+
+    def verdicts(out: list) -> list:
+        return [(v.kind, v.rank, v.seq, v.revision) for v in out if isinstance(v, Verdict)]
+
+    assert verdicts(got) == verdicts(expected)
+    assert any(kind is VerdictKind.HANG for kind, *_ in verdicts(got))

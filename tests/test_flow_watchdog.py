@@ -33,7 +33,7 @@ def test_link_samples_read_ahead_of_the_collectives_are_not_a_hang() -> None:
         if not isinstance(rec, Heartbeat):
             replay.update(rec)
     job = replay.jobs[run.spec.job]
-    assert job.recent and not job.hb_latest
+    assert job.recent and not job.hangs.hb_latest
     logic = AnalyzeLogic(DetectSettings(), (job, job.coll_now_ns))
     topo = job.topo
     assert topo is not None

@@ -1,0 +1,367 @@
+"""The hang watchdog of one job: hangs are silence, so liveness is watched explicitly.
+
+:class:`HangWatch` keeps what a hang is judged from: every rank's latest heartbeat and
+the sequence numbers it completed per communicator, the newest completed collective,
+the instances the aligners reported open too long (partial), and the proxy operations
+posted and not completed. :meth:`HangWatch.tick` calls a hang when the job made no
+progress for ``hang_factor`` x its expected step time (at least ``min_hang_ms``; a
+recording's end is silence that goes on), and localises it with
+:mod:`detectors.hang`: the member missing from the earliest call the others wait in
+(several, if several never joined it), or, where every member joined, the edge whose
+proxy operations never completed and whether the network or a GPU stopped. Its text
+comes from :func:`detectors.texts.hang_summary`. Progress after the call resolves it.
+
+It is pure: the job's clock comes in the records and in :meth:`tick`'s argument, what
+it needs of the job (its layout, where a call sits in the schedule, the verdict book)
+comes in a :class:`JobView`.
+
+>>> from detectors.verdicts import VerdictBook
+>>> from schemas.records import CommInfo, CommProgress, Heartbeat, JobInfo
+>>> from detectors.topology import Topology
+>>> topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=2, tp=2))
+>>> topo.add(CommInfo(job="j", ts_ns=0, comm_hash=7, role=CommRole.TP, ranks=[0, 1]))
+>>> view = JobView(topo, VerdictBook("j"), expected_ns=100e6, coll_now_ns=0,
+...                place=lambda diag, partial, op, sender_stage, receiver_stage: None)
+>>> watch, sec = HangWatch(), 10**9
+>>> def beat(rank, t, issued, completed):
+...     return Heartbeat(job="j", node="n", rank=rank, ts_ns=t, comms=[
+...         CommProgress(comm_hash=7, issued_seq=issued, completed_seq=completed)])
+>>> for t in range(1, 5):  # both ranks complete a collective a second
+...     _ = [watch.heartbeat(beat(r, t * sec, t, t), view.book) for r in (0, 1)]
+>>> def stuck(t):  # rank 0 waits in seq 5; rank 1 never issued it
+...     for rank, issued in ((0, 5), (1, 4)):
+...         watch.heartbeat(beat(rank, t, issued, 4), view.book)
+>>> stuck(4.3 * sec)
+>>> watch.tick(4.3 * sec, view)  # silent for 0.3 s: not yet (0.5 s at least)
+[]
+>>> stuck(5 * sec)
+>>> (v,) = watch.tick(5 * sec, view)
+>>> v.kind.value, v.rank, v.seq, v.evidence["silent_ns"] / sec
+('hang', 1, 5, 1.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import msgspec
+
+from detectors import texts
+from detectors.align import Instance, Key
+from detectors.edges import StuckProxies
+from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang
+from detectors.topology import Position, Topology
+from detectors.verdicts import VerdictBook
+from schemas.config import DetectSettings
+from schemas.enums import Cause, CollOp, CommRole, Phase, VerdictKind
+from schemas.records import Heartbeat, ProxySummary
+
+#: where a call sits in the schedule: (diagnosis, its partial instance or None, its op,
+#: the sender's stage, the receiver's stage) -> a position, or None where not known
+Place = Callable[
+    [HangDiagnosis, Instance | None, CollOp | None, int | None, int | None], Position | None
+]
+
+
+class JobView(NamedTuple):
+    """What the watchdog reads of its job when it judges."""
+
+    topo: Topology
+    book: VerdictBook
+    expected_ns: float  # the job's expected step time (0: not known yet)
+    coll_now_ns: int  # the newest time the collective records showed
+    place: Place
+    settings: DetectSettings = DetectSettings()
+
+
+class HangWatch:
+    """Liveness of one job, and its hang verdict (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.partials: dict[Key, Instance] = {}
+        self.stuck = StuckProxies()
+        self.last_progress_ns = 0  # the newest end of a completed collective
+        self.hb_latest: dict[int, Heartbeat] = {}
+        self.hb_done: dict[int, dict[int, int]] = {}  # rank -> comm -> completed seq
+        self.hb_progress_ns = 0
+        self.hb_now_ns = 0
+        self.open: str | None = None  # the open hang incident's culprit
+        self.detected_ns = 0
+        self.final = False  # the hang being judged is at the end of the input
+
+    # ------------------------------------------------------------------ inputs
+    def heartbeat(self, hb: Heartbeat, book: VerdictBook) -> list[msgspec.Struct]:
+        """Liveness and progress: a completed sequence number that moved is progress (and
+        ends an open hang)."""
+        ts = hb.ts_ns
+        self.hb_latest[hb.rank] = hb
+        if ts > self.hb_now_ns:
+            self.hb_now_ns = ts
+        done = self.hb_done.get(hb.rank)
+        if done is None:
+            done = self.hb_done[hb.rank] = {}
+        moved = False
+        for cp in hb.comms:
+            if cp.completed_seq > done.get(cp.comm_hash, -1):
+                done[cp.comm_hash] = cp.completed_seq
+                moved = True
+        if not moved:
+            return []
+        self.hb_progress_ns = max(self.hb_progress_ns, ts)
+        if self.open and ts > self.detected_ns:
+            return self._resolve(book, ts)
+        return []
+
+    def progress(self, end_ns: int, book: VerdictBook) -> list[msgspec.Struct]:
+        """Collectives completed up to ``end_ns``: the job moves (without heartbeats, and
+        with nothing open, that ends a hang)."""
+        if end_ns <= self.last_progress_ns:
+            return []
+        self.last_progress_ns = end_ns
+        if self.open and not self.partials and not self.hb_latest:
+            return self._resolve(book, end_ns)
+        return []
+
+    def partial(self, inst: Instance) -> None:
+        """An instance open too long: a hang's evidence, until it completes."""
+        self.partials[inst.key] = inst
+
+    def completed(self, key: Key) -> None:
+        self.partials.pop(key, None)
+
+    def proxy(self, p: ProxySummary) -> None:
+        """Stuck proxy operations (and their completion)."""
+        self.stuck.update(p)
+
+    def _resolve(self, book: VerdictBook, ts_ns: int) -> list[msgspec.Struct]:
+        assert self.open is not None
+        v = book.resolve(VerdictKind.HANG.value, self.open, ts_ns)
+        self.open = None
+        return [v] if v else []
+
+    # ------------------------------------------------------------------ judging
+    def tick(self, now_ns: int, view: JobView, final: bool = False) -> list[msgspec.Struct]:
+        """Call periodically with the current (event) time.
+
+        With heartbeats, progress is a completed sequence number that moved and the
+        diagnosis uses every rank's latest heartbeat (robust to collective records that
+        arrive late, e.g. from a lagging partition). Without heartbeats (old logs),
+        progress is the newest completed instance and the diagnosis uses the partial
+        instances reported by the aligners; then ``now_ns`` is read as the collective
+        records' clock. Records in time order (offline) can pass the newest time of any
+        record. A stream processor, whose topics are read at different paces, must not:
+        link samples read seconds ahead of the collectives are not silence of the job
+        (the flow passes the time the collectives showed, moved on by the wall clock only
+        while they show nothing new).
+
+        ``final``: the input ended (a recording): its end is silence that goes on. A call
+        some ranks posted and others never did, at least a step's time before the end
+        and with no progress since, is a hang (a recording cut in the middle of a step
+        leaves only calls younger than that open).
+        """
+        if self.open:
+            return []
+        st, exp = view.settings, view.expected_ns
+        limit = max(st.hang_factor * exp, st.min_hang_ms * 1e6)
+        if final:
+            limit = max(exp, 0.02 * st.min_hang_ms * 1e6)
+        self.final = final
+        world = view.topo.job.world_size
+        members = {h: tuple(c.ranks) for h, c in view.topo.comms.items()}
+        diag: HangDiagnosis | None
+        if self.hb_latest:
+            silent = self.hb_now_ns - self.hb_progress_ns
+            if not self.hb_progress_ns or silent <= limit:
+                return []
+            fresh = sum(hb.ts_ns > self.hb_progress_ns for hb in self.hb_latest.values())
+            if fresh < world and silent <= 3 * limit and not final:
+                return []  # wait until every rank reported after the freeze
+            diag = self._from_heartbeats(view.topo, members)
+            detected = self.hb_now_ns
+        else:
+            now = max(view.coll_now_ns, now_ns)
+            silent = now - self.last_progress_ns
+            if not self.last_progress_ns or silent <= limit or not self.partials:
+                return []
+            diag = diagnose_hang(list(self.partials.values()), list(self.stuck.ops.values()),
+                                 members)  # fmt: skip
+            detected = now
+        if diag is None:
+            return []
+        return self._verdict(diag, silent, detected, view)
+
+    def _from_heartbeats(
+        self, topo: Topology, members: dict[int, tuple[int, ...]]
+    ) -> HangDiagnosis | None:
+        diag = self._unfollowed(members)
+        if diag is not None:
+            return diag
+        prio = {h: {"pp": 0, "tp": 1, "dp": 3}.get(c.role.value, 2) for h, c in topo.comms.items()}
+        # a rank whose heartbeats stopped before the job did, while the others beat
+        stopped = frozenset(r for r, hb in self.hb_latest.items() if hb.ts_ns < self.hb_progress_ns)
+        diag = diagnose_from_heartbeats(
+            self.hb_latest, members, list(self.stuck.ops.values()), prio,
+            silent=stopped if len(stopped) < len(self.hb_latest) else frozenset(),
+        )  # fmt: skip
+        if diag is not None and len(diag.alternatives) > 1:
+            diag = _earliest_call(topo, diag)
+        if diag is not None and self.partials:
+            # a call open since earlier, on the same communicator, names who failed first
+            # (a dead rank's peers may stop beating after it; heartbeats that stopped
+            # cannot say who stopped first, the calls' own times can)
+            first = diagnose_hang(list(self.partials.values()), list(self.stuck.ops.values()),
+                                  members)  # fmt: skip
+            if (
+                first is not None
+                and first.culprit_rank is not None
+                and first.cause == Cause.COMPUTE
+                and (
+                    (first.comm_hash == diag.comm_hash and first.seq < diag.seq)
+                    or diag.culprit_rank in stopped
+                )
+            ):
+                diag = first
+        return diag
+
+    def _unfollowed(self, members: dict[int, tuple[int, ...]]) -> HangDiagnosis | None:
+        """A hang that began on a communicator the heartbeats do not follow, from the
+        partial instances (those the aligners reported open too long).
+
+        Heartbeats report progress per communicator as a source counts it: NCCL's
+        profiler plugin counts collectives, not point-to-point transfers, whose
+        sequence numbers run per peer. When the earliest call still open is on such a
+        communicator, the heartbeats cannot say who never joined it (whoever is behind
+        on a collective is only held up); the partial instances can: the end that never
+        posted its side of the transfer, or a transfer both ends joined (the network)."""
+        if not self.partials:
+            return None
+        followed = {cp.comm_hash for hb in self.hb_latest.values() for cp in hb.comms}
+        first = min(self.partials.values(), key=lambda i: i.first_arrival_ns)
+        if first.comm_hash in followed:
+            return None
+        return diagnose_hang(list(self.partials.values()), list(self.stuck.ops.values()), members)
+
+    def _partial(self, comm_hash: int, sender: int, seq: int) -> Instance | None:
+        """The partial instance ``seq`` of ``comm_hash`` sent by ``sender`` (to any peer)."""
+        for (comm, by, _, q), inst in self.partials.items():
+            if comm == comm_hash and by == sender and q == seq:
+                return inst
+        return None
+
+    def _verdict(
+        self, diag: HangDiagnosis, silent: int, detected: int, view: JobView
+    ) -> list[msgspec.Struct]:
+        topo = view.topo
+        role = topo.role(diag.comm_hash)
+        rank, op, sender = diag.culprit_rank, diag.op, diag.sender
+        members = tuple(topo.comms[diag.comm_hash].ranks) if diag.comm_hash in topo.comms else ()
+        if role is CommRole.PP and sender < 0:
+            # which end sends: the partial instance knows; else the lower stage (forward)
+            found = [s for s in members if self._partial(diag.comm_hash, s, diag.seq)]
+            sender = found[0] if found else (diag.link[0] if diag.link else members[0])
+        partial = self._partial(diag.comm_hash, sender, diag.seq)
+        if op is None and partial is not None:
+            op = partial.op
+        if role is CommRole.PP:
+            op = CollOp.SEND if rank is not None and rank == sender else CollOp.RECV
+        sender_stage = topo.coords(sender)[0] if sender >= 0 else None
+        to = partial.receiver if partial is not None else -1
+        receiver_stage = topo.coords(to)[0] if to >= 0 else None
+        pos = view.place(diag, partial, op, sender_stage, receiver_stage)
+        onset = (
+            diag.first_wait_ns
+            or (partial.first_arrival_ns if partial else 0)
+            or (self.hb_progress_ns or self.last_progress_ns)
+        )
+        fields: dict[str, object] = {
+            "comm_hash": diag.comm_hash,
+            "seq": diag.seq,
+            "op": op,
+            "step": pos.step if pos else None,
+            "microbatch": pos.microbatch if pos else None,
+            "phase": Phase(pos.phase) if pos else None,
+        }
+        if rank is not None:
+            fields.update(
+                rank=rank, node=topo.node(rank), gpu=topo.gpu(rank), pp_stage=topo.coords(rank)[0]
+            )
+        several = [r for r in diag.missing if r is not None]
+        if len(several) > 1 and diag.cause == Cause.COMPUTE:
+            fields["culprit_ranks"] = several
+        if diag.link:
+            fields.update(
+                link=topo.link_name(*diag.link), src_rank=diag.link[0], dst_rank=diag.link[1]
+            )
+        on_link = diag.link is not None and diag.cause != Cause.COMPUTE
+        culprit = f"link:{diag.link[0]}->{diag.link[1]}" if on_link else f"rank:{rank}"
+        phase = fields["phase"]
+        where = texts.where(pos.step if pos else None, phase.value if phase else None,
+                            pos.microbatch if pos else None, fields.get("pp_stage"))  # fmt: skip
+        summary = texts.hang_summary(
+            cause=diag.cause,
+            call=op.value if op else "its next collective",
+            role=role.value,
+            seq=diag.seq,
+            where=where or "an unknown position",
+            rank=rank,
+            gpu=topo.gpu(rank) if rank is not None else None,
+            node=topo.node(rank) if rank is not None else None,
+            several=(several, sorted({topo.node(r) for r in several})),
+            waiting=len(diag.waiting),
+            link=topo.link_name(*diag.link) if diag.link else None,
+            producing=diag.link is not None and rank == diag.link[0],
+            ended=self.final,
+        )
+        ev = {**diag.evidence, "silent_ns": float(silent), "expected_step_ns": view.expected_ns}
+        if self.final:
+            ev["recording_ended"] = 1.0
+        v = view.book.report(
+            VerdictKind.HANG,
+            diag.cause,
+            culprit,
+            onset_step=pos.step if pos else None,
+            onset_ns=onset,
+            detected_ns=detected,
+            severity=1.0,
+            confidence=0.95,
+            summary=summary,
+            evidence=ev,
+            **fields,
+        )
+        self.open = culprit
+        self.detected_ns = detected
+        return [v] if v else []
+
+
+def _earliest_call(topo: Topology, diag: HangDiagnosis) -> HangDiagnosis:
+    """Of the calls the culprit never joined, the one earliest in its stage's schedule."""
+    assert diag.culprit_rank is not None
+    stage = topo.coords(diag.culprit_rank)[0]
+    order = {node: i for i, node in enumerate(topo.stage_order(stage))}
+
+    def when(alt: tuple[int, int]) -> tuple[int, int, int]:
+        comm, seq = alt
+        info = topo.comms.get(comm)
+        sender_stage = info.pp_stage if info is not None else None
+        pos = topo.position(comm, seq, CollOp.SEND, sender_stage)
+        if pos is None:
+            return (1 << 30, 1 << 30, 9)
+        idx = order.get((pos.phase, pos.microbatch), len(order))
+        # inside a node: a forward receives from upstream before it computes and sends;
+        # a backward receives from downstream first
+        sub = 0
+        if info is not None and info.role.value == "pp":
+            upper = diag.culprit_rank == info.ranks[-1]
+            sub = -1 if upper == (pos.phase == Phase.FORWARD.value) else 1
+        return (pos.step, idx, sub)
+
+    comm, seq = min(diag.alternatives, key=when)
+    return dataclasses.replace(diag, comm_hash=comm, seq=seq, sender=-1, op=None)
+
+
+__all__ = ["HangWatch", "JobView"]
