@@ -32,6 +32,7 @@ from detectors.align import Instance, aligned_record
 from detectors.changepoint import ShiftDetector
 from detectors.edges import EdgeThroughput
 from detectors.folder import StepFolder
+from detectors.gpu_wait import GpuWaitBaseline
 from detectors.hang import HangDiagnosis
 from detectors.links import LinkEvent, LinkMonitor
 from detectors.merge import CommLiveness
@@ -90,6 +91,10 @@ class JobAnalyzer:
                 if old in state:
                     setattr(hangs, new, state.pop(old))
             state["hangs"] = hangs
+        if isinstance(state.get("gpu_wait"), dict):  # kept as a plain dict before
+            gpu_wait = GpuWaitBaseline()
+            gpu_wait._ranks = state["gpu_wait"]
+            state["gpu_wait"] = gpu_wait
         self.__dict__.update(state)
 
     def __init__(self, job: str, settings: DetectSettings | None = None) -> None:
@@ -140,8 +145,8 @@ class JobAnalyzer:
         # a confirmed step-time shift whose cause waits for the links' samples to cover
         # it: (onset step, ratio, start of the step that confirmed it in ns)
         self.pending_shift: tuple[int, float, int] | None = None
-        # per sending rank: [baseline SendGPUWait per send (sum, windows), latest (EWMA)]
-        self.gpu_wait: dict[int, list[float]] = {}
+        # per sending rank: how late its sends find their data, against its own baseline
+        self.gpu_wait = GpuWaitBaseline()
         self.refused = 0  # items kept as dead letters: outside the layout, or no job record
         #: (comm, sender, receiver) -> its step as its calls show it
         self.structure: dict[tuple[int, int, int], CommStructure] = {}
@@ -630,7 +635,7 @@ class JobAnalyzer:
         )
         fields["evidence"] = {
             **fields.get("evidence", {}),
-            **self._gpu_wait_evidence(fields.get("rank")),
+            **self.gpu_wait.evidence(fields.get("rank")),
             "step_time_ratio": ratio,
             "baseline_step_ns": float(self.shift.baseline or 0),
         }
@@ -823,25 +828,6 @@ class JobAnalyzer:
         return [x for x in (v, done) if x is not None]
 
     # ------------------------------------------------------------------ links
-    def _track_gpu_wait(self, rank: int, wait_ns: float, baseline_windows: int = 4) -> None:
-        """A sender's SendGPUWait per send: a baseline from its first windows after the
-        warm-up, then a moving average (the GPU column of the decision table of docs/method.md)."""
-        t = self.gpu_wait.get(rank)
-        if t is None:
-            t = self.gpu_wait[rank] = [0.0, 0.0, wait_ns]
-        if t[1] < baseline_windows:
-            t[0] += wait_ns
-            t[1] += 1
-        t[2] = 0.5 * t[2] + 0.5 * wait_ns
-
-    def _gpu_wait_evidence(self, rank: int | None) -> dict[str, float]:
-        """How late ``rank``'s sends found their data, against its own baseline."""
-        t = self.gpu_wait.get(rank) if rank is not None else None
-        if t is None or not t[1]:
-            return {}
-        base = t[0] / t[1]
-        return {"send_gpu_wait_ns": t[2], "send_gpu_wait_ratio": t[2] / max(base, 1.0)}
-
     def _edge_throughput(self, e: EdgeThroughput) -> list[msgspec.Struct]:
         """Link throughput measured from proxy summaries, for jobs without link samples.
 
@@ -850,7 +836,7 @@ class JobAnalyzer:
         self.now_ns = max(self.now_ns, e.ts_ns)
         warm = self.recent and self.recent[-1].step >= self.settings.warmup_steps
         if warm:
-            self._track_gpu_wait(e.src_rank, float(e.gpu_wait_ns))
+            self.gpu_wait.update(e.src_rank, float(e.gpu_wait_ns))
         if self.link_seen or self.topo is None or not warm:
             return []
         topo = self.topo
@@ -957,7 +943,7 @@ class JobAnalyzer:
                 "current_gbps": ev.current_gbps,
                 "drop": ev.drop,
                 "slow_links_from_nic": float(len(siblings) + 1),
-                **self._gpu_wait_evidence(ev.src_rank),
+                **self.gpu_wait.evidence(ev.src_rank),
             },
             **report,
         )

@@ -23,6 +23,8 @@ from detectors.align import CollectiveAligner
 from detectors.analyzer import JobAnalyzer
 from detectors.changepoint import ShiftDetector
 from detectors.comm import CommAnalyzer
+from detectors.edges import EdgeThroughput
+from detectors.gpu_wait import GpuWaitBaseline
 from detectors.links import LinkMonitor
 from detectors.merge import PartMerger
 from detectors.node import NodeAnalyzer
@@ -134,6 +136,11 @@ REGISTRY: dict[str, Case] = {
     ),
     "NodeAnalyzer": Case(NodeAnalyzer, lambda d, r: _listed(d.update([r])), _node_records),
     "PartMerger": Case(PartMerger, lambda d, p: d.update(p), _parts),
+    "GpuWaitBaseline": Case(
+        GpuWaitBaseline,
+        lambda d, e: [d.update(e.src_rank, float(e.gpu_wait_ns)), d.evidence(e.src_rank)][1:],
+        lambda n: [x for x in _job_items(n) if isinstance(x, EdgeThroughput)],
+    ),
     "AlertGate": Case(lambda: AlertGate(AlertSettings()), lambda d, v: d.update(v), _verdicts),
     "JobAnalyzer": Case(
         lambda: JobAnalyzer(_records("story", 4)[0].job),
