@@ -446,11 +446,11 @@ def test_a_senders_wait_on_its_own_data_is_evidence_against_its_baseline() -> No
     assert link.evidence["send_gpu_wait_ratio"] == pytest.approx(1.0, abs=0.2)
     (job,) = replay.jobs.values()
     sender = link.rank
-    base = job._gpu_wait_evidence(sender)["send_gpu_wait_ns"]
+    base = job.gpu_wait.evidence(sender)["send_gpu_wait_ns"]
     for i in range(4):  # the sender's data now comes 30x later than it used to
         job.update(EdgeThroughput(job.job, sender, 0, job.now_ns + i, 1, 1 << 20, 100.0,
                                   int(30 * base)))  # fmt: skip
-    assert job._gpu_wait_evidence(sender)["send_gpu_wait_ratio"] > 20
+    assert job.gpu_wait.evidence(sender)["send_gpu_wait_ratio"] > 20
 
 
 def test_ranks_late_only_because_their_pipeline_predecessor_is_slow_are_not_blamed() -> None:
