@@ -88,6 +88,10 @@ class StepFolder:
 
     #: how long instances may be held waiting for a step to be learned (event time)
     patience_ns = 30_000_000_000
+    #: a marked step this long (event time) past its end, with no call of the
+    #: communicator's since, is one it was idle in
+    idle_ns = 1_000_000_000
+    _clock_ns = 0  # the communicator's event time (set by expire)
 
     def __init__(self, give_up_steps: int = 2, max_open_steps: int = 8, max_held: int = 8192):
         if give_up_steps < 1 or max_open_steps < 1 or max_held < 1:
@@ -281,12 +285,18 @@ class StepFolder:
         """Event time moved on to ``now_ns``: instances held longer than ``patience_ns``
         while no step could be learned from them (a communicator with a few calls at
         start-up and none since) are placed by what there is, so that the job does not
-        wait for their communicator."""
+        wait for their communicator; marked steps the communicator's clock went past by
+        ``idle_ns`` are done (it was idle in them)."""
+        moved = now_ns > self._clock_ns
+        if moved:
+            self._clock_ns = now_ns
         if self._early and now_ns - min(self._early[0].arrival) >= self.patience_ns:
             return [], self._give_early()
-        if not self._held or now_ns - self._held[0][1][0] < self.patience_ns:
-            return [], []
-        return self._release(force=True)
+        if self._held and now_ns - self._held[0][1][0] >= self.patience_ns:
+            return self._release(force=True)
+        if moved and self._mark_ends and self._newest >= 0:
+            return [], self._done()
+        return [], []
 
     def partial(self, inst: Instance) -> list[Any]:
         """A partial instance goes to the job as it is; so will its completion."""
@@ -449,16 +459,18 @@ class StepFolder:
         return [self._parts.pop(s).seal() for s in sorted(done)]
 
     def _sealed_by_marks(self, final: bool) -> list[StepPart]:
-        """Marks: a marked step's part is done once the communicator went past its end (or
-        a later step's marker came); a step it had nothing in since it first took part is
+        """Marks: a marked step's part is done once the communicator's calls went past its
+        end, or its clock did by ``idle_ns`` (it was idle); never because later steps'
+        markers came (they come on another topic, read at its own pace: steps ahead of a
+        communicator read late). A step it had nothing in since it first took part is
         sent empty, so that the job need not wait for it; a part of a step already sent
         (an instance completed late) goes at once."""
         if self._newest < 0:
             return []  # it took part in no step yet
         ends = self._mark_ends
-        newest_end = ends[-1]
-        past = self._last_arrival > newest_end or final
-        done_upto = self._mark_step[newest_end] - (0 if past else 1)
+        passed = max(self._last_arrival, self._clock_ns - self.idle_ns)
+        i = len(ends) if final else bisect_left(ends, passed)
+        done_upto = self._mark_step[ends[i - 1]] if i else -1  # -1: none ended before
         # every sequence numbered by its cycle: a step is done when it holds a step's
         # instances; the marks only give up on it a step later
         whole = len(self._offset) == len(self.cycles) and not final

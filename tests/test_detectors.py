@@ -989,3 +989,36 @@ def test_a_job_pickled_with_its_hang_state_inside_resumes_with_the_same_verdicts
 
     assert verdicts(got) == verdicts(expected)
     assert any(kind is VerdictKind.HANG for kind, *_ in verdicts(got))
+
+
+def test_marks_read_ahead_of_a_communicators_calls_do_not_close_its_steps_empty() -> None:
+    """The job's iteration markers come on another topic than the collectives: in a live
+    flow they may be read steps ahead of a communicator's calls. Its steps are done when
+    its calls (or its clock, idle) went past their ends, never because later markers came:
+    each step's part holds that step's instances."""
+    from detectors.align import Instance
+    from detectors.folder import StepFolder
+    from detectors.parts import StepPart
+    from detectors.schedule import CommSchedule
+    from schemas.enums import CommRole
+    from schemas.records import CommInfo, JobInfo
+
+    job = JobInfo(job="j", ts_ns=0, world_size=2, dp=2)
+    folder = StepFolder()
+    folder.learn(CommSchedule(job, CommInfo(job="j", ts_ns=0, comm_hash=7, role=CommRole.DP,
+                                            ranks=[0, 1])))  # fmt: skip
+    ms = 1_000_000
+
+    def inst(seq: int) -> Instance:  # two all-reduces a step of 100 ms
+        t = 100 * ms * (seq // 2) + 10 * ms + 40 * ms * (seq % 2)
+        return Instance("j", 7, seq, CollOp.ALL_REDUCE, -1, 2, 8, (0, 1), (t, t + 1),
+                        (t, t + 1), (t + 5 * ms, t + 5 * ms))  # fmt: skip
+
+    parts: list[StepPart] = []
+    for step in range(6):  # every marker first, as a lagging partition would show them
+        told = folder.mark(step, 100 * ms * (step + 1) - 1)[1]
+        parts += [x for x in told if isinstance(x, StepPart)]
+    for seq in range(12):
+        parts += [x for x in folder.update(inst(seq))[1] if isinstance(x, StepPart)]
+    parts += [x for x in folder.flush()[1] if isinstance(x, StepPart)]
+    assert [(p.step, p.n) for p in parts] == [(s, 2) for s in range(6)]
