@@ -9,6 +9,7 @@ call, a transfer that never completes). :meth:`Fault.label` gives the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from producers.sim.job import JobSpec
 from schemas.enums import Cause, Phase, VerdictKind
@@ -63,6 +64,8 @@ class SlowGPU(Fault):
     rank: int = 0
     factor: float = 1.5
     end_step: int | None = None
+    #: the incident it is (a class constant: a straggler that passes is another kind)
+    KIND: ClassVar[VerdictKind] = VerdictKind.SLOWDOWN
 
     def active(self, step: int) -> bool:
         return step >= self.onset_step and (self.end_step is None or step < self.end_step)
@@ -71,7 +74,7 @@ class SlowGPU(Fault):
         return self._label(
             spec,
             onset_ns,
-            kind=VerdictKind.SLOWDOWN,
+            kind=self.KIND,
             cause=Cause.COMPUTE,
             magnitude=self.factor,
             end_step=self.end_step,
@@ -109,16 +112,7 @@ class TransientGPU(SlowGPU):
     """One GPU computes ``factor`` times slower for a step or a few, then recovers (a
     straggler that passes: users want its culprit and the time it cost)."""
 
-    def label(self, spec: JobSpec, onset_ns: int) -> FaultLabel:
-        return self._label(
-            spec,
-            onset_ns,
-            kind=VerdictKind.TRANSIENT_STRAGGLER,
-            cause=Cause.COMPUTE,
-            magnitude=self.factor,
-            end_step=self.end_step,
-            **_rank_fields(spec, self.rank),
-        )
+    KIND: ClassVar[VerdictKind] = VerdictKind.TRANSIENT_STRAGGLER
 
 
 @dataclass(frozen=True)
