@@ -12,7 +12,7 @@ SendPeerWait at u and RecvGPUWait at v dominate        v's GPU, late consuming
 =====================================================  ==========================
 
 (The table's last row, several slow edges sharing a NIC, is a judgement over
-many edges; :class:`~detectors.analyzer.JobAnalyzer` makes it.)
+many edges; :class:`~detectors.job.JobAnalyzer` makes it.)
 
 >>> from schemas.records import ProxySummary
 >>> from schemas.enums import Direction

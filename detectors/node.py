@@ -6,7 +6,7 @@ one node's samples (each link against its own baseline,
 :class:`~detectors.links.LinkMonitor`) and tells the job, once per batch,
 only which links degraded or recovered. The flow keeps one per (job, node)
 key, beside the communicators (link samples are keyed by node on their topic);
-a :class:`~detectors.analyzer.JobAnalyzer` given raw samples keeps one per
+a :class:`~detectors.job.JobAnalyzer` given raw samples keeps one per
 node itself, so both routes reach the same conclusions. Heartbeats are not
 read here: their topic keys them by job, so they reach the job in order, and
 the hang watchdog compares every rank's latest one (re-keyed per node, one

@@ -2,7 +2,7 @@
 
 :class:`Replay` does what the dataflow does, in one process: one
 :class:`~detectors.comm.CommAnalyzer` per (job, communicator) fed the
-communicator's records and schedule, one :class:`~detectors.analyzer.JobAnalyzer`
+communicator's records and schedule, one :class:`~detectors.job.JobAnalyzer`
 per job, and the hang watchdog driven by event time (the newest timestamp
 seen) every ``tick_ns``.
 
@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from detectors.analyzer import JobAnalyzer
 from detectors.comm import CommAnalyzer
+from detectors.job import JobAnalyzer
 from detectors.merge import CommLiveness, PartMerger, shard_of
 from detectors.parts import StepPart
 from detectors.schedule import ScheduleBook, StepMark

@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from detectors.align import Instance
+from detectors.critical_path import critical_path
 from detectors.merge import StepWatermark
-from detectors.parts import NodeKey, StepPart, dense_ranks
+from detectors.parts import NodeKey, StepPart
+from detectors.rank_figures import dense_ranks
 from detectors.topology import Position, Topology
+from schemas.records import RankStep, StepSummary
 
 
 @dataclass
@@ -264,12 +267,62 @@ class StepAssembler:
         return sorted(self._acc)
 
 
+def step_tables(
+    job: str, topo: Topology, rep: StepReport, assembler: StepAssembler, baseline: float | None
+) -> list[StepSummary | RankStep]:
+    """A closed step's summary (against the healthy step time ``baseline``, with the
+    slowest pipeline replica's critical path) and each rank's row in it."""
+    ratio = rep.duration_ns / baseline if baseline else None
+    slowest = rep.slowest_replicas(1)
+    replica = slowest[0] if slowest else None
+    path = []
+    if replica is not None:
+        cp = critical_path(rep.node_durations(replica), topo.job.pp, topo.job.num_microbatches)
+        path = [f"{ph[0].upper()}{mb}s{s}" for s, ph, mb in cp.path]
+    out: list[StepSummary | RankStep] = [
+        StepSummary(
+            job=job,
+            step=rep.step,
+            start_ns=rep.start_ns,
+            end_ns=rep.end_ns,
+            duration_ns=rep.duration_ns,
+            expected_ns=int(baseline) if baseline else None,
+            throughput_ratio=(1 / ratio) if ratio else None,
+            slowest_pp_group=replica,
+            critical_path=path,
+            instances=rep.n_instances,
+            expected_instances=assembler.expected_instances(),
+            late_instances=assembler.late_instances,
+        )
+    ]
+    for r in range(topo.job.world_size):
+        if rep.first_ns[r] < 0:
+            continue
+        out.append(
+            RankStep(
+                job=job,
+                step=rep.step,
+                rank=r,
+                node=topo.node(r),
+                pp_stage=topo.coords(r)[0],
+                start_ns=int(rep.first_ns[r]),
+                end_ns=int(max(rep.last_end_ns[r], rep.first_ns[r])),
+                wait_ns=int(rep.wait_ns[r]),
+                lateness_ns=float(rep.lateness_ns[r]),
+                blame_ns=int(rep.blame_ns[r]),
+            )
+        )
+    return out
+
+
 def __getattr__(name: str) -> object:
     """What this module once held (a flow's snapshots pickled it by this name)."""
     if name == "StepWatermark":
         return StepWatermark
-    from detectors import parts
+    from detectors import parts, rank_figures
 
-    if name in ("StepPart", "dense_ranks", "_any_figures", "_member_figures"):
-        return getattr(parts, name)
+    if name == "StepPart":
+        return parts.StepPart
+    if name in ("dense_ranks", "_any_figures", "_member_figures"):
+        return getattr(rank_figures, name)
     raise AttributeError(name)

@@ -116,7 +116,116 @@ def cost(v: Verdict) -> str:
     return percent(v.severity) if v.severity > 0 else ""
 
 
-__all__ = ["cause", "cost", "culprit", "kind", "percent", "plural", "where", "who"]
+def network(link: str) -> str:
+    """The network between nodes (``"a<->b"``), or one node's links (``"a"``), in words.
+
+    >>> network("node-1<->node-2"), network("node-1")
+    ('the network between node-1 and node-2', 'the network links of node-1')
+    """
+    nodes = link.split("<->")
+    if len(nodes) == 1:
+        return f"the network links of {nodes[0]}"
+    return f"the network between {', '.join(nodes[:-1])} and {nodes[-1]}"
+
+
+def slowdown_summary(
+    *, kind: VerdictKind, who: str, ratio: float, onset: int, severity: float, cause: Cause,
+    where: str
+) -> str:  # fmt: skip
+    """A step-time shift's sentence: who, how much slower since when, what it costs.
+
+    >>> s = slowdown_summary(kind=VerdictKind.SLOWDOWN, who="rank 5 (GPU 1) on node-1",
+    ...                      ratio=1.31, onset=40, severity=0.237, cause=Cause.COMPUTE,
+    ...                      where="backward micro-batch 2, PP stage 1")
+    >>> for part in s.replace(" - ", ", ").split(", "):
+    ...     print(part)
+    slowdown: rank 5 (GPU 1) on node-1
+    iteration 1.31x slower since step 40 (24% throughput lost to it)
+    cause compute
+    backward micro-batch 2
+    PP stage 1
+    """
+    return (
+        f"{kind.value.replace('_', ' ')}: {who} - iteration {ratio:.2f}x slower since step "
+        f"{onset} ({percent(severity)} throughput lost to it), cause "
+        f"{cause.value.replace('_', ' ')}{f', {where}' if where else ''}"
+    )
+
+
+def intermittent_summary(
+    *, who: str, bursts: int, mean_ratio: float, first: int, severity: float
+) -> str:
+    """Repeated bursts of one culprit.
+
+    >>> intermittent_summary(who="rank 3", bursts=3, mean_ratio=1.8, first=12, severity=0.18)
+    'intermittent slowdown: rank 3 - 3 bursts of ~1.80x since step 12 (18% throughput lost)'
+    """
+    return (
+        f"intermittent slowdown: {who or 'an unlocalised part of the job'} - "
+        f"{plural(bursts, 'burst')} of ~{mean_ratio:.2f}x since step {first} "
+        f"({percent(severity)} throughput lost)"
+    )
+
+
+def transient_summary(*, who: str, onset: int, length: int, ratio: float, lost_ns: float) -> str:
+    """A straggler over already: its steps and the time they lost.
+
+    >>> transient_summary(who="rank 4", onset=13, length=1, ratio=3.02, lost_ns=2.36e9)
+    'transient straggler: rank 4 - step 13 3.02x slower, 2.36 s lost'
+    """
+    steps = f"step {onset}" if length == 1 else f"steps {onset}-{onset + length - 1}"
+    return (
+        f"transient straggler: {who or 'an unlocalised part of the job'} - {steps} "
+        f"{ratio:.2f}x slower, {lost_ns / 1e9:.2f} s lost"
+    )
+
+
+def link_summary(*, link: str, current_gbps: float, drop: float, baseline_gbps: float) -> str:
+    """One link below its baseline.
+
+    >>> link_summary(link="node-0/mlx5_1->node-1/mlx5_1", current_gbps=42.0, drop=0.58,
+    ...              baseline_gbps=100.0)
+    'link degradation: node-0/mlx5_1->node-1/mlx5_1 at 42 Gb/s, 58% below its 100 Gb/s baseline'
+    """
+    return (
+        f"link degradation: {link} at {current_gbps:.0f} Gb/s, "
+        f"{drop:.0%} below its {baseline_gbps:.0f} Gb/s baseline"
+    )
+
+
+def nic_summary(*, nic: str, dsts: list[int], current_gbps: float, drop: float) -> str:
+    """Several links leaving one NIC below their baselines: that NIC.
+
+    >>> for part in nic_summary(nic="node-0/mlx5_1", dsts=[4, 8], current_gbps=40.0,
+    ...                         drop=0.6).split(" - "):
+    ...     print(part)
+    NIC degradation: node-0/mlx5_1
+    2 links from it below their baselines (towards ranks 4, 8; latest 40 Gb/s, 60% down)
+    """
+    return (
+        f"NIC degradation: {nic} - {len(dsts)} links from it below their baselines "
+        f"(towards ranks {', '.join(map(str, dsts))}; latest {current_gbps:.0f} Gb/s, "
+        f"{drop:.0%} down)"
+    )
+
+
+__all__ = [
+    "cause",
+    "cost",
+    "culprit",
+    "hang_summary",
+    "intermittent_summary",
+    "kind",
+    "link_summary",
+    "network",
+    "nic_summary",
+    "percent",
+    "plural",
+    "slowdown_summary",
+    "transient_summary",
+    "where",
+    "who",
+]
 
 
 def hang_summary(

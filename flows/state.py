@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 import msgspec
 from bytewax.operators import StatefulBatchLogic
 
-from detectors.analyzer import JobAnalyzer
 from detectors.comm import CommAnalyzer
+from detectors.job import JobAnalyzer
 from detectors.merge import CommLiveness, PartMerger
 from detectors.node import NodeAnalyzer, NodeDigest
 from detectors.parts import StepPart

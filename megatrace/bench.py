@@ -498,8 +498,8 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
     parallel across workers, then per job (merging parts and digests,
     heartbeats, step analysis: one worker per job).
     """
-    from detectors.analyzer import JobAnalyzer
     from detectors.comm import CommAnalyzer
+    from detectors.job import JobAnalyzer
     from detectors.merge import CommLiveness, PartMerger, shard_of
     from detectors.node import NodeAnalyzer
     from detectors.parts import StepPart

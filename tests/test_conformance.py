@@ -20,11 +20,11 @@ import pytest
 
 from detectors.alerting import AlertGate
 from detectors.align import CollectiveAligner
-from detectors.analyzer import JobAnalyzer
 from detectors.changepoint import ShiftDetector
 from detectors.comm import CommAnalyzer
 from detectors.edges import EdgeThroughput
 from detectors.gpu_wait import GpuWaitBaseline
+from detectors.job import JobAnalyzer
 from detectors.links import LinkMonitor
 from detectors.merge import PartMerger
 from detectors.node import NodeAnalyzer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -317,7 +318,7 @@ def test_folding_per_communicator_changes_nothing_the_job_concludes() -> None:
     """The flow folds instances per communicator (StepFolder); feeding the job every
     instance instead must give the same tables and verdicts, record for record."""
     from detectors.align import CollectiveAligner
-    from detectors.analyzer import JobAnalyzer
+    from detectors.job import JobAnalyzer
     from schemas.codec import encode
     from schemas.records import AlignStats, Collective
 
@@ -518,7 +519,8 @@ def test_a_sealed_step_part_refuses_more_instances() -> None:
 def test_lateness_is_exact_at_real_clock_readings() -> None:
     """Arrivals are nanoseconds since 1970 (~1.8e18), where a float's step is 256 ns: the
     wait-time model must measure a 1,000 ns spread as +-500 ns, not in 256 ns steps."""
-    from detectors.parts import StepPart, dense_ranks
+    from detectors.parts import StepPart
+    from detectors.rank_figures import dense_ranks
     from detectors.topology import Topology
     from schemas.enums import CommRole
 
@@ -892,7 +894,7 @@ def test_a_groups_step_figures_equal_the_general_computation_bit_for_bit() -> No
     """Parts whose instances all have the same members (nearly every part: a TP or DP
     group's, a pipeline pair's) take a shorter computation of their per-rank figures;
     it must give exactly what the general one gives, ties and rounding included."""
-    from detectors.parts import _any_figures, _member_figures
+    from detectors.rank_figures import _any_figures, _member_figures
 
     rng = np.random.default_rng(7)
     for _ in range(400):
@@ -952,23 +954,23 @@ def test_a_communicators_records_read_before_its_schedule_are_placed_like_the_ot
 def test_records_of_a_job_that_never_sent_its_job_record_are_bounded_and_kept() -> None:
     """Records may overtake their job record and wait for it, up to a bound; beyond it each
     one is a dead letter that says why, never dropped without a word."""
-    from detectors.analyzer import _EARLY_HELD, JobAnalyzer
+    from detectors.job import EARLY_HELD, JobAnalyzer
     from schemas.enums import DeadLetterReason
     from schemas.records import DeadLetter, Heartbeat
 
     job = JobAnalyzer("j")
     out = []
-    for i in range(_EARLY_HELD + 3):
+    for i in range(EARLY_HELD + 3):
         out += job.update(Heartbeat(job="j", node="n", rank=0, ts_ns=i + 1))
     assert len(out) == 3 and all(isinstance(d, DeadLetter) for d in out)
     assert {d.reason for d in out} == {DeadLetterReason.NO_JOB_RECORD}
-    assert out[0].ts_ns == _EARLY_HELD + 1 and "no job record" in out[0].error
+    assert out[0].ts_ns == EARLY_HELD + 1 and "no job record" in out[0].error
 
 
 def test_a_job_pickled_with_its_hang_state_inside_resumes_with_the_same_verdicts() -> None:
     """A flow's snapshot taken before the watchdog had a class of its own keeps the hang
     state in the job's own attributes: resumed from it, the job concludes the same."""
-    from detectors.analyzer import _OLD_HANG_STATE
+    from detectors.job_compat import OLD_HANG_STATE
 
     run = build("missing-recv", scale="tiny", seed=2, steps=30)
     records = list(run.records(emit_kernels=False))
@@ -979,7 +981,7 @@ def test_a_job_pickled_with_its_hang_state_inside_resumes_with_the_same_verdicts
     for job in resumed.jobs.values():  # as the older version pickled it, then resumed
         state = pickle.loads(pickle.dumps(job.__dict__))
         hangs = state.pop("hangs")
-        state.update({old: getattr(hangs, new) for old, new in _OLD_HANG_STATE.items()})
+        state.update({old: getattr(hangs, new) for old, new in OLD_HANG_STATE.items()})
         job.__dict__.clear()
         job.__setstate__(state)
     got += [*(v for r in records[cut:] for v in resumed.update(r)), *resumed.finish()]
@@ -989,6 +991,32 @@ def test_a_job_pickled_with_its_hang_state_inside_resumes_with_the_same_verdicts
 
     assert verdicts(got) == verdicts(expected)
     assert any(kind is VerdictKind.HANG for kind, *_ in verdicts(got))
+
+
+def test_a_snapshot_from_before_the_incident_trackers_resumes_with_the_same_verdicts() -> None:
+    """A recovery snapshot written by the version that kept the step-time incidents in
+    parallel dicts keyed by culprit strings (here with a slowdown and a degraded link open,
+    pickled mid-run by that version) resumes in this one and concludes exactly what an
+    uninterrupted run does."""
+    import gzip
+
+    cut = 62_000  # the snapshot was taken after this record of the scenario
+    records = list(build("mixed", scale="tiny", seed=1, steps=40).records())
+    fresh = Replay()
+    for r in records[: cut + 1]:
+        fresh.update(r)
+    expected = [*(v for r in records[cut + 1 :] for v in fresh.update(r)), *fresh.finish()]
+    blob = Path(__file__).parent / "data" / "replay_mixed_tiny_seed1_at62000.pickle.gz"
+    resumed = pickle.loads(gzip.decompress(blob.read_bytes()))
+    (job,) = resumed.jobs.values()
+    assert job.slowdowns.open and job.links.edges  # the old incidents, in their trackers
+    got = [*(v for r in records[cut + 1 :] for v in resumed.update(r)), *resumed.finish()]
+
+    def said(out: list) -> list:  # the rows and verdicts, as they would be stored
+        return [msgspec.json.encode(x) for x in out if isinstance(x, msgspec.Struct)]
+
+    assert said(got) == said(expected)
+    assert any(isinstance(x, StepSummary) and x.throughput_ratio for x in got)
 
 
 def test_marks_read_ahead_of_a_communicators_calls_do_not_close_its_steps_empty() -> None:

@@ -1,0 +1,229 @@
+"""Step-time incidents: who one is about, what a verdict says of it, and what it costs.
+
+A :class:`Culprit` names whom an incident is about (a rank, a host, the network
+between nodes, one link, or nobody localised: the job); its :attr:`Culprit.key` is
+the string the verdict book files it under, so a verdict's id is the same however
+the incident was found. An :class:`Incident` is a culprit with its cause and where it
+sits (the verdict's fields). The :class:`StepTimeLedger` keeps the job's recent steps
+and, for every open step-time incident (slowdowns and degraded links alike), when it
+began and the step time before it: an incident is charged only what it added.
+
+>>> from detectors.changepoint import ShiftDetector
+>>> ledger = StepTimeLedger(ShiftDetector(warmup=3))
+>>> ledger.shift.baseline = 100.0  # a 100 ns step, learnt
+>>> ledger.open(Culprit.rank(5), step=10, onset_ns=0)
+>>> ledger.open(Culprit.link(2, 3), step=10, onset_ns=0)
+>>> round(ledger.share(Culprit.rank(5), 150.0), 3)  # two incidents at one level share it
+0.167
+>>> Culprit.network("n0<->n1").key, Culprit.parse("rank:5") == Culprit.rank(5)
+('nodes:n0<->n1', True)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from detectors.changepoint import ShiftDetector
+from detectors.steps import StepReport
+from schemas.enums import Cause, Phase, VerdictKind
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """Whom an incident is about: ``kind`` is rank, node (a host), nodes (the network
+    between them), link (one directed link, or the NIC it leaves) or job (nobody
+    localised), ``name`` who within that kind."""
+
+    kind: str
+    name: str = ""
+
+    KINDS: ClassVar[tuple[str, ...]] = ("rank", "node", "nodes", "link", "job")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"culprit kind {self.kind!r} is not one of {', '.join(self.KINDS)}")
+
+    @classmethod
+    def rank(cls, rank: int) -> Culprit:
+        return cls("rank", str(rank))
+
+    @classmethod
+    def node(cls, node: str) -> Culprit:
+        return cls("node", node)
+
+    @classmethod
+    def network(cls, link: str) -> Culprit:
+        """The network between nodes (``"a<->b"``) or one node's links (``"a"``)."""
+        return cls("nodes", link)
+
+    @classmethod
+    def link(cls, src_rank: int, dst_rank: int) -> Culprit:
+        return cls("link", f"{src_rank}->{dst_rank}")
+
+    @classmethod
+    def parse(cls, key: str) -> Culprit:
+        """The culprit filed under ``key`` (the inverse of :attr:`key`)."""
+        kind, _, name = key.partition(":")
+        return cls(kind, name)
+
+    @property
+    def key(self) -> str:
+        """The verdict book's key (and part of the verdict's stable id)."""
+        return self.kind if self.kind == "job" else f"{self.kind}:{self.name}"
+
+    @property
+    def verdict_kind(self) -> VerdictKind:
+        """A step-time incident's kind by its culprit: the network between nodes (or a
+        link) degraded, anyone else slowed down."""
+        if self.kind in ("nodes", "link"):
+            return VerdictKind.LINK_DEGRADATION
+        return VerdictKind.SLOWDOWN
+
+    @property
+    def localised(self) -> bool:
+        return self.kind != "job"
+
+
+JOB = Culprit("job")
+
+
+@dataclass
+class Incident:
+    """A culprit, its cause and where it sits: what its verdicts say of it."""
+
+    culprit: Culprit
+    cause: Cause
+    rank: int | None = None
+    gpu: int | None = None
+    node: str | None = None
+    link: str | None = None
+    src_rank: int | None = None
+    dst_rank: int | None = None
+    pp_stage: int | None = None
+    microbatch: int | None = None
+    phase: Phase | None = None
+    evidence: dict[str, float] = field(default_factory=dict)
+
+    _WHERE: ClassVar[tuple[str, ...]] = ("rank", "gpu", "node", "link", "src_rank", "dst_rank",
+                                         "pp_stage", "microbatch", "phase")  # fmt: skip
+
+    def fields(self, evidence: bool = True) -> dict[str, Any]:
+        """The verdict's fields (:class:`~schemas.records.Verdict`): where it sits (nothing
+        for an unlocalised one), and its ``evidence`` unless told not to."""
+        out = {k: getattr(self, k) for k in self._WHERE} if self.culprit.localised else {}
+        if evidence:
+            out["evidence"] = dict(self.evidence)
+        return out
+
+
+class StepTimeLedger:
+    """The job's recent steps, and the open step-time incidents' onsets and shares.
+
+    Parameters
+    ----------
+    shift
+        The job's step-time change-point detector (its baseline is the healthy step).
+    min_shift
+        A level this far over the baseline counts as slow already (an incident on top
+        of an earlier one is charged only what it added).
+    keep
+        Recent steps kept.
+    """
+
+    def __init__(self, shift: ShiftDetector, min_shift: float = 0.1, keep: int = 16) -> None:
+        self.shift = shift
+        self.min_shift = min_shift
+        self.keep = keep
+        self._reset()
+
+    def _reset(self) -> None:
+        self.recent: deque[StepReport] = deque(maxlen=self.keep)
+        # open incident -> its onset step once a step reached it (None before) and its
+        # onset time (ns); and the step time before it (ns), once known
+        self.onset_at: dict[Culprit, tuple[int | None, int]] = {}
+        self.onset_level: dict[Culprit, float] = {}
+
+    @property
+    def baseline(self) -> float:
+        return self.shift.baseline or 0.0
+
+    def since(self, onset: int) -> list[StepReport]:
+        return [r for r in self.recent if r.step >= onset]
+
+    def open(self, culprit: Culprit, step: int | None, onset_ns: int, keep: bool = True) -> None:
+        """An incident began at ``step`` (None: no step reached it yet) or ``onset_ns``;
+        an open one keeps its onset unless told not to (``keep``)."""
+        if keep:
+            self.onset_at.setdefault(culprit, (step, onset_ns))
+        else:
+            self.onset_at[culprit] = (step, onset_ns)
+
+    def onset_step(self, culprit: Culprit) -> int | None:
+        at = self.onset_at.get(culprit)
+        return at[0] if at else None
+
+    def onset_ns(self, culprit: Culprit) -> int:
+        return self.onset_at[culprit][1]
+
+    def forget(self, culprit: Culprit) -> None:
+        self.onset_at.pop(culprit, None)
+        self.onset_level.pop(culprit, None)
+
+    def level_before(self, reps: list[StepReport]) -> float:
+        """The step time a slowdown starting at ``reps[0]`` adds to."""
+        return self.level_before_step(reps[0].step) if reps else self.baseline
+
+    def level_before_step(self, onset: int, steps: int = 3) -> float:
+        """The step time an incident beginning at step ``onset`` adds to: the baseline, or
+        the level of the steps just before it when those were slow already (a shift on
+        top of an earlier one, e.g. a degraded link: a culprit explains only what it added)."""
+        base = self.baseline
+        before = [
+            r.duration_ns for r in self.recent if r.complete and onset - steps <= r.step < onset
+        ]
+        level = float(np.mean(before)) if before else base
+        return level if level > base * (1 + self.min_shift) else base
+
+    def step_reaching(self, ts_ns: int) -> int | None:
+        """The first step seen that ended at or after ``ts_ns`` (None: none yet)."""
+        return next((r.step for r in self.recent if r.end_ns >= ts_ns), None)
+
+    def share(self, culprit: Culprit, duration: float) -> float:
+        """The fraction of a step of ``duration`` ns that open incident ``culprit`` costs:
+        the step time it added, from the level before it to the level before the next
+        incident (or ``duration``). Incidents that began at one level share what was
+        added; the shares of all open incidents sum to ``1 - baseline / duration``."""
+        base = self.shift.baseline
+        if duration <= 0 or not base:
+            return 0.0
+        own = self._level(culprit) or base
+        levels = [self._level(c) or base for c in self.onset_at]
+        top = min([lv for lv in levels if lv > own] + [duration])
+        tied = sum(1 for lv in levels if lv == own) or 1
+        return max(0.0, top - own) / duration / tied
+
+    def _level(self, culprit: Culprit) -> float | None:
+        """The step time before incident ``culprit`` began (None: not known yet).
+
+        Final once a step reached its onset and the baseline is known: the steps before
+        it are then all assembled, however late the incident itself was seen (a link's
+        samples may be read before or after the steps around its onset)."""
+        level = self.onset_level.get(culprit)
+        at = self.onset_at.get(culprit)
+        if level is not None or at is None or not self.shift.baseline:
+            return level
+        step, onset_ns = at
+        if step is None:
+            step = self.step_reaching(onset_ns)
+            if step is None:  # no step reached its onset yet: the level so far
+                return self.level_before_step(self.recent[-1].step + 1) if self.recent else None
+            self.onset_at[culprit] = (step, onset_ns)
+        level = self.onset_level[culprit] = self.level_before_step(step)
+        return level
+
+
+__all__ = ["JOB", "Culprit", "Incident", "StepTimeLedger"]

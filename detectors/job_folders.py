@@ -1,0 +1,91 @@
+"""The job's own step folders, for communicators whose instances reach it unfolded.
+
+The flow folds each communicator's instances into step parts in that communicator's
+worker. Some reach the job unfolded all the same: a partial instance's completion, or
+the instances of a communicator whose worker had no schedule for it yet. The job folds
+those with a :class:`~detectors.folder.StepFolder` of its own per communicator, which
+learns what the communicator's worker would have: the layout's schedule, the job's
+iteration markers and the step structure the communicator's calls showed.
+
+>>> from detectors.topology import Topology
+>>> from schemas.records import CommInfo, Iteration, JobInfo
+>>> topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=2, dp=2))
+>>> topo.add(CommInfo(job="j", ts_ns=0, comm_hash=7, ranks=[0, 1], role="dp"))
+>>> own = JobFolders()
+>>> list(own.mark(Iteration(job="j", rank=0, step=3, end_ns=9)))
+[]
+>>> folder, unknown = own.folder(7, topo), own.folder(8, topo)  # made when first needed
+>>> sorted(own.folders), unknown, own.marks
+([7], None, {3: (9, 0)})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from detectors.folder import StepFolder
+from detectors.schedule import CommSchedule, ScheduleBook
+from detectors.topology import Topology
+from schemas.records import AlignedCollective, CommStructure, Iteration
+
+Folded = tuple[list[AlignedCollective], list[Any]]
+
+
+class JobFolders:
+    """Per communicator the job has the record of: its folder, made when first needed."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        #: (comm, sender, receiver) -> its step as its calls show it
+        self.structure: dict[tuple[int, int, int], CommStructure] = {}
+        self.folders: dict[int, StepFolder] = {}
+        self.elsewhere: set[int] = set()  # communicators folded by their own worker
+        self.marks: dict[int, tuple[int, int]] = {}  # iteration markers: step -> (end, rank)
+
+    def folder(self, comm_hash: int, topo: Topology) -> StepFolder | None:
+        """The folder of a communicator (None: the job has no record of it)."""
+        folder = self.folders.get(comm_hash)
+        if folder is None:
+            info = topo.comms.get(comm_hash)
+            if info is None:
+                return None
+            folder = self.folders[comm_hash] = StepFolder()
+            folder.learn(CommSchedule(topo.job, info))
+            for step, (end, rank) in self.marks.items():
+                folder.mark(step, end, rank)
+            for (h, _, _), note in self.structure.items():
+                if h == comm_hash:
+                    folder.adopt(note)
+        return folder
+
+    def noted(self, note: CommStructure) -> Folded:
+        """A communicator's step structure (not a ``learning`` one): kept, and what its
+        folder held waiting for it placed now."""
+        self.structure[(note.comm_hash, note.sender, note.receiver)] = note
+        folder = self.folders.get(note.comm_hash)
+        return folder.adopt(note) if folder is not None else ([], [])
+
+    def note_of(self, comm_hash: int) -> CommStructure | None:
+        return next((n for (h, _, _), n in self.structure.items() if h == comm_hash), None)
+
+    def mark(self, it: Iteration) -> Iterator[Folded]:
+        """One of the job's iteration markers, to each folder in turn (what one gives is
+        taken before the next is told)."""
+        if it.step in self.marks:
+            return
+        self.marks[it.step] = (it.end_ns, it.rank)
+        if len(self.marks) > ScheduleBook.recent_marks:
+            del self.marks[min(self.marks)]
+        for folder in self.folders.values():
+            yield folder.mark(it.step, it.end_ns, it.rank)
+
+    def flush(self) -> Iterator[Folded]:
+        """What each folder still holds (the input ended)."""
+        for folder in self.folders.values():
+            yield folder.flush()
+
+
+__all__ = ["JobFolders"]

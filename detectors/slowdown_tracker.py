@@ -1,0 +1,394 @@
+"""A job's step-time incidents: slowdowns, transient stragglers and intermittent ones.
+
+Every closed step's time goes to the change-point detector
+(:class:`~detectors.changepoint.ShiftDetector`). A confirmed shift is localised
+(:class:`~detectors.slowdown.SlowdownLocalizer`: the critical path where a pipeline is
+known, then who made the others wait, then the transfers between nodes) once the
+links' samples covered it, since a degraded link explains its ends' lateness; the
+culprit's incident stays open, repriced each step, until the job recovers. A burst
+that ended already is a transient straggler (culprit, steps, time lost); the same
+culprit bursting again is intermittent.
+
+>>> from detectors.changepoint import ShiftDetector
+>>> from detectors.gpu_wait import GpuWaitBaseline
+>>> from detectors.incidents import StepTimeLedger
+>>> from detectors.link_tracker import LinkTracker
+>>> from detectors.verdicts import VerdictBook
+>>> book, ledger, gpu = VerdictBook("j"), StepTimeLedger(ShiftDetector(warmup=3)), GpuWaitBaseline()
+>>> tracker = SlowdownTracker(book, ledger, LinkTracker(book, ledger, gpu), gpu, warmup=3)
+>>> tracker.settle_steps, tracker.transient_floor
+(8, 0.5)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from detectors import texts
+from detectors.changepoint import ShiftDetector
+from detectors.gpu_wait import GpuWaitBaseline
+from detectors.incidents import JOB, Culprit, Incident, StepTimeLedger
+from detectors.link_tracker import LinkTracker
+from detectors.slowdown import SlowdownLocalizer
+from detectors.steps import StepReport
+from detectors.topology import Topology
+from detectors.verdicts import VerdictBook
+from schemas.enums import Cause, Phase, VerdictKind
+
+
+class SlowdownTracker:
+    """Open step-time incidents of one job, other than its links'.
+
+    Parameters
+    ----------
+    book, ledger, links, gpu_wait
+        The job's verdict book, step-time ledger, link incidents and GPU-wait baseline.
+    warmup, node_margin, alpha, host_lead_drop
+        The localiser's (:class:`~detectors.slowdown.SlowdownLocalizer`).
+    settle_steps
+        A shift whose first steps name the network or nobody is localised again until
+        it has lasted this many steps (a rank's lateness takes a few to stand out).
+    link_wait_ms
+        How long after the step that confirmed a shift it waits for link samples that
+        are read behind the collectives.
+    gpu_wait_confirms
+        A culprit whose sends wait this many times longer than usual on their own data
+        (SendGPUWait) is confirmed as a GPU producing late (docs/method.md's table).
+    transient_floor
+        A burst is a transient straggler only this far above the baseline (and twice
+        the bar a shift must clear): one that stands out of the noise.
+    """
+
+    def __init__(
+        self,
+        book: VerdictBook,
+        ledger: StepTimeLedger,
+        links: LinkTracker,
+        gpu_wait: GpuWaitBaseline,
+        *,
+        warmup: int = 5,
+        node_margin: float = 0.1,
+        alpha: float = 0.05,
+        host_lead_drop: float = 0.3,
+        settle_steps: int = 8,
+        link_wait_ms: float = 1000.0,
+        gpu_wait_confirms: float = 3.0,
+        transient_floor: float = 0.5,
+    ) -> None:
+        if settle_steps < 1 or gpu_wait_confirms <= 1 or transient_floor <= 0:
+            raise ValueError(
+                "settle_steps must be at least 1, gpu_wait_confirms over 1 and "
+                f"transient_floor positive, not {settle_steps}, {gpu_wait_confirms}, "
+                f"{transient_floor}"
+            )
+        self.book, self.ledger, self.links, self.gpu_wait = book, ledger, links, gpu_wait
+        self.warmup, self.node_margin, self.alpha = warmup, node_margin, alpha
+        self.host_lead_drop = host_lead_drop
+        self.settle_steps = settle_steps
+        self.link_wait_ms = link_wait_ms
+        self.gpu_wait_confirms = gpu_wait_confirms
+        self.transient_floor = transient_floor
+        self._reset()
+
+    def _reset(self) -> None:
+        self.localizer = SlowdownLocalizer(
+            warmup=self.warmup,
+            node_margin=self.node_margin,
+            alpha=self.alpha,
+            host_lead_drop=self.host_lead_drop,
+        )
+        self.open: list[Culprit] = []  # open slowdowns' culprits, oldest first
+        self.bursts: dict[Culprit, list[tuple[int, float, int]]] = {}
+        # a confirmed step-time shift whose cause waits for the links' samples to cover
+        # it: (onset step, ratio, start of the step that confirmed it in ns)
+        self.pending: tuple[int, float, int] | None = None
+
+    @property
+    def shift(self) -> ShiftDetector:
+        return self.ledger.shift
+
+    # ------------------------------------------------------------------ steps
+    def step(self, rep: StepReport, topo: Topology) -> list[msgspec.Struct]:
+        """A closed step (already among the ledger's recent ones)."""
+        if not rep.complete or rep.step == 0:
+            return []
+        out: list[msgspec.Struct] = []
+        ev = self.shift.update(rep.duration_ns, rep.step)
+        if not self.localizer.ready or (ev is None and not self.shift.shifted):
+            self.localizer.learn(rep)
+        if ev is not None:
+            out += self._shift_event(ev.kind, ev.onset, ev.ratio, ev.length, rep, topo)
+        elif self.shift.shifted and self.open:
+            out += self._update(rep, self.ledger.recent[-1].duration_ns / self.shift.baseline)
+        if ev is None and self.pending is not None:
+            out += self.judge(rep, topo)
+        return out
+
+    def links_moved(self, topo: Topology) -> list[msgspec.Struct]:
+        """The links' samples moved on: a shift waiting for them may be judged."""
+        if self.pending is None or not self.ledger.recent:
+            return []
+        return self.judge(self.ledger.recent[-1], topo)
+
+    def finish(self, topo: Topology) -> list[msgspec.Struct]:
+        """No more input: a shift still waiting for link samples is judged now."""
+        if self.pending is None or not self.ledger.recent:
+            return []
+        return self.judge(self.ledger.recent[-1], topo, final=True)
+
+    def _shift_event(
+        self, kind: str, onset: int, ratio: float, length: int, rep: StepReport, topo: Topology
+    ) -> list[msgspec.Struct]:
+        if kind == "shift":
+            self.pending = (onset, ratio, rep.start_ns)
+            return self.judge(rep, topo)
+        if kind == "recovered":
+            self.pending = None
+            out = []
+            for culprit in self.open:
+                if v := self.book.resolve(culprit.verdict_kind.value, culprit.key, rep.end_ns):
+                    out.append(v)
+                self.ledger.forget(culprit)
+            self.open = []
+            out += self.links.severities(0.0, rep)
+            return out
+        return self._burst(onset, ratio, length, rep, topo)
+
+    def judge(self, rep: StepReport, topo: Topology, final: bool = False) -> list[msgspec.Struct]:
+        """Localise the pending shift (as of step ``rep``, the newest) once every node's link
+        samples reached the step that confirmed it, or ``link_wait_ms`` after that step
+        (or now: ``final``, no more input).
+
+        Topics are read at different paces: a degraded link whose samples are read a
+        few steps after the collectives would otherwise leave its slowdown to the job
+        (cause unknown) or to the rank at its end, and then be reported beside it."""
+        assert self.pending is not None
+        onset, ratio, confirmed_ns = self.pending
+        waited = rep.end_ns - confirmed_ns >= self.link_wait_ms * 1e6
+        if self.links.behind(confirmed_ns) and not waited and not final:
+            return []
+        reps = self.ledger.since(onset)
+        if not final and len(reps) < self.settle_steps:
+            # who waits for whom takes a few steps to show: a network or nobody, named
+            # from the first steps of a shift, is only believed once it settled
+            found = self.locate(reps, topo)
+            if found is None or found.culprit.kind == "nodes":
+                return []
+        self.pending = None
+        return self._slowdown(rep, ratio, onset, topo)
+
+    def locate(self, reps: list[StepReport], topo: Topology) -> Incident | None:
+        """The first localised candidate not explained by a degraded link (MEGATRACE checks
+        links first: a rank whose NIC is slow arrives late without computing slowly)."""
+        # a link explains its ends' lateness only from when it degraded: a GPU that slowed
+        # before its own link did is still the culprit of what it began
+        link_ends = self.links.ends_before(reps[0].end_ns if reps else 0)
+        increase = float(np.mean([r.duration_ns for r in reps])) - self.ledger.level_before(reps)
+        found = self.localizer.localize(reps, topo)
+        if not any(r.spans for r in reps) or not self.links.open:
+            # last: who made the others wait (no schedule to walk, or nothing on it); and
+            # if nobody did, the transfers between nodes that took longer
+            found += self.localizer.who_waits(reps, topo, increase)
+            if not self.links.open:
+                found += self.localizer.slow_transfers(reps, topo, increase)
+        for f in found:
+            if f.rank is not None and f.rank in link_ends:
+                continue
+            growth = f.evidence.get("rank_lateness_growth_ns")
+            if growth is not None and growth < 0.25 * increase:
+                continue  # too little of the lost time is this rank's own lateness
+            where: dict[str, Any] = dict(pp_stage=f.stage, microbatch=f.microbatch, node=f.node,
+                                         phase=Phase(f.phase) if f.phase else None,
+                                         evidence=dict(f.evidence))  # fmt: skip
+            if f.rank is not None:
+                return Incident(Culprit.rank(f.rank), f.cause, rank=f.rank,
+                                gpu=topo.gpu(f.rank), **where)  # fmt: skip
+            if f.link is not None:  # the network between nodes
+                where["phase"] = Phase.TRANSFER
+                return Incident(Culprit.network(f.link), f.cause, link=f.link, **where)
+            return Incident(Culprit.node(str(f.node)), f.cause, **where)
+        return None
+
+    # ------------------------------------------------------------------ incidents
+    def _update(self, rep: StepReport, ratio: float) -> list[msgspec.Struct]:
+        """The open incidents' severities at a step ``ratio`` x the baseline (each keeps its
+        cause, culprit and onset; the book announces only material changes)."""
+        duration = ratio * self.ledger.baseline
+        return self.links.severities(duration, rep) + self._reprice(duration, rep)
+
+    def _reprice(
+        self, duration: float, rep: StepReport, skip: Culprit | None = None
+    ) -> list[msgspec.Struct]:
+        """Open slowdowns (but ``skip``) at their shares of a step of ``duration`` ns."""
+        out: list[msgspec.Struct] = []
+        for culprit in self.open:
+            kind = culprit.verdict_kind
+            current = self.book.current(kind.value, culprit.key)
+            if culprit == skip or current is None:
+                continue
+            if v := self.book.report(
+                kind,
+                current.cause,
+                culprit.key,
+                onset_step=current.onset_step,
+                onset_ns=current.onset_ns,
+                detected_ns=rep.end_ns,
+                severity=self.ledger.share(culprit, duration),
+                confidence=current.confidence,
+            ):
+                out.append(v)
+        return out
+
+    def _slowdown(
+        self, rep: StepReport, ratio: float, onset: int, topo: Topology
+    ) -> list[msgspec.Struct]:
+        """A confirmed shift of step time since step ``onset``: localise what it added.
+
+        A culprit already open (its slowdown grew) keeps its incident, onset and the
+        level it began at; another culprit opens an incident of its own beside it."""
+        duration = ratio * self.ledger.baseline
+        reps = self.ledger.since(onset)
+        found = self.locate(reps, topo)
+        if found is None and self.links.open:  # the link verdict carries this slowdown
+            return self._update(rep, ratio)
+        inc = found or Incident(JOB, Cause.UNKNOWN)
+        culprit = inc.culprit
+        grew = culprit in self.open  # its slowdown grew: it keeps its onset
+        if grew and (known := self.ledger.onset_step(culprit)) is not None:
+            onset = known
+            reps = self.ledger.since(onset) or reps
+        onset_rep = reps[0] if reps else rep
+        if not grew:
+            self.open.append(culprit)
+            self.ledger.open(culprit, onset, onset_rep.start_ns, keep=False)
+        severity = self.ledger.share(culprit, duration)
+        out = self.links.severities(duration, rep)
+        kind = culprit.verdict_kind
+        inc.evidence = {
+            **inc.evidence,
+            **self.gpu_wait.evidence(inc.rank),
+            "step_time_ratio": ratio,
+            "baseline_step_ns": float(self.shift.baseline or 0),
+        }
+        phase = inc.phase.value if inc.phase else None
+        summary = texts.slowdown_summary(
+            kind=kind, who=_who(inc), ratio=ratio, onset=onset, severity=severity,
+            cause=inc.cause, where=texts.where(None, phase, inc.microbatch, inc.pp_stage),
+        )  # fmt: skip
+        # the culprit's own sends waiting on their data confirm its GPU (decision table)
+        confirmed = inc.evidence.get("send_gpu_wait_ratio", 0.0) >= self.gpu_wait_confirms
+        v = self.book.report(
+            kind,
+            inc.cause,
+            culprit.key,
+            onset_step=onset,
+            onset_ns=onset_rep.start_ns,
+            detected_ns=rep.end_ns,
+            severity=severity,
+            confidence=(0.95 if confirmed else 0.9) if found else 0.5,
+            step=onset,
+            summary=summary,
+            **inc.fields(),
+        )
+        out += self._reprice(duration, rep, skip=culprit)  # the others' shares moved too
+        return [*out, v] if v else out
+
+    def _burst(
+        self, onset: int, ratio: float, length: int, rep: StepReport, topo: Topology
+    ) -> list[msgspec.Struct]:
+        inc = self.locate(self.ledger.since(onset), topo)
+        if inc is None:
+            return []
+        bursts = self.bursts.setdefault(inc.culprit, [])
+        bursts.append((onset, ratio, length))
+        if len(bursts) < 2:
+            return self._transient(inc, onset, ratio, length, rep)
+        first = bursts[0][0]
+        span = max(1, rep.step - first + 1)
+        extra = sum((r - 1) * n for _, r, n in bursts)
+        severity = extra / (span + extra)
+        mean_ratio = float(np.mean([r for _, r, _ in bursts]))
+        inc.evidence = {
+            **inc.evidence,
+            "bursts": float(len(bursts)),
+            "mean_burst_ratio": mean_ratio,
+            "burst_period_steps": float(np.mean(np.diff([b[0] for b in bursts]))),
+        }
+        reps = [r for r in self.ledger.recent if r.step == first]
+        who = texts.who(inc.rank, inc.gpu, inc.node)
+        summary = texts.intermittent_summary(
+            who=who, bursts=len(bursts), mean_ratio=mean_ratio, first=first, severity=severity
+        )
+        v = self.book.report(
+            VerdictKind.INTERMITTENT_SLOWDOWN,
+            inc.cause,
+            inc.culprit.key,
+            onset_step=first,
+            onset_ns=reps[0].start_ns if reps else rep.start_ns,
+            detected_ns=rep.end_ns,
+            severity=severity,
+            confidence=0.8,
+            step=first,
+            summary=summary,
+            **inc.fields(),
+        )
+        return [v] if v else []
+
+    def _transient(
+        self, inc: Incident, onset: int, ratio: float, length: int, rep: StepReport
+    ) -> list[msgspec.Struct]:
+        """A straggler for a step or a few, over already: reported with its culprit and the
+        time it cost, and resolved at once (a second one makes it intermittent). Only one
+        that stands out: a rank or host named, and well over the noise."""
+        if inc.rank is None and inc.culprit.kind != "node":
+            return []
+        if ratio < 1.0 + max(self.transient_floor, 2 * self.shift.bar):
+            return []
+        reps = [r for r in self.ledger.recent if onset <= r.step < onset + length and r.complete]
+        level = self.ledger.level_before_step(onset)
+        lost = sum(max(0.0, r.duration_ns - level) for r in reps)
+        inc.evidence = {
+            **inc.evidence,
+            "time_lost_ns": float(lost),
+            "steps": float(length),
+            "step_time_ratio": float(ratio),
+            "baseline_step_ns": float(level),
+        }
+        start = reps[0].start_ns if reps else rep.start_ns
+        end = reps[-1].end_ns if reps else rep.end_ns
+        kind, key = VerdictKind.TRANSIENT_STRAGGLER, inc.culprit.key
+        who = texts.who(inc.rank, inc.gpu, inc.node)
+        summary = texts.transient_summary(
+            who=who, onset=onset, length=length, ratio=ratio, lost_ns=lost
+        )
+        v = self.book.report(
+            kind,
+            inc.cause,
+            key,
+            onset_step=onset,
+            onset_ns=start,
+            detected_ns=rep.end_ns,
+            severity=1.0 - 1.0 / ratio if ratio > 1 else 0.0,
+            confidence=0.8,
+            step=onset,
+            summary=summary,
+            **inc.fields(),
+        )
+        done = self.book.resolve(kind.value, key, end)
+        return [x for x in (v, done) if x is not None]
+
+
+def _who(inc: Incident) -> str:
+    """Whom a slowdown is about, in words."""
+    c = inc.culprit
+    if inc.rank is not None:
+        return texts.who(inc.rank, inc.gpu, inc.node)
+    if c.kind == "nodes":
+        return texts.network(c.name)
+    return f"host {inc.node}" if c.kind == "node" else "an unlocalised part of the job"
+
+
+__all__ = ["SlowdownTracker"]
