@@ -9,20 +9,10 @@ job one :class:`~detectors.parts.StepPart` per (communicator, step): the job mer
 about one part per communicator per step. It also builds the stored row of each
 instance it folds.
 
-Which step an instance is in comes from the job, in this order of trust:
-
-1. **the job's iteration markers** (:class:`~detectors.schedule.StepMark`, from the
-   training log, the profiler's step or the collector's step hook): an instance is in
-   the first marked step that ended at or after its first member came;
-2. **its calls** (:class:`~detectors.cycle.CallCycle`, one per sequence: the
-   communicator's collectives, or one sender's transfers to one receiver): the
-   recurring pattern of one step, with the layout's count (:class:`Topology`) as a
-   hint that the calls must allow.
-
-Where the calls agree with the layout (its count, and its steps beginning at the
-first call), the layout's schedule also says each instance's phase and micro-batch
-(the critical path needs them); otherwise they are unknown, and the disagreement is
-told once, as a :class:`~schemas.records.CommStructure` for the job. Instances wait
+Which step an instance is in comes from the job (:mod:`detectors.step_clock`): its
+iteration markers, else the recurring pattern of its calls, the layout's count a hint
+that the calls must allow; where they agree with it, the layout's schedule also says
+each instance's phase and micro-batch (the critical path needs them). Instances wait
 (at most ``max_held``) until their step is known; until the communicator's schedule
 is, and for instances the job already saw as partial, they go to the job unchanged
 (folding and merging commute).
@@ -55,20 +45,24 @@ is, and for instances the job already saw as partial, they go to the job unchang
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
 from typing import Any
 
 from detectors.align import Instance, Key, instance_row
-from detectors.cycle import CallCycle, Cycle
 from detectors.parts import StepPart
+from detectors.step_clock import (
+    OLD_CLOCK_STATE,
+    StepClock,
+    layout_hint,
+    learning_note,
+    place,
+    structure_note,
+)
 from detectors.topology import Position, Topology
-from schemas.enums import CollOp, CommRole, Phase
+from schemas.enums import CommRole, Phase
 from schemas.records import AlignedCollective, CommStructure
 
 Extent = tuple[int, int, int]  # an instance's first arrival, last arrival, last end
 _UNKNOWN = Phase.UNKNOWN.value
-#: marks kept (a communicator needs the few around its open steps)
-_MARKS_KEPT = 256
 
 
 class StepFolder:
@@ -112,36 +106,28 @@ class StepFolder:
         self._last_arrival = 0
         self._last_end = 0
         self._reported = (0, 0)
-        # how steps are found (see the module docstring)
-        self.cycles: dict[tuple[int, int], CallCycle] = {}  # (sender, receiver) -> learner
-        self._agree: dict[tuple[int, int], bool] = {}  # its cycle agrees with the layout
-        self._told: set[tuple[int, int]] = set()  # sequences whose structure was told
-        self._mark_ends: list[int] = []  # the job's iteration markers, by end
-        self._mark_step: dict[int, int] = {}  # end -> step
+        self.clock = StepClock()  # how steps are found (see the module docstring)
         self._held: list[tuple[Instance, Extent]] = []
         self._early = []
         self._sealed_upto = -1  # marks: parts up to this step were sent
         self._last_call_ns = 0  # the newest first arrival of an instance folded or held
-        self._marker_rank = -1  # the rank whose markers the marks are
-        # marks and cycles: a sequence's offset from its cycle's steps to the marks' once
-        # its instances agree on one, the votes so far, and those that never agreed
-        self._offset: dict[tuple[int, int], int] = {}
-        self._votes: dict[tuple[int, int], dict[int, int]] = {}
-        self._distrust: set[tuple[int, int]] = set()
         self._sent: set[int] = set()  # marks: steps whose part was sent whole
         self._announced = False  # the job was told the communicator will send parts
 
-    #: place by the layout without learning: a folder resumed from a version that did
-    _trust_layout = False
-    _announced = True  # (one resumed from such a version sent parts already)
+    _announced = True  # (one resumed from a version that placed by the layout sent parts)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if "cycles" in state:
+        if "cycles" in state:  # its clock kept in the folder itself
+            clock = state["clock"] = StepClock(state.pop("_trust_layout", False))
+            for old, new in OLD_CLOCK_STATE.items():
+                if old in state:
+                    setattr(clock, new, state.pop(old))
+        if "clock" in state:
             self.__dict__.update(state)
             return
         # pickled by a version that placed every instance by the layout: it goes on so
         self._reset()
-        self._trust_layout = True
+        self.clock.trust_layout = True
         kept = ("topo", "comm_hash", "job", "role", "_parts", "_newest", "_partial",
                 "_last_arrival", "_last_end", "_reported")  # fmt: skip
         for name in kept:
@@ -188,14 +174,8 @@ class StepFolder:
     def adopt(self, note: CommStructure) -> tuple[list[AlignedCollective], list[Any]]:
         """A sequence's step as another folder of this communicator learned it (the job's
         own folder, for the instances that reached it unfolded)."""
-        seq_key = (note.sender, note.receiver)
-        if note.per_step < 1 or self.topo is None:
+        if self.topo is None or not self.clock.adopt(note):
             return [], []
-        how = note.clock if note.clock != "marks" else "calls"
-        cycle = Cycle(note.per_step, note.anchor, how)
-        self.cycles[seq_key] = CallCycle.known(cycle, note.layout_per_step)
-        self._agree[seq_key] = note.agrees
-        self._told.add(seq_key)  # told already, by the folder that learned it
         return self._release()
 
     def position(self, inst: Instance, now: bool = False) -> Position | None:
@@ -204,25 +184,19 @@ class StepFolder:
         if self.topo is None:
             return None
         first = min(inst.arrival)
-        step = self._step_of(inst, first, force=now) if (
-            self._mark_ends or (inst.sender, inst.receiver) in self.cycles
-        ) else None  # fmt: skip
+        known = self.clock.knows((inst.sender, inst.receiver))
+        step = self.clock.step_of(inst, first, force=now) if known else None
         if step is None:
             return None
-        return self._position(inst, step)
+        return self._place(inst, step)
 
     def mark(
         self, step: int, end_ns: int, rank: int = -1
     ) -> tuple[list[AlignedCollective], list[Any]]:
         """One of the job's iteration markers: step ``step`` ended at ``end_ns`` on
         ``rank`` (-1: not told)."""
-        if end_ns in self._mark_step or self.topo is None:
+        if self.topo is None or not self.clock.mark(step, end_ns, rank):
             return [], []
-        self._marker_rank = rank
-        insort(self._mark_ends, end_ns)
-        self._mark_step[end_ns] = step
-        if len(self._mark_ends) > _MARKS_KEPT:
-            del self._mark_step[self._mark_ends.pop(0)]
         return self._release()
 
     def update(self, inst: Instance) -> tuple[list[AlignedCollective], list[Any]]:
@@ -241,45 +215,29 @@ class StepFolder:
             return [], self._before_schedule(inst)
         seq_key = (inst.sender, inst.receiver)
         self._last_call_ns = max(self._last_call_ns, ext[0])
-        cycle = self.cycles.get(seq_key)
-        if cycle is None:
-            hint = self._hint(inst)
-            if self._trust_layout and hint:  # resumed from a folder that placed by it
-                cycle = CallCycle.known(Cycle(hint, 0, "layout"), hint)
-                self._agree[seq_key] = True
-                self._told.add(seq_key)
-            else:
-                cycle = CallCycle(hint=hint)
-            self.cycles[seq_key] = cycle
-        learned = cycle.add(inst.seq, (inst.op, inst.size_bytes), ext[0])
-        hello = [] if self._announced else self._hello()
+        hint = (
+            0
+            if seq_key in self.clock.cycles
+            else layout_hint(self.topo, self.comm_hash, self.role, inst)
+        )
+        learned = self.clock.see(seq_key, inst.seq, (inst.op, inst.size_bytes), ext[0], hint)
+        hello = []
+        if not self._announced:  # told once, at its first instance: it will send parts
+            self._announced = True
+            hello = [learning_note(self.job, self.comm_hash, self.role, self._last_call_ns)]
         if not self._held:
-            step = self._step_of(inst, ext[0], force=False)
+            step = self.clock.step_of(inst, ext[0], force=False)
             if step is not None:
                 return [self._fold(inst, ext, step)], [*hello, *self._done()]
         self._held.append((inst, ext))  # after those held before it
         if learned or len(self._held) > self.max_held:
             rows, out = self._release(force=not learned)
             return rows, [*hello, *out]
-        if self._mark_ends and ext[0] <= self._mark_ends[-1]:  # late: its mark came
+        ends = self.clock.mark_ends
+        if ends and ext[0] <= ends[-1]:  # late: its mark came
             rows, out = self._release()
             return rows, [*hello, *out]
         return [], hello
-
-    def _hello(self) -> list[CommStructure]:
-        """Told once, at the communicator's first instance: it will send parts (the job
-        waits for a communicator whose step is being learned; one never used, never)."""
-        self._announced = True
-        return [
-            CommStructure(
-                job=self.job,
-                comm_hash=self.comm_hash,
-                ts_ns=self._last_call_ns,
-                role=self.role,
-                clock="learning",
-                note="its step is being learned from its calls",
-            )
-        ]
 
     def expire(self, now_ns: int) -> tuple[list[AlignedCollective], list[Any]]:
         """Event time moved on to ``now_ns``: instances held longer than ``patience_ns``
@@ -294,7 +252,7 @@ class StepFolder:
             return [], self._give_early()
         if self._held and now_ns - self._held[0][1][0] >= self.patience_ns:
             return self._release(force=True)
-        if moved and self._mark_ends and self._newest >= 0:
+        if moved and self.clock.mark_ends and self._newest >= 0:
             return [], self._done()
         return [], []
 
@@ -330,16 +288,6 @@ class StepFolder:
         self._last_arrival = max(self._last_arrival, ts_ns)
 
     # ------------------------------------------------------------------ placing
-    def _hint(self, inst: Instance) -> int:
-        """Instances of ``inst``'s sequence a step by the layout (0: it says nothing)."""
-        topo = self.topo
-        assert topo is not None
-        if inst.sender < 0:
-            return topo.instances_per_step(self.comm_hash)
-        if self.role is CommRole.PP:  # one micro-batch's transfer each way
-            return topo.job.num_microbatches
-        return 0
-
     def _release(
         self, force: bool = False, final: bool = False
     ) -> tuple[list[AlignedCollective], list[Any]]:
@@ -348,7 +296,7 @@ class StepFolder:
         rows: list[AlignedCollective] = []
         keep: list[tuple[Instance, Extent]] = []
         for inst, ext in self._held:
-            step = self._step_of(inst, ext[0], force)
+            step = self.clock.step_of(inst, ext[0], force)
             if step is None:
                 keep.append((inst, ext))
             else:
@@ -357,74 +305,24 @@ class StepFolder:
         return rows, self._done(final)
 
     def _done(self, final: bool = False) -> list[Any]:
-        out: list[Any] = self._structure(final)
-        if self._mark_ends:
+        marks = bool(self.clock.mark_ends)
+        out: list[Any] = [
+            structure_note(self.job, self.comm_hash, self.role, self._last_call_ns, *told, marks)
+            for told in self.clock.told_now(final)
+        ]  # each sequence's step, once learned, told once; whether the layout holds
+        if marks:
             return out + self._sealed_by_marks(final)
         return out + self._sealed_by_counts()
 
-    def _step_of(self, inst: Instance, first: int, force: bool) -> int | None:
-        seq_key = (inst.sender, inst.receiver)
-        cycle = self.cycles.get(seq_key)
-        c = None if cycle is None else cycle.cycle if not force else cycle.finish()
-        ends = self._mark_ends
-        if not ends:
-            return None if c is None else c.step_of(inst.seq)
-        offset = self._offset.get(seq_key)
-        if offset is not None and c is not None:  # its cycle, numbered as the marks
-            return c.step_of(inst.seq) + offset
-        i = bisect_left(ends, self._mark_time(inst))
-        if i < len(ends):
-            step = self._mark_step[ends[i]]
-            if c is not None:
-                self._vote(seq_key, c, inst.seq, step)
-            return step
-        if not force:
-            return None  # its step's marker has not come yet
-        return self._mark_step[ends[-1]] + 1
-
-    def _mark_time(self, inst: Instance) -> int:
-        """When ``inst`` was called as the marks' clock sees it: by the rank that marks the
-        steps where it is a member (the others may be a step ahead of it), else by the
-        middle of its members' arrivals."""
-        ranks = inst.ranks
-        if self._marker_rank in ranks:
-            return inst.arrival[ranks.index(self._marker_rank)]
-        return sorted(inst.arrival)[len(ranks) // 2]
-
-    def _vote(self, seq_key: tuple[int, int], c: Cycle, seq: int, step: int) -> None:
-        """Whether a sequence's learned cycle steps with the marks: once two cycles' worth
-        of its instances were placed by the marks, an offset that nearly all of them
-        share numbers its cycle as the marks (placed at once, whole steps, from then on);
-        none after six, and the marks place it, instance by instance."""
-        if seq_key in self._distrust:
-            return
-        votes = self._votes.setdefault(seq_key, {})
-        d = step - c.step_of(seq)
-        votes[d] = votes.get(d, 0) + 1
-        total = sum(votes.values())
-        if total < max(4, 2 * c.period):
-            return
-        best = max(votes, key=votes.__getitem__)
-        if votes[best] >= 0.8 * total:
-            self._offset[seq_key] = best
-            del self._votes[seq_key]
-        elif total >= 6 * c.period:
-            self._distrust.add(seq_key)
-            del self._votes[seq_key]
-
-    def _position(self, inst: Instance, step: int) -> Position:
-        topo = self.topo
-        assert topo is not None
-        if self._agree.get((inst.sender, inst.receiver)):
-            pos = topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender, inst.receiver)
-            if pos is not None:
-                return Position(step, pos.phase, pos.microbatch, pos.pp_stage, pos.layer)
-        return Position(step, _phase(self.role, inst.op), None, self._stage())
+    def _place(self, inst: Instance, step: int) -> Position:
+        assert self.topo is not None
+        agrees = self.clock.agree.get((inst.sender, inst.receiver), False)
+        return place(self.topo, self.comm_hash, self.role, agrees, inst, step)
 
     def _fold(self, inst: Instance, ext: Extent, step: int) -> AlignedCollective:
         topo = self.topo
         assert topo is not None
-        pos = self._position(inst, step)
+        pos = self._place(inst, step)
         part = self._parts.get(step)
         if part is None:
             part = self._parts[step] = StepPart(step, inst.comm_hash, inst.job)
@@ -433,23 +331,10 @@ class StepFolder:
             self._newest = step
         return instance_row(inst.job, topo.comms.get(inst.comm_hash), inst, pos, *ext)
 
-    def _stage(self) -> int | None:
-        info = self.topo.comms.get(self.comm_hash) if self.topo else None
-        return info.pp_stage if info else None
-
-    def _per_step(self) -> int:
-        """Instances a step holds on this communicator, by its cycles (0: not known)."""
-        total = 0
-        for cycle in self.cycles.values():
-            if cycle.cycle is None:
-                return 0
-            total += cycle.cycle.period
-        return total
-
     def _sealed_by_counts(self) -> list[StepPart]:
         """Cycles: a part is done when it holds a step's instances, or given up on once
         an instance ``give_up_steps`` later came."""
-        per_step = self._per_step()
+        per_step = self.clock.per_step()
         done = {s for s, p in self._parts.items() if per_step and p.n >= per_step}
         done.update(s for s in self._parts if s <= self._newest - self.give_up_steps)
         if len(self._parts) - len(done) > self.max_open_steps:
@@ -467,14 +352,12 @@ class StepFolder:
         (an instance completed late) goes at once."""
         if self._newest < 0:
             return []  # it took part in no step yet
-        ends = self._mark_ends
         passed = max(self._last_arrival, self._clock_ns - self.idle_ns)
-        i = len(ends) if final else bisect_left(ends, passed)
-        done_upto = self._mark_step[ends[i - 1]] if i else -1  # -1: none ended before
+        done_upto = self.clock.marked_upto(passed, final)  # -1: none ended before
         # every sequence numbered by its cycle: a step is done when it holds a step's
         # instances; the marks only give up on it a step later
-        whole = len(self._offset) == len(self.cycles) and not final
-        per_step = self._per_step() if whole else 0
+        whole = self.clock.numbered() and not final
+        per_step = self.clock.per_step() if whole else 0
         if per_step:
             done_upto -= 1
         full = [s for s, p in self._parts.items() if per_step and p.n >= per_step]
@@ -493,49 +376,6 @@ class StepFolder:
             out.append(self._parts.pop(min(self._parts)).seal())
         return out
 
-    # ------------------------------------------------------------------ structure
-    def _structure(self, final: bool) -> list[CommStructure]:
-        """Each sequence's step, once learned, told once; whether the layout holds."""
-        out = []
-        for seq_key, cycle in self.cycles.items():
-            if seq_key in self._told:
-                continue
-            c = cycle.cycle or (cycle.finish() if final else None)
-            if c is None:
-                continue
-            self._told.add(seq_key)
-            agrees = bool(cycle.hint) and c.period == cycle.hint and c.anchor == 0
-            self._agree[seq_key] = agrees
-            out.append(self._note(seq_key, c, cycle.hint, agrees))
-        return out
-
-    def _note(self, seq_key: tuple[int, int], c: Cycle, hint: int, agrees: bool) -> CommStructure:
-        marks = bool(self._mark_ends)
-        what = f"{c.period} instance{'s' if c.period != 1 else ''} a step"
-        if agrees:
-            note = f"{what}, as the layout says"
-        elif hint:
-            begins = f", beginning at its call {c.anchor + 1}" if c.anchor else ""
-            note = f"its calls repeat every {what}{begins}; the layout says {hint}"
-        else:
-            note = f"its calls repeat every {what} (the layout says nothing)"
-        if marks:
-            note += "; the job's iteration markers place its steps"
-        return CommStructure(
-            job=self.job,
-            comm_hash=self.comm_hash,
-            ts_ns=self._last_call_ns,
-            role=self.role,
-            sender=seq_key[0],
-            receiver=seq_key[1],
-            clock="marks" if marks else c.how,
-            per_step=c.period,
-            anchor=c.anchor,
-            layout_per_step=hint,
-            agrees=agrees,
-            note=note,
-        )
-
     def _name(self, inst: Instance) -> None:
         if self.comm_hash < 0:  # no schedule yet: the first instance says whose folder this is
             self.comm_hash, self.job = inst.comm_hash, inst.job
@@ -546,15 +386,6 @@ class StepFolder:
         return self._partial
 
     @property
-    def per_step(self) -> int:
-        """Instances a step holds on this communicator, as its calls show (0: not known)."""
-        return self._per_step()
-
-    @property
-    def n_open(self) -> int:
-        return len(self._parts)
-
-    @property
     def n_held(self) -> int:
         return len(self._held)
 
@@ -562,13 +393,6 @@ class StepFolder:
     def last_arrival_ns(self) -> int:
         """The newest arrival (or proxy activity) the communicator showed."""
         return self._last_arrival
-
-
-def _phase(role: CommRole, op: CollOp) -> str:
-    """The phase a communicator's instance is in where the schedule is not known."""
-    if role is CommRole.DP:
-        return Phase.DP_SYNC.value
-    return _UNKNOWN
 
 
 __all__ = ["StepFolder"]

@@ -416,7 +416,7 @@ def test_other_job_and_source_shapes_are_analysed_like_any_other(
     assert all(r.complete for r in job.recent if r.step < hung_at)
     assert job.assembler is not None and job.assembler.late_instances == 0
     # every communicator folds its own instances: the job gets parts, not instances
-    assert all(comm.folder.per_step > 0 for comm in replay.comms.values())
+    assert all(comm.folder.clock.per_step() > 0 for comm in replay.comms.values())
     rows = [
         (r.comm_hash, r.seq, r.sender, r.receiver) for r in out if isinstance(r, AlignedCollective)
     ]
