@@ -398,21 +398,6 @@ def _publish(
     return n
 
 
-def _paced(records: Any, speed: float) -> Any:
-    """Yield records no faster than their timestamps (x speed) allow."""
-    from schemas.records import event_time
-
-    t_wall0, t_ev0 = time.monotonic(), None
-    for rec in records:
-        ev = event_time(rec)
-        if ev:
-            t_ev0 = t_ev0 or ev
-            lag = (ev - t_ev0) / 1e9 / speed - (time.monotonic() - t_wall0)
-            if lag > 0.001:
-                time.sleep(lag)
-        yield rec
-
-
 @cli.command("scenarios")
 def scenarios() -> None:
     """List the simulator's scenarios and scales."""
@@ -463,6 +448,7 @@ def simulate(
     speed: float,
 ) -> None:
     """Simulate a training job with injected faults; publish it or write it to files."""
+    from producers.publish import paced_by_time
     from producers.sim.scenarios import build
     from schemas.codec import write_jsonl
 
@@ -479,7 +465,7 @@ def simulate(
         f"{f' ep{sp.ep}' if sp.ep > 1 else ''}{f' cp{sp.cp}' if sp.cp > 1 else ''}) on "
         f"{sp.num_nodes} nodes, {run.steps} steps, faults: {run.faults or 'none'}"
     )
-    records = _paced(run.records(), speed) if paced else run.records()
+    records = paced_by_time(run.records(), speed) if paced else run.records()
     t0 = time.monotonic()
     if to == "kafka":
         n = _publish(obj, records, "publishing")
@@ -771,7 +757,7 @@ def analyze(path: str, as_json: bool) -> None:
     """Run the detectors over recorded records (a JSON-lines file or a simulate directory)."""
     from detectors.console import IncidentLog
     from detectors.replay import Replay
-    from schemas.codec import SchemaError, read_jsonl
+    from schemas.codec import SchemaError, read_jsonl, verdict_json
     from schemas.records import Verdict
 
     p = Path(path)
@@ -784,7 +770,7 @@ def analyze(path: str, as_json: bool) -> None:
                 if not isinstance(out, Verdict):
                     continue
                 if as_json:  # every revision, as the verdicts table keeps them
-                    click.echo(json.dumps(_verdict_json(out)))
+                    click.echo(json.dumps(verdict_json(out)))
                 elif (line := log.update(out)) is not None:
                     click.echo(line)
     except SchemaError as e:
@@ -793,37 +779,6 @@ def analyze(path: str, as_json: bool) -> None:
         click.echo("")
         for line in log.summary():
             click.echo(line)
-
-
-def _verdict_json(v: Any) -> dict[str, Any]:
-    keys = (
-        "verdict_id",
-        "status",
-        "kind",
-        "cause",
-        "rank",
-        "node",
-        "gpu",
-        "link",
-        "step",
-        "microbatch",
-        "phase",
-        "pp_stage",
-        "comm_hash",
-        "seq",
-        "op",
-        "onset_ns",
-        "onset_step",
-        "detected_ns",
-        "severity",
-        "confidence",
-        "summary",
-        "evidence",
-    )
-    import msgspec
-
-    d = msgspec.to_builtins(v)
-    return {k: d.get(k) for k in keys}
 
 
 @cli.command("demo")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import msgspec
 
 from schemas.codec import encode
+from schemas.records import event_time
 from schemas.topics import Topics, message_key
 
 
@@ -72,3 +74,16 @@ class KafkaPublisher:
             raise PublishError(f"{remaining} records still undelivered after {timeout_s}s")
         if self.failed:
             raise PublishError(f"delivery failed: {dict(self.failed)}")
+
+
+def paced_by_time(records: Iterable[msgspec.Struct], speed: float) -> Iterator[msgspec.Struct]:
+    """Yield records no faster than their timestamps (x ``speed``) allow."""
+    t_wall0, t_ev0 = time.monotonic(), None
+    for rec in records:
+        ev = event_time(rec)
+        if ev:
+            t_ev0 = t_ev0 or ev
+            lag = (ev - t_ev0) / 1e9 / speed - (time.monotonic() - t_wall0)
+            if lag > 0.001:
+                time.sleep(lag)
+        yield rec

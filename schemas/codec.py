@@ -259,6 +259,19 @@ def read_jsonl(path: Path, inputs: bool = False) -> Iterator[Any]:
 # --------------------------------------------------------------------------- JSON Schema
 
 
+#: a verdict's fields as ``megatrace analyze --json`` prints each revision
+VERDICT_FIELDS = ("verdict_id", "status", "kind", "cause", "rank", "node", "gpu", "link", "step",
+                  "microbatch", "phase", "pp_stage", "comm_hash", "seq", "op", "onset_ns",
+                  "onset_step", "detected_ns", "severity", "confidence", "summary",
+                  "evidence")  # fmt: skip
+
+
+def verdict_json(v: msgspec.Struct) -> dict[str, Any]:
+    """A verdict's JSON form (:data:`VERDICT_FIELDS`, enums as their values)."""
+    d = msgspec.to_builtins(v)
+    return {k: d.get(k) for k in VERDICT_FIELDS}
+
+
 def json_schema() -> dict[str, Any]:
     """A JSON Schema (2020-12) document covering every record type.
 
