@@ -39,8 +39,17 @@ from bytewax.dataflow import Dataflow
 
 from detectors.alerting import AlertGate
 from detectors.console import IncidentLog
-from detectors.merge import CommLiveness, shard_of
+from detectors.merge import CommLiveness
 from detectors.parts import StepPart
+from detectors.route import (
+    comm_key,
+    entry,
+    job_of,
+    node_key,
+    schedules_it,
+    shard_key,
+    to_shard,
+)
 from detectors.schedule import CommSchedule, StepMark
 from flows.kafka_source import BrokerHealth, RawBatch, RawKafkaSource, part_name
 from flows.sinks import AsyncClickHouseSink, ClickHouseSink
@@ -245,14 +254,6 @@ def _undecodable(exc: Exception) -> SchemaError:
     )
 
 
-def comm_key(job: str, comm_hash: int) -> str:
-    return f"{job}:{comm_hash:016x}"
-
-
-def job_of(comm_key: str) -> str:
-    return comm_key.rsplit(":", 1)[0]
-
-
 _COMM_KINDS = frozenset({Collective, ProxySummary})
 _STORED_ONLY = frozenset({Collective, ProxySummary, Kernel})
 _META_KINDS = frozenset({JobInfo, CommInfo, Iteration})
@@ -302,7 +303,7 @@ def links_by_node(d: Decoded) -> list[tuple[str, list[LinkSample]]]:
     groups: dict[str, list[LinkSample]] = {}
     for r in d.records:
         if isinstance(r, LinkSample):
-            groups.setdefault(f"{r.job}:{r.node}", []).append(r)
+            groups.setdefault(node_key(r.job, r.node), []).append(r)
     return list(groups.items())
 
 
@@ -313,7 +314,7 @@ def others_by_job(d: Decoded) -> list[tuple[str, list[msgspec.Struct]]]:
         return []
     groups: dict[str, list[msgspec.Struct]] = {}
     for r in d.records:
-        if not isinstance(r, Collective | ProxySummary | Kernel | LinkSample):
+        if entry(r) == "job":
             groups.setdefault(r.job, []).append(r)  # type: ignore[attr-defined]
     return list(groups.items())
 
@@ -324,8 +325,8 @@ def meta_by_job(d: Decoded) -> list[tuple[str, list[JobInfo | CommInfo | Iterati
         return []
     groups: dict[str, list[JobInfo | CommInfo | Iteration]] = {}
     for r in d.records:
-        if isinstance(r, JobInfo | CommInfo | Iteration):
-            groups.setdefault(r.job, []).append(r)
+        if schedules_it(r):
+            groups.setdefault(r.job, []).append(r)  # type: ignore[attr-defined]
     return list(groups.items())
 
 
@@ -361,17 +362,17 @@ def own_tables() -> list[str]:
 
 def forward_to_job(kv: tuple[str, AlignOut]) -> tuple[str, list[Any]]:
     """What a communicator tells its job directly (step parts and progress are merged)."""
-    return job_of(kv[0]), [x for x in kv[1].forward if not isinstance(x, StepPart | CommLiveness)]
+    return job_of(kv[0]), [x for x in kv[1].forward if not to_shard(x)]
 
 
 def parts_by_shard(
     shards: int, kv: tuple[str, AlignOut]
 ) -> list[tuple[str, list[StepPart | CommLiveness]]]:
     """A communicator's step parts and progress, keyed by (job, shard of its communicators)."""
-    parts = [x for x in kv[1].forward if isinstance(x, StepPart | CommLiveness)]
+    parts = [x for x in kv[1].forward if to_shard(x)]
     if not parts:
         return []
-    return [(f"{job_of(kv[0])}:{shard_of(parts[0].comm_hash, shards)}", parts)]
+    return [(shard_key(job_of(kv[0]), parts[0].comm_hash, shards), parts)]
 
 
 def rekey_by_job(kv: tuple[str, list[Any]]) -> tuple[str, list[Any]]:
@@ -508,6 +509,8 @@ def build_flow(cfg: FlowConfig) -> Dataflow:
 
 
 def _detect(cfg: FlowConfig, decoded: op.Stream[Decoded], health: BrokerHealth) -> None:
+    """The detectors' route (:mod:`detectors.route`: schedule -> comm -> shard, node ->
+    job), each stage a keyed stateful step around that stage's pure state."""
     # (job, list[JobInfo | CommInfo]) -> (job:comm, [CommSchedule]): where each comm's calls sit
     book = op.stateful_map(
         "schedule_book", op.flat_map("meta_by_job", decoded, meta_by_job), schedules

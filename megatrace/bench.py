@@ -491,163 +491,72 @@ def simulate(scales: list[str], steps: int, say: Callable[[str], None]) -> None:
 def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000) -> None:
     """Cost of the detectors per training step at a scale, in one process, by stage.
 
-    Records go through the flow's stages as the flow batches them (each key's
-    share of a poll of ``poll`` records is one batch): per
+    Records go through the flow's stages (:class:`~detectors.route.Route`) as the flow
+    batches them (each key's share of a poll of ``poll`` records is one batch): per
     communicator (alignment and folding into step parts), per shard of the
-    communicators (merging their parts) and per node (link monitors), all
-    parallel across workers, then per job (merging parts and digests,
-    heartbeats, step analysis: one worker per job).
+    communicators (merging their parts) and per node (link monitors), all parallel
+    across workers, then per job (merging parts and digests, heartbeats, step
+    analysis: one worker per job); the route's hook times each stage.
     """
-    from detectors.comm import CommAnalyzer
-    from detectors.job import JobAnalyzer
-    from detectors.merge import CommLiveness, PartMerger, shard_of
-    from detectors.node import NodeAnalyzer
-    from detectors.parts import StepPart
-    from detectors.schedule import ScheduleBook
-    from schemas.records import Collective, LinkSample, ProxySummary
+    from detectors.route import Route
+    from schemas.records import StepSummary
 
     tune_gc()  # as the flow does
     run = build("slow-gpu", scale=scale, seed=0, steps=steps, kernels=False)
     records = list(run.records())
-    comms: dict[int, CommAnalyzer] = {}
-    pending: dict[int, list[Any]] = {}
-    book = ScheduleBook()
-    job = JobAnalyzer(run.spec.job)
-    step_s: list[float] = []
-    plain_step = job._step
-
+    spent = dict.fromkeys(("schedule", "comm", "shard", "node", "job", "timers"), 0.0)
+    to_job = 0
+    step_s: list[float] = []  # job updates that closed a step
     warm = min(2, steps // 2)  # the first steps: every communicator heard from the first time
     at_warm = [0.0, 0]  # the job's time and items when the warm-up steps closed
 
-    def timed_step(rep):
-        t0 = time.perf_counter()
-        out = plain_step(rep)
-        step_s.append(time.perf_counter() - t0)
-        if len(step_s) == warm:
-            at_warm[:] = [t_job, to_job]
-        return out
-
-    job._step = timed_step  # type: ignore[method-assign]
-    nodes: dict[str, NodeAnalyzer] = {}
-    node_pending: dict[str, list[Any]] = {}
-    shards = job.settings.part_shards
-    mergers: dict[int, PartMerger] = {}
-    t_comm = t_node = t_merge = t_job = 0.0
-    to_job = 0
-
-    def flush(comm_hash: int) -> None:
-        nonlocal t_comm, t_job, to_job
-        items = pending.pop(comm_hash, [])
-        t0 = time.perf_counter()
-        comm = comms.get(comm_hash) or comms.setdefault(comm_hash, CommAnalyzer())
-        _, forward = comm.update(items)
-        t_comm += time.perf_counter() - t0
-        to_job_now(forward)
-
-    def to_job_now(forward: list[Any]) -> None:
-        nonlocal t_merge
-        for x in forward:
-            if isinstance(x, StepPart | CommLiveness):  # merged per shard first
-                t0 = time.perf_counter()
-                key = shard_of(x.comm_hash, shards)
-                merger = mergers.get(key) or mergers.setdefault(key, PartMerger())
-                merged = merger.update(x)
-                t_merge += time.perf_counter() - t0
-            else:
-                merged = [x]
-            if merged:
-                deliver(merged)
-
-    def deliver(items: list[Any]) -> None:
-        nonlocal t_job, to_job
-        t0 = time.perf_counter()
-        for y in items:
-            job.update(y)
-        t_job += time.perf_counter() - t0
-        to_job += len(items)
-
-    def flush_node(name: str) -> None:
-        nonlocal t_node, t_job, to_job
-        st = job.settings
-        t0 = time.perf_counter()
-        node = nodes.get(name) or nodes.setdefault(
-            name, NodeAnalyzer(st.warmup_steps, st.link_drop)
-        )
-        digest = node.update(node_pending.pop(name, []))
-        t1 = time.perf_counter()
-        if digest is not None:
-            to_job += 1
-            job.update(digest)
-        t_node += t1 - t0
-        t_job += time.perf_counter() - t1
-
-    def poll_done() -> None:  # each key's share of a poll is one batch, as in the flow
-        nonlocal t_merge
-        for comm_hash in list(pending):
-            flush(comm_hash)
-        for name in list(node_pending):
-            flush_node(name)
-        t0 = time.perf_counter()
-        progress = [p for merger in mergers.values() for p in merger.progress()]
-        t_merge += time.perf_counter() - t0
-        deliver(progress)
-
-    for i, rec in enumerate(records):
-        if i % poll == poll - 1:
-            poll_done()
-        if isinstance(rec, Collective | ProxySummary):
-            pending.setdefault(rec.comm_hash, []).append(rec)
-            continue
-        if isinstance(rec, LinkSample):  # heartbeats stay on the job's path, in order
-            node_pending.setdefault(rec.node, []).append(rec)
-            continue
-        t0 = time.perf_counter()
-        job.update(rec)
-        t_job += time.perf_counter() - t0
+    def hook(stage: str, seconds: float, outputs: list[Any]) -> None:
+        nonlocal to_job
+        spent[stage] += seconds
+        if stage != "job":
+            return
         to_job += 1
-        for sc in book.update(rec):  # the flow's schedule book: a step of its own
-            pending.setdefault(sc.comm.comm_hash, []).append(sc)
-    poll_done()
-    for comm in comms.values():
-        to_job_now(comm.flush())
-    t0 = time.perf_counter()
-    for merger in mergers.values():
-        for x in merger.flush():
-            job.update(x)
-    job.finish()
-    t_job += time.perf_counter() - t0
+        if any(isinstance(o, StepSummary) for o in outputs):
+            step_s.append(seconds)
+            if len(step_s) == warm:
+                at_warm[:] = [spent["job"], to_job]
+
+    route = Route(poll=poll, hook=hook)
+    for rec in records:
+        route.update(rec)
+    route.finish()
     n = run.steps
     med = sorted(step_s)[len(step_s) // 2] if step_s else 0.0
     steady = max(1, n - warm)
+    shards = route.settings.part_shards
+
+    def ms(stage: str) -> str:
+        return f"{spent[stage] / n * 1e3:9.1f} ms/step"
+
     say(
         f"{scale}: {run.spec.world_size} ranks, {len(records) / n:,.0f} records per step, "
-        f"{len(comms):,} communicators; after {warm} steps the job receives "
+        f"{len(route.comms):,} communicators; after {warm} steps the job receives "
         f"{(to_job - at_warm[1]) / steady:,.0f} items per step ({to_job / n:,.0f} over all)"
     )
-    say(
-        f"  per communicator: alignment + folding (all communicators,  "
-        f"{t_comm / n * 1e3:9.1f} ms/step\n"
-        f"    parallel across flow workers)"
-    )
-    say(
-        f"  per shard: merging the communicators' step parts         "
-        f"{t_merge / n * 1e3:9.1f} ms/step\n    ({shards} shards, parallel across flow workers)"
-    )
-    say(
-        f"  per node: link monitors (all nodes,                      "
-        f"{t_node / n * 1e3:9.1f} ms/step\n    parallel across flow workers)"
-    )
+    say(f"  per communicator: alignment + folding (all communicators,  {ms('comm')}")
+    say("    parallel across flow workers)")
+    say(f"  per shard: merging the communicators' step parts         {ms('shard')}")
+    say(f"    ({shards} shards, parallel across flow workers)")
+    say(f"  per node: link monitors (all nodes,                      {ms('node')}")
+    say("    parallel across flow workers)")
     say(
         f"  per job: merging parts + step analysis + other records   "
-        f"{(t_job - at_warm[0]) / steady * 1e3:9.1f} ms/step\n"
-        f"    after {warm} steps ({t_job / n * 1e3:.1f} over all: the first ones merge a part\n"
-        f"    per communicator, heard from for the first time)"
+        f"{(spent['job'] - at_warm[0]) / steady * 1e3:9.1f} ms/step\n"
+        f"    after {warm} steps ({spent['job'] / n * 1e3:.1f} over all: the first ones merge a\n"
+        f"    part per communicator, heard from for the first time)"
     )
+    say(f"  timers: hang watchdog, communicators' expiry             {ms('timers')}")
+    say(f"  schedule book (job metadata, iteration markers)          {ms('schedule')}")
     say(
-        f"  step analysis alone (change points, critical path,       {med * 1e3:9.1f} ms median, "
+        f"  a job update that closed a step (its last part merged,   {med * 1e3:9.1f} ms median, "
         f"{max(step_s, default=0) * 1e3:.1f} ms max"
     )
-    say("   localisation, step and rank tables)")
+    say("   change points, critical path, localisation, tables)")
 
 
 __all__ = ["analyze", "pipeline", "simulate"]

@@ -110,6 +110,8 @@ CASES: dict[str, Case] = {c.name: c for c in _cases()}
 QUICK = ("ddp-healthy", "ddp-slow-link", "ddp-slow-rank", "ddp-hang")
 #: how long a hung job is left hung before the lab ends it
 HANG_S = 8.0
+#: the Flight Recorder ring every rank keeps (entries)
+FR_ENTRIES = 4000
 
 
 @dataclass
@@ -130,6 +132,9 @@ class CaseRun:
     labels: list[FaultLabel] = field(default_factory=list)
     marks: list[Iteration] = field(default_factory=list)
     records: list[Any] = field(default_factory=list)
+    #: megatrace's verdicts from the ranks' Flight Recorder dumps alone, where there are any
+    fr_verdicts: list[Verdict] = field(default_factory=list)
+    fr_ranks: list[int] = field(default_factory=list)  # the ranks that dumped
     seconds: float = 0.0
     error: str = ""
 
@@ -148,6 +153,8 @@ class Ranks:
     ) -> None:
         self.case, self.nodes, self.run_dir = case, nodes, run_dir
         self.progress = run_dir / "progress"
+        self.fr_dir = run_dir / "fr"
+        self.fr_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen[bytes]] = []
         for r in range(case.ranks):
             node = nodes[r // case.per_node]
@@ -162,6 +169,8 @@ class Ranks:
                 "LOCAL_WORLD_SIZE": str(case.per_node),
                 "MEGATRACE_NODE": node.name,
                 "MEGATRACE_AGENT__SOCKET": str(sockets[node.index]),
+                "TORCH_FR_BUFFER_SIZE": str(FR_ENTRIES),
+                "MEGATRACE_LAB_FR": str(self.fr_dir),
             }
             log = open(run_dir / f"rank{r}.log", "wb")  # noqa: SIM115
             argv = [
@@ -198,6 +207,21 @@ class Ranks:
             time.sleep(0.02)
         return False
 
+    def dump_flight_recorders(self, stopped: set[int], timeout_s: float = 6.0) -> int:
+        """Ask every rank for its Flight Recorder ring (a stopped one cannot answer);
+        how many dumps there are once the others answered or ``timeout_s`` passed."""
+        ask = self.fr_dir / "dump"
+        ask.touch()
+        deadline = time.monotonic() + timeout_s
+        live = {r for r, p in enumerate(self.procs) if p.poll() is None} - stopped
+        while time.monotonic() < deadline:
+            dumped = {int(p.name.split("_")[1]) for p in self.fr_dir.glob("rank_*")}
+            if live <= dumped:
+                break
+            time.sleep(0.1)
+        ask.unlink()  # a stopped rank, continued to be killed, must not answer late
+        return len(list(self.fr_dir.glob("rank_*")))
+
     def pids(self, ranks: list[int]) -> list[int]:
         return [self.procs[r].pid for r in ranks]
 
@@ -226,6 +250,7 @@ def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
     after :data:`HANG_S`)."""
     ends: list[Callable[[], None]] = []
     hang_at: float | None = None
+    stopped: set[int] = set()
     for i, f in enumerate(case.faults):
         if not ranks.wait_step(f.at_step, timeout_s=300):
             break
@@ -247,12 +272,14 @@ def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
                 ends.append(lambda group=group: lab.quota(group, None))
         elif f.kind == "hang":
             NetLab.signal(ranks.pids([f.target])[0], signal.SIGSTOP)
+            stopped.add(f.target)
             hang_at = time.monotonic()
         elif f.kind == "kill":
             NetLab.signal(ranks.pids([f.target])[0], signal.SIGKILL)
             hang_at = time.monotonic()
     if hang_at is not None:  # the job cannot go on: leave it hung a while, then end it
         time.sleep(max(0.0, HANG_S - (time.monotonic() - hang_at)))
+        ranks.dump_flight_recorders(stopped)  # as the watchdogs would, at their timeout
         ranks.kill()
     ranks.wait(timeout_s=60 + 4 * case.steps)
     for end in ends:

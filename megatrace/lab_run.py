@@ -135,6 +135,7 @@ def run_case(
         ranks.kill()
         stop_agents(2)
     _results(run, stack, settings, lab)
+    _flight_recorders(run, run_dir / "fr")
     run.seconds = time.monotonic() - t0
     return run
 
@@ -149,6 +150,24 @@ def _results(run: CaseRun, stack: Any, settings: Settings, lab: NetLab) -> None:
     run.records.sort(key=event_time)
     run.marks = [r for r in run.records if isinstance(r, Iteration)]
     run.labels = labels_of(run, lab.nodes)
+
+
+def _flight_recorders(run: CaseRun, fr_dir: Path) -> None:
+    """megatrace's verdicts from the ranks' Flight Recorder dumps alone, as an SRE would
+    import them after a hang (``megatrace import flight-recorder``)."""
+    from detectors.replay import Replay
+    from producers.flight_recorder import DumpFormatError, import_dumps
+
+    dumps = sorted(fr_dir.glob("rank_*"), key=lambda p: int(p.name.split("_")[1]))
+    run.fr_ranks = [int(p.name.split("_")[1]) for p in dumps]
+    if not dumps:
+        return
+    try:
+        records, _ = import_dumps(dumps, run.job)
+    except DumpFormatError as e:
+        run.error = f"its Flight Recorder dumps could not be read: {e}"
+        return
+    run.fr_verdicts = [v for v in Replay().run(records) if isinstance(v, Verdict)]
 
 
 def save(run: CaseRun, d: Path) -> None:
@@ -176,9 +195,13 @@ def _told(run: CaseRun) -> str:
         or "healthy"
     )
     steps = len(run.marks)
+    fr = ""
+    if run.fr_ranks:
+        from_fr = "; ".join(f"{texts.kind(v)} of {texts.culprit(v)}" for v in run.fr_verdicts)
+        fr = f"; from {len(run.fr_ranks)} Flight Recorder dumps: {from_fr or 'none'}"
     return (
         f"{run.seconds:.0f} s, {steps} steps ({step_ns(run.marks) / 1e6:.0f} ms each); "
-        f"injected: {truth}; found: {found}"
+        f"injected: {truth}; found: {found}{fr}"
     )
 
 
@@ -201,6 +224,13 @@ def table(runs: list[CaseRun], baselines: bool = True) -> list[str]:
     lines = []
     for m in methods:
         lines += ["", f"== {m} ({sum(not r.error for r in runs)} lab runs)", *scores[m].table()]
+    dumped = [r for r in runs if r.fr_ranks and not r.error]
+    if dumped:  # what the ranks' own Flight Recorder dumps tell, read by megatrace
+        fr = Score()
+        for run in dumped:
+            fr.add_run(run.labels, run.fr_verdicts, len(run.marks), step_ns(run.marks))
+        lines += ["", f"== megatrace on the ranks' Flight Recorder dumps ({len(dumped)} hung "
+                  "runs, dumped at the lab's hang timeout)", *fr.table()]  # fmt: skip
     return lines
 
 

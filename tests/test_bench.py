@@ -58,3 +58,25 @@ def test_bench_pipeline_stops_the_broker_it_started(tmp_path) -> None:
     assert "records through the paced run" in res.stdout
     status = subprocess.run([*run, "stack", "status"], capture_output=True, text=True, timeout=60)
     assert "broker: not running" in status.stdout, status.stdout
+
+
+def test_bench_analyze_times_every_stage_of_the_route_and_counts_what_reaches_the_job() -> None:
+    """The detector cost is measured through the route the flow runs (every stage timed by
+    its hook), so that a stage left out, or work done twice, shows in the table."""
+    import re
+
+    from megatrace.bench import analyze
+
+    lines: list[str] = []
+    analyze("tiny", 8, lines.append, poll=500)
+    text = "\n".join(lines)
+    head = re.match(r"tiny: 8 ranks, ([\d,]+) records per step, (\d+) communicators; .* "
+                    r"receives ([\d,]+) items per step", text)  # fmt: skip
+    assert head is not None, text
+    assert int(head[2]) >= 4 and int(head[3].replace(",", "")) > 0
+    cost = {
+        m[1]: float(m[2]) for m in re.finditer(r"  (per \w+|timers)\b.*?([\d.]+) ms/step", text)
+    }
+    assert set(cost) == {"per communicator", "per shard", "per node", "per job", "timers"}, text
+    assert cost["per communicator"] > 0 and cost["per job"] > 0
+    assert re.search(r"closed a step .* ([\d.]+) ms median", text), text

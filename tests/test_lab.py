@@ -128,6 +128,17 @@ def test_a_stopped_rank_goes_silent_while_the_others_go_on(runs) -> None:
             assert others and max(others) > onset + 2_000_000_000
 
 
+def test_the_ranks_flight_recorder_dumps_name_the_rank_that_hung(runs) -> None:
+    """Every rank keeps PyTorch's Flight Recorder ring: at the hang timeout the ranks still
+    running dump it (a stopped or killed rank cannot), and megatrace reading those dumps
+    alone names the rank that never joined."""
+    for name, rank in (("ddp-hang", 2), ("ddp-killed", 3)):
+        run = runs[name]
+        assert run.fr_ranks == [r for r in range(4) if r != rank], (name, run.fr_ranks)
+        hangs = [v for v in run.fr_verdicts if v.kind.value == "hang"]
+        assert hangs and hangs[-1].rank == rank, (name, [v.summary for v in run.fr_verdicts])
+
+
 def test_the_lab_writes_labels_from_what_it_did_and_keeps_recordings(runs, tmp_path) -> None:
     from schemas.codec import read_jsonl
 

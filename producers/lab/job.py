@@ -17,6 +17,11 @@ called at every iteration's end:
   accumulation over micro-steps, a metrics all-reduce every few steps, a validation
   pass every ten.
 
+With ``MEGATRACE_LAB_FR`` (a directory) and ``TORCH_FR_BUFFER_SIZE`` set, the rank keeps
+PyTorch's Flight Recorder ring and dumps it, as the installed torch writes it, to
+``rank_<N>`` there when the job fails (its peers are gone) or when the lab asks (a file
+``dump`` appears: a hung job, as a watchdog does at its timeout).
+
 Rank 0 writes the step it is at to ``--progress`` (the lab injects faults by it). The
 process's environment gives its rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``GLOO_SOCKET_IFNAME``), node (``MEGATRACE_NODE``) and the node
@@ -27,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -47,6 +54,38 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class FlightRecorder:
+    """The rank's Flight Recorder ring, dumped once: when the lab asks, or the job fails."""
+
+    def __init__(self, rank: int, directory: Path) -> None:
+        self.path = directory / f"rank_{rank}"
+        self.ask = directory / "dump"
+        self._lock = threading.Lock()
+        threading.Thread(target=self._wait, name="megatrace-fr", daemon=True).start()
+
+    def _wait(self) -> None:
+        while not self.ask.exists():
+            time.sleep(0.1)
+        self.dump()
+
+    def dump(self) -> None:
+        import torch
+
+        with self._lock:
+            if self.path.exists():
+                return
+            raw = torch._C._distributed_c10d._dump_fr_trace(
+                includeCollectives=True, includeStackTraces=False, onlyActive=False
+            )
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_bytes(raw)
+            os.replace(tmp, self.path)
+
+
+#: this rank's recorder, where the lab keeps one
+RECORDER: FlightRecorder | None = None
+
+
 class Job:
     """What every workload shares: the process group, the collector, the step hook."""
 
@@ -64,6 +103,10 @@ class Job:
         node = os.environ.get("MEGATRACE_NODE")
         torch_collector.enable(a.job, node=node, heartbeat_s=0.25, **(layout or {}))
         torch.manual_seed(1234 + self.rank)
+        fr = os.environ.get("MEGATRACE_LAB_FR")
+        if fr and int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0")) > 0:
+            global RECORDER
+            RECORDER = FlightRecorder(self.rank, Path(fr))
 
     def step_done(self, step: int) -> None:
         self.collector.step(step)
@@ -179,7 +222,12 @@ def megatron(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse(argv)
-    {"ddp": ddp, "zero": zero, "megatron": megatron, "custom": custom}[a.workload](a)
+    try:
+        {"ddp": ddp, "zero": zero, "megatron": megatron, "custom": custom}[a.workload](a)
+    except Exception:
+        if RECORDER is not None:  # the job failed (a peer is gone): what its ring holds
+            RECORDER.dump()
+        raise
 
 
 if __name__ == "__main__":

@@ -1,0 +1,262 @@
+"""The detectors' keyed route, declared once: each stage's key, its pure state and where
+its outputs go.
+
+======== ======================= ============================== ==========================
+stage    key                     state (one per key)            its outputs go to
+======== ======================= ============================== ==========================
+schedule job                     :class:`.schedule.ScheduleBook` comm (schedules, markers)
+comm     job, communicator       :class:`.comm.CommAnalyzer`     shard (parts, liveness),
+                                                                job (the rest), store
+shard    job, shard of its comms :class:`.merge.PartMerger`      job
+node     job, node               :class:`.node.NodeAnalyzer`     job (link digests)
+job      job                     :class:`.job.JobAnalyzer`       store, verdicts, alerts
+======== ======================= ============================== ==========================
+
+Records enter where :func:`entry` says: collectives and proxy summaries at their
+communicator, link samples at their node, kernels only in the store, everything else
+(job metadata, heartbeats, iteration markers) at the job, and the metadata and
+markers also at the schedule book. The Bytewax flow (:mod:`flows.main`) maps these
+stages onto its operators with these keys; :class:`Route` runs them in one process,
+offline and in tests (:class:`~detectors.replay.Replay`), with an optional hook that
+times each stage (``megatrace bench analyze``).
+
+>>> from producers.sim.scenarios import build
+>>> run = build("slow-link", scale="tiny", seed=0, steps=30)
+>>> seconds = {}
+>>> def hook(stage, s, outputs):
+...     seconds[stage] = seconds.get(stage, 0.0) + s
+>>> found = [v for v in Route(hook=hook).run(run.records()) if type(v).__name__ == "Verdict"]
+>>> [(v.kind.value, v.link) for v in found][:1]
+[('link_degradation', 'node-0/mlx5_2->node-1/mlx5_2')]
+>>> sorted(seconds)
+['comm', 'job', 'node', 'schedule', 'shard', 'timers']
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import msgspec
+
+from detectors.comm import CommAnalyzer
+from detectors.job import JobAnalyzer
+from detectors.merge import CommLiveness, PartMerger, shard_of
+from detectors.node import NodeAnalyzer
+from detectors.parts import StepPart
+from detectors.schedule import ScheduleBook, StepMark
+from schemas.config import DetectSettings
+from schemas.records import (
+    Collective,
+    CommInfo,
+    Iteration,
+    JobInfo,
+    Kernel,
+    LinkSample,
+    ProxySummary,
+)
+
+#: (stage, seconds, its outputs): called after each stage's work on one key's items; the
+#: stage is one of the table's, or ``timers`` (the communicators' and jobs' timers)
+Hook = Callable[[str, float, list[Any]], None]
+
+
+def entry(rec: Any) -> str:
+    """The stage a record enters at (``store``: none, it is only stored)."""
+    if isinstance(rec, Collective | ProxySummary):
+        return "comm"
+    if isinstance(rec, LinkSample):
+        return "node"
+    return "store" if isinstance(rec, Kernel) else "job"
+
+
+def schedules_it(rec: Any) -> bool:
+    """The record also goes to the job's schedule book (communicators' schedules are made
+    of it, or it marks a step)."""
+    return isinstance(rec, JobInfo | CommInfo | Iteration)
+
+
+def comm_key(job: str, comm_hash: int) -> str:
+    return f"{job}:{comm_hash:016x}"
+
+
+def node_key(job: str, node: str) -> str:
+    return f"{job}:{node}"
+
+
+def shard_key(job: str, comm_hash: int, shards: int) -> str:
+    return f"{job}:{shard_of(comm_hash, shards)}"
+
+
+def job_of(key: str) -> str:
+    """The job of a communicator's, node's or shard's key."""
+    return key.rsplit(":", 1)[0]
+
+
+def to_shard(item: Any) -> bool:
+    """A communicator's output merged per shard before its job (the rest goes straight)."""
+    return isinstance(item, StepPart | CommLiveness)
+
+
+class Route:
+    """Every stage in one process: what the dataflow does, keyed the same way.
+
+    Parameters
+    ----------
+    settings
+        The detectors' settings.
+    tick_ns
+        The hang watchdog and the communicators' timers run every this much event time
+        (the newest timestamp seen), as the flow's timers do.
+    poll
+        None: each record goes through at once. A number: records are gathered per
+        communicator and per node and go through every ``poll`` records, as the flow
+        batches a poll (each key's share of a poll is one batch).
+    hook
+        Told each stage's time on each key's batch (see :data:`Hook`).
+    """
+
+    def __init__(
+        self,
+        settings: DetectSettings | None = None,
+        tick_ns: int = 50_000_000,
+        poll: int | None = None,
+        hook: Hook | None = None,
+    ) -> None:
+        self.settings = settings or DetectSettings()
+        self.tick_ns = tick_ns
+        self.poll = poll
+        self.hook = hook
+        self.books: dict[str, ScheduleBook] = {}
+        self.comms: dict[tuple[str, int], CommAnalyzer] = {}
+        self.mergers: dict[tuple[str, int], PartMerger] = {}
+        self.nodes: dict[tuple[str, str], NodeAnalyzer] = {}
+        self.jobs: dict[str, JobAnalyzer] = {}
+        self._pending: dict[tuple[str, Any], list[Any]] = {}  # (stage, key) -> its batch
+        self._seen = 0
+        self._next_tick = 0
+        self.now_ns = 0
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        defaults = {"poll": None, "hook": None, "nodes": {}, "_pending": {}, "_seen": 0}
+        self.__dict__.update({**defaults, **state})  # one pickled before these existed
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "hook": None}  # a hook is the caller's, not state
+
+    # ------------------------------------------------------------------ records
+    def update(self, rec: Any) -> list[msgspec.Struct]:
+        job = getattr(rec, "job", None)
+        if job is None:
+            return []
+        analyzer = self._job(job)
+        out: list[msgspec.Struct] = []
+        stage = entry(rec)
+        if stage in ("comm", "node"):
+            key = (job, rec.comm_hash) if stage == "comm" else (job, rec.node)
+            if self.poll is None:
+                out += self._comm(key, [rec]) if stage == "comm" else self._node(key, [rec])
+            else:
+                self._pending.setdefault((stage, key), []).append(rec)
+        elif stage == "job":
+            out += self._timed("job", analyzer.update, rec)
+            if schedules_it(rec):
+                book = self.books.setdefault(job, ScheduleBook())
+                for s in self._timed("schedule", book.update, rec):
+                    h = s.comm_hash if isinstance(s, StepMark) else s.comm.comm_hash
+                    out += self._comm((job, h), [s])
+        self._seen += 1
+        if self.poll is not None and self._seen % self.poll == 0:
+            out += self._flush_poll()
+        self.now_ns = max(self.now_ns, analyzer.now_ns)
+        if self.now_ns >= self._next_tick:
+            out += self.tick(self.now_ns)
+            self._next_tick = self.now_ns + self.tick_ns
+        return out
+
+    def run(self, records: Iterable[Any]) -> Iterator[msgspec.Struct]:
+        for rec in records:
+            yield from self.update(rec)
+        yield from self.finish()
+
+    def tick(self, now_ns: int) -> list[msgspec.Struct]:
+        """Event time moved to ``now_ns``: the communicators' and jobs' timers."""
+        out: list[msgspec.Struct] = []
+        for (job, _), comm in self.comms.items():
+            rows, items = self._timed("timers", comm.expire, now_ns)
+            out += [*rows, *self._forward(job, items), *comm.stats()]
+        for a in self.jobs.values():
+            out += self._timed("timers", a.tick, now_ns)
+        return out
+
+    def finish(self) -> list[msgspec.Struct]:
+        """End of input: what every stage still holds, in route order."""
+        out = self._flush_poll() + self.tick(self.now_ns)
+        for (job, _), comm in self.comms.items():
+            rows, items = self._timed("comm", comm.flush)  # held and open instances
+            out += [*rows, *self._forward(job, items), *comm.stats(final=True)]
+        for (job, _), merger in self.mergers.items():
+            for x in self._timed("shard", merger.flush):
+                out += self._timed("job", self.jobs[job].update, x)
+        for a in self.jobs.values():
+            out += self._timed("job", a.finish)
+        return out
+
+    # ------------------------------------------------------------------ stages
+    def _job(self, job: str) -> JobAnalyzer:
+        a = self.jobs.get(job)
+        if a is None:
+            a = self.jobs[job] = JobAnalyzer(job, self.settings)
+        return a
+
+    def _timed(self, stage: str, call: Callable[..., Any], *args: Any) -> Any:
+        if self.hook is None:
+            return call(*args)
+        t0 = time.perf_counter()
+        out = call(*args)
+        self.hook(stage, time.perf_counter() - t0, out if isinstance(out, list) else [out])
+        return out
+
+    def _comm(self, key: tuple[str, int], items: list[Any]) -> list[msgspec.Struct]:
+        comm = self.comms.get(key)
+        if comm is None:
+            timeout_ns = int(self.settings.partial_timeout_ms * 1e6)
+            comm = self.comms[key] = CommAnalyzer(min_timeout_ns=timeout_ns)
+        rows, forward = self._timed("comm", comm.update, items)
+        return [*rows, *self._forward(key[0], forward)]
+
+    def _node(self, key: tuple[str, str], samples: list[Any]) -> list[msgspec.Struct]:
+        node = self.nodes.get(key)
+        if node is None:
+            st = self.settings
+            node = self.nodes[key] = NodeAnalyzer(st.warmup_steps, st.link_drop)
+        digest = self._timed("node", node.update, samples)
+        return [] if digest is None else self._timed("job", self.jobs[key[0]].update, digest)
+
+    def _forward(self, job: str, items: Iterable[Any]) -> list[msgspec.Struct]:
+        """A communicator's items to its job; step parts and progress merged per shard."""
+        out: list[msgspec.Struct] = []
+        analyzer = self.jobs[job]
+        for x in items:
+            if to_shard(x):
+                key = (job, shard_of(x.comm_hash, self.settings.part_shards))
+                merger = self.mergers.get(key) or self.mergers.setdefault(key, PartMerger())
+                merged = self._timed("shard", lambda x=x, m=merger: [*m.update(x), *m.progress()])
+                for y in merged:
+                    out += self._timed("job", analyzer.update, y)
+            else:
+                out += self._timed("job", analyzer.update, x)
+        return out
+
+    def _flush_poll(self) -> list[msgspec.Struct]:
+        """Each key's share of the poll, as one batch."""
+        out: list[msgspec.Struct] = []
+        pending, self._pending = self._pending, {}
+        for (stage, key), items in pending.items():
+            out += self._comm(key, items) if stage == "comm" else self._node(key, items)
+        return out
+
+
+__all__ = ["Hook", "Route", "comm_key", "entry", "job_of", "node_key", "schedules_it",
+           "shard_key", "to_shard"]  # fmt: skip
