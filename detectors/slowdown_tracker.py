@@ -9,15 +9,15 @@ culprit's incident stays open, repriced each step, until the job recovers. A bur
 that ended already is a transient straggler (culprit, steps, time lost); the same
 culprit bursting again is intermittent.
 
->>> from detectors.changepoint import ShiftDetector
->>> from detectors.gpu_wait import GpuWaitBaseline
->>> from detectors.incidents import StepTimeLedger
->>> from detectors.link_tracker import LinkTracker
->>> from detectors.verdicts import VerdictBook
->>> book, ledger, gpu = VerdictBook("j"), StepTimeLedger(ShiftDetector(warmup=3)), GpuWaitBaseline()
->>> tracker = SlowdownTracker(book, ledger, LinkTracker(book, ledger, gpu), gpu, warmup=3)
->>> tracker.settle_steps, tracker.transient_floor
-(8, 0.5)
+A job's tracker, after a simulated GPU slowed down (rank 7 from step 15):
+
+>>> from detectors.replay import Replay
+>>> from producers.sim.scenarios import build
+>>> replay = Replay()
+>>> _ = list(replay.run(build("slow-gpu", scale="tiny", seed=0, steps=40).records()))
+>>> tracker = replay.jobs["slow-gpu-tiny-s0"].slowdowns
+>>> [(c.key, tracker.ledger.onset_step(c)) for c in tracker.open]
+[('rank:7', 15)]
 """
 
 from __future__ import annotations
