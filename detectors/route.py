@@ -196,6 +196,7 @@ class Route:
         for (job, _), comm in self.comms.items():
             rows, items = self._timed("comm", comm.flush)  # held and open instances
             out += [*rows, *self._forward(job, items), *comm.stats(final=True)]
+        out += self._flush_poll()  # the parts those sent on, merged before the mergers end
         for (job, _), merger in self.mergers.items():
             for x in self._timed("shard", merger.flush):
                 out += self._timed("job", self.jobs[job].update, x)
@@ -235,18 +236,36 @@ class Route:
         return [] if digest is None else self._timed("job", self.jobs[key[0]].update, digest)
 
     def _forward(self, job: str, items: Iterable[Any]) -> list[msgspec.Struct]:
-        """A communicator's items to its job; step parts and progress merged per shard."""
+        """A communicator's batch of items to its job; step parts and progress merged per
+        shard, the shard's newest progress once per batch (as the flow's merge step)."""
         out: list[msgspec.Struct] = []
         analyzer = self.jobs[job]
+        touched: dict[tuple[str, int], PartMerger] = {}
         for x in items:
-            if to_shard(x):
-                key = (job, shard_of(x.comm_hash, self.settings.part_shards))
-                merger = self.mergers.get(key) or self.mergers.setdefault(key, PartMerger())
-                merged = self._timed("shard", lambda x=x, m=merger: [*m.update(x), *m.progress()])
-                for y in merged:
-                    out += self._timed("job", analyzer.update, y)
-            else:
+            if not to_shard(x):
                 out += self._timed("job", analyzer.update, x)
+                continue
+            key = (job, shard_of(x.comm_hash, self.settings.part_shards))
+            if self.poll is not None:  # merged with the poll's other parts of its shard
+                self._pending.setdefault(("shard", key), []).append(x)
+                continue
+            merger = self.mergers.get(key) or self.mergers.setdefault(key, PartMerger())
+            touched[key] = merger
+            for y in self._timed("shard", merger.update, x):
+                out += self._timed("job", analyzer.update, y)
+        for key in touched:
+            out += self._shard(key, [])
+        return out
+
+    def _shard(self, key: tuple[str, int], parts: list[Any]) -> list[msgspec.Struct]:
+        """A batch of one shard's parts merged, then the shard's newest progress."""
+        merger = self.mergers.get(key) or self.mergers.setdefault(key, PartMerger())
+        merged = self._timed("shard", lambda: [y for x in parts for y in merger.update(x)]
+                             + merger.progress())  # fmt: skip
+        out: list[msgspec.Struct] = []
+        analyzer = self.jobs[key[0]]
+        for y in merged:
+            out += self._timed("job", analyzer.update, y)
         return out
 
     def _flush_poll(self) -> list[msgspec.Struct]:
@@ -254,7 +273,11 @@ class Route:
         out: list[msgspec.Struct] = []
         pending, self._pending = self._pending, {}
         for (stage, key), items in pending.items():
-            out += self._comm(key, items) if stage == "comm" else self._node(key, items)
+            if stage != "shard":
+                out += self._comm(key, items) if stage == "comm" else self._node(key, items)
+        shards, self._pending = self._pending, {}  # what the communicators sent on
+        for (_, key), parts in shards.items():
+            out += self._shard(key, parts)
         return out
 
 
