@@ -1,17 +1,20 @@
 """The detectors' keyed route, declared once: each stage's key, its pure state and where
 its outputs go.
 
-======== ======================= ============================== ==========================
-stage    key                     state (one per key)            its outputs go to
-======== ======================= ============================== ==========================
-schedule job                     :class:`.schedule.ScheduleBook` comm (schedules, markers)
-comm     job, communicator       :class:`.comm.CommAnalyzer`     shard (parts, liveness),
-                                                                job (the rest), store
-shard    job, shard of its comms :class:`.merge.PartMerger`      job
-node     job, node               :class:`.node.NodeAnalyzer`     job (link digests)
-job      job                     :class:`.job.JobAnalyzer`       store, verdicts, alerts
-======== ======================= ============================== ==========================
+======== ======================= ============= ====================================
+stage    key                     state         its outputs go to
+======== ======================= ============= ====================================
+schedule job                     ScheduleBook  comm (schedules, iteration markers)
+comm     job, communicator       CommAnalyzer  shard (parts, liveness), job (the
+                                               rest), the store (aligned rows)
+shard    job, shard of its comms PartMerger    job
+node     job, node               NodeAnalyzer  job (digests of the links that changed)
+job      job                     JobAnalyzer   the store, verdicts, alerts
+======== ======================= ============= ====================================
 
+The states are :class:`~detectors.schedule.ScheduleBook`,
+:class:`~detectors.comm.CommAnalyzer`, :class:`~detectors.merge.PartMerger`,
+:class:`~detectors.node.NodeAnalyzer` and :class:`~detectors.job.JobAnalyzer`.
 Records enter where :func:`entry` says: collectives and proxy summaries at their
 communicator, link samples at their node, kernels only in the store, everything else
 (job metadata, heartbeats, iteration markers) at the job, and the metadata and
