@@ -212,8 +212,9 @@ class JobAnalyzer:
         self.now_ns = max(self.now_ns, d.ts_ns)
         self.links.saw(d.node, d.ts_ns)
         out: Out = []
+        per_step = self.expected_step_ns() if d.links else None
         for ev, ts in d.links:
-            out += self.links.event(ev, ts, self.topo, self.expected_step_ns())
+            out += self.links.event(ev, ts, self.topo, per_step)
         return out + self.slowdowns.links_moved(self.topo)
 
     def _edge_throughput(self, e: EdgeThroughput) -> Out:
@@ -224,7 +225,7 @@ class JobAnalyzer:
         warm = bool(self.recent) and self.recent[-1].step >= self.settings.warmup_steps
         if warm:
             self.gpu_wait.update(e.src_rank, float(e.gpu_wait_ns))
-        return self.links.edge_throughput(e, self.topo, warm, self.expected_step_ns())
+        return self.links.edge_throughput(e, self.topo, warm, self.expected_step_ns)
 
     def _heartbeat_in(self, hb: Heartbeat) -> Out:
         """Liveness and progress (see :meth:`HangWatch.heartbeat`)."""

@@ -27,6 +27,7 @@ Each incident is charged its share of the step time through the job's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -101,13 +102,18 @@ class LinkTracker:
         return {r for edge in self.edges if self.edge_onset.get(edge, 0) < ts_ns for r in edge}
 
     def edge_throughput(
-        self, e: EdgeThroughput, topo: Topology, warm: bool, per_step_ns: float | None
+        self,
+        e: EdgeThroughput,
+        topo: Topology,
+        warm: bool,
+        per_step_ns: Callable[[], float | None],
     ) -> list[msgspec.Struct]:
         """Link throughput measured from proxy summaries, for jobs without link samples.
 
         Used only once the warm-up steps passed (``warm``) without any link sample from
         the job's sources (which then have no NIC counters), with baselines of its own;
-        ``per_step_ns`` as for :meth:`event`."""
+        ``per_step_ns`` gives what :meth:`event` takes, asked only for an event (a median
+        over the job's steps: not for every measure)."""
         if self.seen or not warm:
             return []
         sample = LinkSample(
@@ -125,7 +131,7 @@ class LinkTracker:
             throughput_gbps=e.throughput_gbps,
         )
         ev = self.proxy_links.update(sample)
-        return [] if ev is None else self.event(ev, e.ts_ns, topo, per_step_ns)
+        return [] if ev is None else self.event(ev, e.ts_ns, topo, per_step_ns())
 
     def event(
         self, ev: LinkEvent, ts_ns: int, topo: Topology, per_step_ns: float | None
