@@ -144,6 +144,18 @@ def _any_figures(
     return np.array(rows, dtype=np.float64)
 
 
+def _last_blame(arrivals: np.ndarray, k: int) -> np.ndarray:
+    """Exclusive blame per member over instances (rows) of ``k`` members: the last to
+    arrive (the highest member among ties) for the time after the one before it."""
+    if k < 2 or not len(arrivals):
+        return np.zeros(k)
+    order = np.argsort(arrivals, axis=1, kind="stable")
+    late, before = order[:, -1], order[:, -2]
+    rows = np.arange(len(order))
+    got = arrivals[rows, late] - arrivals[rows, before]
+    return np.bincount(late, weights=got, minlength=k)
+
+
 def _member_figures(
     who: np.ndarray,
     arr: np.ndarray,
@@ -165,25 +177,7 @@ def _member_figures(
     rel = arr - a_min[:, None]  # small: exact in a float
     mean = rel.sum(axis=1) / k
     lateness = np.where(tp[:, None], rel - mean[:, None], 0.0)
-    blame = np.zeros(k)
-    if k >= 2 and tp.any():
-        # exclusive blame: the last to arrive (the highest rank among ties) for the time
-        # after the one before it
-        grouped = arr[tp]
-        order = np.argsort(grouped, axis=1, kind="stable")
-        late, before = order[:, -1], order[:, -2]
-        rows = np.arange(len(order))
-        got = grouped[rows, late] - grouped[rows, before]
-        blame = np.bincount(late, weights=got, minlength=k)
-    blame_any = np.zeros(k)
-    if k >= 2 and anyc.any():
-        grouped = arr[anyc]
-        order = np.argsort(grouped, axis=1, kind="stable")
-        late, before = order[:, -1], order[:, -2]
-        rows = np.arange(len(order))
-        blame_any = np.bincount(
-            late, weights=grouped[rows, late] - grouped[rows, before], minlength=k
-        )
+    blame, blame_any = _last_blame(arr[tp], k), _last_blame(arr[anyc], k)
     rows_out = [
         who,
         (arr - enq).sum(axis=0),
