@@ -154,13 +154,14 @@ class StepTimeLedger:
     def since(self, onset: int) -> list[StepReport]:
         return [r for r in self.recent if r.step >= onset]
 
-    def open(self, culprit: Culprit, step: int | None, onset_ns: int, keep: bool = True) -> None:
+    def open(self, culprit: Culprit, step: int | None, onset_ns: int) -> None:
         """An incident began at ``step`` (None: no step reached it yet) or ``onset_ns``;
-        an open one keeps its onset unless told not to (``keep``)."""
-        if keep:
-            self.onset_at.setdefault(culprit, (step, onset_ns))
-        else:
-            self.onset_at[culprit] = (step, onset_ns)
+        an open one keeps its onset."""
+        self.onset_at.setdefault(culprit, (step, onset_ns))
+
+    def begin(self, culprit: Culprit, step: int, onset_ns: int) -> None:
+        """An incident begins at ``step`` (``onset_ns``), replacing any onset kept for it."""
+        self.onset_at[culprit] = (step, onset_ns)
 
     def onset_step(self, culprit: Culprit) -> int | None:
         at = self.onset_at.get(culprit)

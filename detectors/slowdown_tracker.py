@@ -263,7 +263,7 @@ class SlowdownTracker:
         onset_rep = reps[0] if reps else rep
         if not grew:
             self.open.append(culprit)
-            self.ledger.open(culprit, onset, onset_rep.start_ns, keep=False)
+            self.ledger.begin(culprit, onset, onset_rep.start_ns)
         severity = self.ledger.share(culprit, duration)
         out = self.links.severities(duration, rep)
         kind = culprit.verdict_kind
