@@ -8,8 +8,12 @@ than two ranks, as a pipeline group does with batched sends).
 (every member arrived and finished); :meth:`expire` returns partial instances
 that have been open longer than a timeout derived from the
 communicator's recent completion times, naming who is missing and who joined
-but did not finish. Completed instances are evicted at once, so state stays
-bounded by what is genuinely in flight.
+but did not finish. An instance whose missing members all went on to later
+calls of the same stream is not a hang: sequence numbers run in order, so they
+joined it and their records of it were lost on the way (a source's buffer that
+overflowed); it is counted in :attr:`~CollectiveAligner.lost` and evicted, not
+reported. Completed instances are evicted at once, so state stays bounded by
+what is genuinely in flight.
 
 >>> from schemas.records import Collective
 >>> from schemas.enums import CollOp, DType
@@ -28,14 +32,12 @@ bounded by what is genuinely in flight.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import NamedTuple
 
-from detectors.topology import Position, Topology
-from schemas.enums import CollOp, CommRole, Phase
-from schemas.records import AlignedCollective, Collective, CommInfo
+from schemas.enums import CollOp
+from schemas.records import Collective
 
 Key = tuple[int, int, int, int]  # (comm_hash, sender, receiver, seq); -1, -1 for collectives
 _SEND, _RECV = CollOp.SEND, CollOp.RECV
@@ -101,6 +103,14 @@ class Instance(NamedTuple):
         return [r for r, e in zip(self.ranks, self.end, strict=True) if e < 0]
 
 
+class Passed(NamedTuple):
+    """An instance reported partial whose missing members went past it since: its records
+    were lost on the way, it is no hang's evidence any more."""
+
+    job: str
+    key: Key
+
+
 @dataclass(slots=True)
 class _Open:
     first_seen_ns: int
@@ -127,6 +137,8 @@ class CollectiveAligner:
         Hard bound on open instances; the oldest is dropped (and counted) beyond it.
     """
 
+    lost = 0  # what a snapshot taken before this count existed resumes with
+
     def __init__(
         self, min_timeout_ns: int = 500_000_000, timeout_factor: float = 20.0, max_open: int = 4096
     ) -> None:
@@ -144,6 +156,7 @@ class CollectiveAligner:
         self._recent: list[int] = []
         self.late = 0
         self.dropped = 0
+        self.lost = 0  # instances whose missing members went past them (records lost)
         self.out_of_order = 0
         self._last_seq: dict[tuple[int, int], int] = {}
 
@@ -233,17 +246,67 @@ class CollectiveAligner:
         return inst
 
     def expire(self, now_ns: int) -> list[Instance]:
-        """Partial instances open longer than the timeout (each reported once until it changes)."""
+        """Partial instances open longer than the timeout (each reported once until it
+        changes); those whose missing members went past them are evicted and counted
+        in :attr:`lost` instead (see the module docstring)."""
         limit = self.timeout_ns()
-        out = []
+        out, lost = [], []
+        tops = self._tops()
         for key, entry in self._open.items():
             if not entry.reported and now_ns - entry.first_seen_ns > limit:
+                if self._went_past(key, entry, tops):
+                    lost.append(key)
+                    continue
                 entry.reported = True
                 out.append(self._instance(key, entry))
+        for key in lost:
+            del self._open[key]
+        self.lost += len(lost)
         return out
 
+    def passed(self) -> list[Instance]:
+        """Instances reported partial whose missing members have since gone past them:
+        evicted and counted in :attr:`lost` (their records were lost, they hold nobody).
+        Worth asking only after new records came."""
+        tops = self._tops()
+        gone = [
+            (key, entry)
+            for key, entry in self._open.items()
+            if entry.reported and self._went_past(key, entry, tops)
+        ]
+        for key, _ in gone:
+            del self._open[key]
+        self.lost += len(gone)
+        return [self._instance(key, entry) for key, entry in gone]
+
+    def _tops(self) -> dict[tuple[int, int], int]:
+        """The newest sequence number of each stream direction, over its ranks."""
+        tops: dict[tuple[int, int], int] = {}
+        for (_, s, r), last in self._last_seq.items():
+            if last > tops.get((s, r), -1):
+                tops[(s, r)] = last
+        return tops
+
+    def _went_past(self, key: Key, entry: _Open, tops: dict[tuple[int, int], int]) -> bool:
+        """Whether every member missing from the instance ``key`` has posted a later call
+        of its stream (the same communicator, and for a transfer the same direction)."""
+        missing = entry.comm_size - len(entry.members)
+        _, sender, receiver, seq = key
+        if missing <= 0 or tops.get((sender, receiver), -1) <= seq:
+            return False  # everyone joined (a call still running is no loss), or nobody
+        members = entry.members  # went past it
+        past = 0
+        for (rank, s, r), last in self._last_seq.items():
+            if last > seq and s == sender and r == receiver and rank not in members:
+                past += 1
+        return past >= missing
+
     def open_instances(self) -> list[Instance]:
-        return [self._instance(k, e) for k, e in self._open.items()]
+        """The instances open now, but those whose missing members went past them."""
+        tops = self._tops()
+        return [
+            self._instance(k, e) for k, e in self._open.items() if not self._went_past(k, e, tops)
+        ]
 
     @staticmethod
     def _instance(key: Key, entry: _Open) -> Instance:
@@ -290,82 +353,3 @@ def core_name() -> str:
     if _native is not None:
         return "compiled (detectors/_align.c)"
     return "Python (the compiled core was not built: no C compiler at install)"
-
-
-_PHASE = {p.value: p for p in Phase}
-_BUSBW_FACTOR = {
-    CollOp.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
-    CollOp.ALL_GATHER: lambda n: (n - 1) / n,
-    CollOp.REDUCE_SCATTER: lambda n: (n - 1) / n,
-}
-
-
-def aligned_record(
-    job: str, topo: Topology | None, inst: Instance, pos: Position | None
-) -> AlignedCollective:
-    """The stored row of an instance: arrivals, transfer time, bus bandwidth (nccl-tests
-    convention), who is missing or unfinished, and where it sits in the schedule."""
-    assert topo is not None
-    arrival = inst.arrival
-    info = topo.comms.get(inst.comm_hash)
-    return instance_row(job, info, inst, pos, min(arrival), max(arrival), max(inst.end))
-
-
-def instance_row(
-    job: str,
-    info: CommInfo | None,
-    inst: Instance,
-    pos: Position | None,
-    a_min: int,
-    a_max: int,
-    e_max: int,
-) -> AlignedCollective:
-    """:func:`aligned_record` from what its caller already knows: the communicator's
-    record, and the instance's first and last arrival and last end (a communicator's
-    folder computes them once an instance, for the step part too)."""
-    ranks, end = inst.ranks, inst.end
-    if inst.receiver >= 0:  # a transfer on a larger communicator: its two ends
-        expected: Sequence[int] = [r for r in (inst.sender, inst.receiver) if r >= 0]
-    else:
-        expected = info.ranks if info else ranks
-    n, n_arrived = len(expected), len(ranks)
-    complete = n_arrived == inst.comm_size and min(end) >= 0
-    end_ns = x = bw = None
-    if complete:
-        end_ns = e_max
-        x = e_max - a_max if e_max > a_max else 0
-        factor = _BUSBW_FACTOR.get(inst.op)
-        if x and factor is not None and n > 1:
-            bw = inst.size_bytes * factor(n) / x * 8  # Gb/s
-        elif x and inst.sender >= 0:
-            bw = inst.size_bytes / x * 8
-    whole = complete and n == n_arrived
-    if pos is None:
-        step = microbatch = phase = pp_stage = None
-    else:
-        step, microbatch, pp_stage = pos.step, pos.microbatch, pos.pp_stage
-        phase = _PHASE[pos.phase]
-    return AlignedCollective(
-        job=job,
-        comm_hash=inst.comm_hash,
-        role=info.role if info else CommRole.OTHER,
-        seq=inst.seq,
-        op=inst.op,
-        n_ranks=n if n > 1 else 1,
-        n_arrived=n_arrived,
-        size_bytes=inst.size_bytes,
-        first_arrival_ns=a_min,
-        last_arrival_ns=a_max,
-        last_rank=ranks[inst.arrival.index(a_max)],
-        end_ns=end_ns,
-        transfer_ns=x,
-        busbw_gbps=bw,
-        sender=inst.sender,
-        receiver=inst.receiver,
-        missing_ranks=[] if whole else sorted(set(expected) - set(ranks)),
-        unfinished_ranks=[] if complete else inst.unfinished(),
-        step=step,
-        microbatch=microbatch,
-        phase=phase,
-        pp_stage=pp_stage,
-    )

@@ -6,7 +6,9 @@ believed when it is also large (at least ``min_shift`` above the baseline, and
 three times the signal's own noise: the robust spread of its recent normal values,
 so a job whose steps vary by a quarter from one to the next is judged in its own
 units) and persistent (``persistence`` consecutive values): jitter never alarms. An
-excursion that ends sooner is a *burst* - the intermittent case. The baseline
+excursion that ends sooner is a *burst* - the intermittent case - and so is a first
+value that towers over the rest of an excursion (a straggler for a step, then a
+smaller change that must stand as a shift on its own). The baseline
 is the median of the warm-up values and afterwards follows values within
 ``alpha`` of it (MEGATRACE's expected-duration rule); for a signal noisier than
 that, the median of its recent normal values.
@@ -32,6 +34,9 @@ from river.drift import PageHinkley
 _NOISE_WINDOW = 32
 #: a change stands out of the noise by this many times its spread
 _NOISE_SIGMAS = 3.0
+#: an excursion's first value this many times further above the baseline than the rest
+#: of it is a spike of its own (a straggler for a step) before whatever follows
+_SPIKE_OVER_REST = 3.0
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,8 @@ class ShiftDetector:
                 self._onset = index
             self._run.append(rel)
             if len(self._run) >= self.persistence and self._drift:
+                if spike := self._spike(bar):
+                    return spike
                 self.shifted = True
                 self._calm = 0
                 return ShiftEvent("shift", self._onset, self._mean(), len(self._run), self.baseline)
@@ -205,6 +212,23 @@ class ShiftDetector:
             self._run.append(rel)
             del self._run[: -4 * self.persistence]
         return None
+
+    def _spike(self, bar: float) -> ShiftEvent | None:
+        """A shift about to be confirmed that began with a spike: its first value far above
+        both the noise and the rest of the excursion (its excess over the baseline
+        ``_SPIKE_OVER_REST`` times theirs) is a burst of its own, told now; the rest must
+        then make a shift on its own merit (a fresh test over it)."""
+        first, rest = self._run[0], self._run[1:]
+        level = float(np.median(rest))
+        if first < 1.0 + 2 * bar or first - 1.0 < _SPIKE_OVER_REST * max(level - 1.0, 0.0):
+            return None
+        event = ShiftEvent("burst", self._onset, first, 1, self.baseline)
+        self._run, self._onset = rest, self._onset + 1
+        self._restart_test()
+        for rel in rest:
+            self._ph.update(1.0 + (rel - 1.0) * self.min_shift / bar)
+            self._drift = self._drift or self._ph.drift_detected
+        return event
 
     def _restart_test(self) -> None:
         """A fresh Page-Hinkley test that knows the baseline: one started empty takes its

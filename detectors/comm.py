@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from detectors.align import CollectiveAligner
+from detectors.align import CollectiveAligner, Passed
 from detectors.edges import EdgeThroughput, StuckProxies
 from detectors.folder import StepFolder
 from detectors.schedule import CommSchedule, StepMark
@@ -65,8 +65,9 @@ class CommAnalyzer:
     # resumed across an upgrade): :meth:`_reset` sets them on each instance
     _records = 0
     _partials = 0
-    _told: tuple[int, ...] = (0, 0, 0, 0, 0)  # the counts in the last stats row
+    _told: tuple[int, ...] = (0, 0, 0, 0, 0, 0)  # the counts in the last stats row
     _told_ns = 0  # its time
+    _looked = 0  # the records counted when reported partials were last checked
 
     def __init__(
         self,
@@ -90,8 +91,9 @@ class CommAnalyzer:
         self._edges: dict[tuple[int, int], list[int]] = {}  # (src, dst) -> [n, bytes, wait, t0]
         self._records = 0
         self._partials = 0
-        self._told = (0, 0, 0, 0, 0)
+        self._told = (0, 0, 0, 0, 0, 0)
         self._told_ns = 0
+        self._looked = 0
 
     def update(
         self, items: list[Collective | ProxySummary | CommSchedule | StepMark]
@@ -167,6 +169,9 @@ class CommAnalyzer:
         and what the folder held too long to learn a step from (see
         :meth:`~detectors.folder.StepFolder.expire`): (stored rows, items for the job)."""
         out: list[Any] = []
+        if self._records != self._looked:  # new records: a reported call may be passed
+            self._looked = self._records
+            out += [Passed(inst.job, inst.key) for inst in self.aligner.passed()]
         for inst in self.aligner.expire(now_ns):
             self._partials += 1
             out += self.folder.partial(inst)
@@ -177,6 +182,7 @@ class CommAnalyzer:
         """End of a bounded input: held instances and open parts, and open instances as
         they stand: (stored rows, items for the job)."""
         rows, out = self.folder.flush()
+        out += [Passed(inst.job, inst.key) for inst in self.aligner.passed()]
         told = self.folder.told_partial
         for inst in self.aligner.open_instances():
             if inst.key in told:  # reported partial already, as it stands
@@ -187,12 +193,14 @@ class CommAnalyzer:
 
     def stats(self, final: bool = False) -> list[AlignStats]:
         """The communicator's counts as a row, when there is news: a late, out-of-order,
-        dropped or partial one counted since the last row; more records and
+        dropped, partial or lost one counted since the last row; more records and
         ``stats_every_ns`` of event time since it; or more records at the end of a
         bounded input (``final``)."""
         al = self.aligner
-        counts = (self._records, al.late, al.out_of_order, al.dropped, self._partials)
+        counts = (self._records, al.late, al.out_of_order, al.dropped, self._partials, al.lost)
         ts_ns = self.folder.last_arrival_ns
+        if len(self._told) < len(counts):  # resumed from before a count existed: it was 0
+            self._told += (0,) * (len(counts) - len(self._told))
         if not self.folder.job or counts == self._told:
             return []
         unusual = counts[1:] != self._told[1:]
@@ -210,6 +218,7 @@ class CommAnalyzer:
                 dropped_instances=counts[3],
                 partial_reports=counts[4],
                 open_instances=al.n_open,
+                lost_instances=counts[5],
             )
         ]
 

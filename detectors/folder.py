@@ -47,7 +47,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from detectors.align import Instance, Key, instance_row
+from detectors.align import Instance, Key
+from detectors.aligned_rows import instance_row
 from detectors.parts import StepPart
 from detectors.step_clock import (
     OLD_CLOCK_STATE,

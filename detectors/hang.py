@@ -23,7 +23,7 @@ every waiting rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from detectors.align import Instance
@@ -64,15 +64,29 @@ def _members(inst: Instance, member_of: dict[int, tuple[int, ...]] | None) -> tu
     return tuple(range(inst.comm_size))  # fallback: comm ranks unknown
 
 
+def _passed(
+    inst: Instance,
+    member_of: dict[int, tuple[int, ...]] | None,
+    went_past: Callable[[int, Instance], bool],
+) -> bool:
+    missing = set(_members(inst, member_of)) - set(inst.ranks)
+    return bool(missing) and all(went_past(r, inst) for r in missing)
+
+
 def diagnose_hang(
     open_instances: Sequence[Instance],
     stuck_proxies: Sequence[ProxySummary],
     member_of: dict[int, tuple[int, ...]] | None = None,
+    went_past: Callable[[int, Instance], bool] | None = None,
 ) -> HangDiagnosis | None:
     """One diagnosis for the set of incomplete instances (None if there is none).
 
     ``member_of`` maps a communicator hash to its member ranks (from the job metadata).
+    ``went_past(rank, inst)``: whether ``rank`` is known to have finished ``inst`` (its
+    heartbeats say so) although no record of its call arrived: not missing from it.
     """
+    if went_past is not None:  # a call whose every missing member went past it: no hang's
+        open_instances = [i for i in open_instances if not _passed(i, member_of, went_past)]
     if not open_instances:
         return None
     waiting: set[int] = set()
@@ -80,7 +94,8 @@ def diagnose_hang(
     for inst in open_instances:
         waiting.update(inst.unfinished())
         for r in set(_members(inst, member_of)) - set(inst.ranks):
-            missing_in.setdefault(r, []).append(inst)
+            if went_past is None or not went_past(r, inst):
+                missing_in.setdefault(r, []).append(inst)
     culprits = {r: insts for r, insts in missing_in.items() if r not in waiting}
     if culprits:
         # the one whose missing call others have waited on longest

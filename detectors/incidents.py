@@ -107,6 +107,8 @@ class Incident:
     microbatch: int | None = None
     phase: Phase | None = None
     evidence: dict[str, float] = field(default_factory=dict)
+    #: every culprit of an incident with several (``rank`` is the first); () for one
+    ranks: tuple[int, ...] = ()
 
     _WHERE: ClassVar[tuple[str, ...]] = ("rank", "gpu", "node", "link", "src_rank", "dst_rank",
                                          "pp_stage", "microbatch", "phase")  # fmt: skip
@@ -115,6 +117,8 @@ class Incident:
         """The verdict's fields (:class:`~schemas.records.Verdict`): where it sits (nothing
         for an unlocalised one), and its ``evidence`` unless told not to."""
         out = {k: getattr(self, k) for k in self._WHERE} if self.culprit.localised else {}
+        if len(self.ranks) > 1:
+            out["culprit_ranks"] = list(self.ranks)
         if evidence:
             out["evidence"] = dict(self.evidence)
         return out

@@ -40,7 +40,8 @@ import msgspec
 import numpy as np
 
 from detectors import refusals
-from detectors.align import Instance, aligned_record
+from detectors.align import Instance, Passed
+from detectors.aligned_rows import aligned_record
 from detectors.changepoint import ShiftDetector
 from detectors.edges import EdgeThroughput
 from detectors.gpu_wait import GpuWaitBaseline
@@ -232,6 +233,11 @@ class JobAnalyzer:
         self.now_ns = max(self.now_ns, hb.ts_ns)
         return self.hangs.heartbeat(hb, self.book)
 
+    def _passed(self, p: Passed) -> Out:
+        """A partial instance its missing members went past: no hang's evidence."""
+        self.hangs.completed(p.key)
+        return []
+
     def _progress_in(self, p: CommLiveness) -> Out:
         return self._progress(p.last_arrival_ns, p.last_end_ns)
 
@@ -375,6 +381,7 @@ _HANDLERS: dict[type, Callable[[JobAnalyzer, Any], Out]] = {
     Heartbeat: JobAnalyzer._heartbeat_in,
     CommLiveness: JobAnalyzer._progress_in,
     Instance: JobAnalyzer._instance,
+    Passed: JobAnalyzer._passed,
     ProxySummary: JobAnalyzer._proxy_in,
     JobInfo: JobAnalyzer._job_in,
     RankInfo: JobAnalyzer._meta_in,

@@ -10,7 +10,8 @@ MEGATRACE's Algorithm 2 over :class:`~detectors.steps.StepReport` tables:
    critical nodes slower than expected x (1 + ``node_margin``);
 3. if most ranks of one node lost their host lead (the GPU waits for the
    CPU to launch), blame that node's host; otherwise blame the rank of the
-   slow node's TP group whose lateness grew most (the latest arriver).
+   slow node's TP group whose lateness grew most (the latest arriver), and any
+   member whose lateness grew nearly as much (several culprits).
 
 Where no schedule can be walked (a data-parallel job, a layout its calls do not
 follow), :meth:`SlowdownLocalizer.who_waits` names who makes the others wait: the
@@ -33,6 +34,9 @@ from detectors.critical_path import critical_path
 from detectors.steps import StepReport
 from detectors.topology import Topology
 from schemas.enums import Cause
+
+#: a member of a slow group whose lateness grew this much of the latest one's is late too
+_TOGETHER = 0.5
 
 
 @dataclass(frozen=True)
@@ -187,8 +191,11 @@ class SlowdownLocalizer:
         ranked = []
         for (d, s, phase, mb), excess, dur in slow:
             group = [r for r in range(len(late)) if topo.coords(r)[:2] == (s, d)]
-            culprit = max(group, key=lambda r: late[r])
-            ranked.append((float(late[culprit]), culprit, group, (s, phase, mb), excess, dur))
+            top = float(max(late[r] for r in group))
+            # the latest arriver, and any member nearly as late (two of a group slowed)
+            for r in group:
+                if late[r] == top or late[r] >= _TOGETHER * top > 0:
+                    ranked.append((float(late[r]), r, group, (s, phase, mb), excess, dur))
         for growth, culprit, group, (s, phase, mb), excess, dur in sorted(ranked, reverse=True):
             if culprit in seen:
                 continue

@@ -194,18 +194,21 @@ class SlowdownTracker:
             found += self.localizer.who_waits(reps, topo, increase)
             if not self.links.open:
                 found += self.localizer.slow_transfers(reps, topo, increase)
+        growths = sorted((g for f in found if (g := f.evidence.get("rank_lateness_growth_ns"))
+                          is not None), reverse=True)  # fmt: skip
         for f in found:
             if f.rank is not None and f.rank in link_ends:
                 continue
             growth = f.evidence.get("rank_lateness_growth_ns")
-            if growth is not None and growth < 0.25 * increase:
+            if growth is not None and growth < 0.25 * increase and not _dominant(growth, growths):
                 continue  # too little of the lost time is this rank's own lateness
             where: dict[str, Any] = dict(pp_stage=f.stage, microbatch=f.microbatch, node=f.node,
                                          phase=Phase(f.phase) if f.phase else None,
                                          evidence=dict(f.evidence))  # fmt: skip
             if f.rank is not None:
+                ranks = _together(f, found, link_ends, 0.25 * increase)
                 return Incident(Culprit.rank(f.rank), f.cause, rank=f.rank,
-                                gpu=topo.gpu(f.rank), **where)  # fmt: skip
+                                gpu=topo.gpu(f.rank), ranks=ranks, **where)  # fmt: skip
             if f.link is not None:  # the network between nodes
                 where["phase"] = Phase.TRANSFER
                 return Incident(Culprit.network(f.link), f.cause, link=f.link, **where)
@@ -299,7 +302,7 @@ class SlowdownTracker:
     def _burst(
         self, onset: int, ratio: float, length: int, rep: StepReport, topo: Topology
     ) -> list[msgspec.Struct]:
-        inc = self.locate(self.ledger.since(onset), topo)
+        inc = self.locate([r for r in self.ledger.since(onset) if r.step < onset + length], topo)
         if inc is None:
             return []
         bursts = self.bursts.setdefault(inc.culprit, [])
@@ -350,6 +353,8 @@ class SlowdownTracker:
         reps = [r for r in self.ledger.recent if onset <= r.step < onset + length and r.complete]
         level = self.ledger.level_before_step(onset)
         lost = sum(max(0.0, r.duration_ns - level) for r in reps)
+        if reps and level > 0:  # the steps' own ratio (the detector's is clipped)
+            ratio = float(np.mean([r.duration_ns for r in reps])) / level
         inc.evidence = {
             **inc.evidence,
             "time_lost_ns": float(lost),
@@ -381,9 +386,43 @@ class SlowdownTracker:
         return [x for x in (v, done) if x is not None]
 
 
+def _together(first: Any, found: list[Any], link_ends: set[int], least: float) -> tuple[int, ...]:
+    """The culprits of one incident: the ``first`` rank found and every other rank found
+    whose own lateness grew ``least`` or more and nearly as much as its (two ranks
+    slowed together); () where it is alone."""
+    growth = first.evidence.get("rank_lateness_growth_ns")
+    if growth is None or growth <= 0:
+        return ()
+    more = sorted({
+        f.rank for f in found
+        if f.rank is not None and f.rank != first.rank and f.rank not in link_ends
+        and (g := f.evidence.get("rank_lateness_growth_ns")) is not None
+        and g >= max(least, _TOGETHER * growth)
+    })  # fmt: skip
+    return (first.rank, *more) if more else ()
+
+
+#: a rank whose lateness grew this much of the culprit's, as well, is a culprit with it
+_TOGETHER = 0.5
+
+
+def _dominant(growth: float, growths: list[float]) -> bool:
+    """Whether a rank's lateness grew ``_DOMINANT`` times more than any other candidate's:
+    who made the others wait, though waits that spread along a pipeline (each stage
+    waits on the one before) make the step lose more than the rank's own lateness."""
+    others = growths[1:] if growths and growths[0] == growth else growths
+    return growth > 0 and growth == growths[0] and growth >= _DOMINANT * max(others[:1] or [0.0])
+
+
+#: a rank whose lateness grew this many times more than any other's is the culprit
+_DOMINANT = 3.0
+
+
 def _who(inc: Incident) -> str:
     """Whom a slowdown is about, in words."""
     c = inc.culprit
+    if len(inc.ranks) > 1:
+        return "ranks " + texts.listed(list(inc.ranks))
     if inc.rank is not None:
         return texts.who(inc.rank, inc.gpu, inc.node)
     if c.kind == "nodes":

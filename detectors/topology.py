@@ -134,10 +134,11 @@ class Topology:
     def instances_per_step(self, comm_hash: int) -> int:
         """Instances the communicator has in one step: :meth:`ops_per_step` of its role; a
         pipeline communicator carries that for each pair of consecutive stages in it (two
-        ranks, or a whole pipeline group when transfers are batched over it)."""
+        ranks, or a whole pipeline group when transfers are batched over it); none are
+        expected of a communicator of one rank."""
         info = self.comms.get(comm_hash)
-        if info is None:
-            return 0
+        if info is None or len(info.ranks) < 2:  # one rank waits on nobody: sources often
+            return 0  # record nothing of its calls (a data-parallel group of one, dp = 1)
         per = self.ops_per_step(info.role)
         return per * max(1, len(info.ranks) - 1) if info.role is CommRole.PP else per
 

@@ -189,7 +189,7 @@ class HangWatch:
             if not self.last_progress_ns or silent <= limit or not self.partials:
                 return []
             diag = diagnose_hang(list(self.partials.values()), list(self.stuck.ops.values()),
-                                 members)  # fmt: skip
+                                 members, self._went_past)  # fmt: skip
             detected = now
         if diag is None:
             return []
@@ -215,7 +215,7 @@ class HangWatch:
             # (a dead rank's peers may stop beating after it; heartbeats that stopped
             # cannot say who stopped first, the calls' own times can)
             first = diagnose_hang(list(self.partials.values()), list(self.stuck.ops.values()),
-                                  members)  # fmt: skip
+                                  members, self._went_past)  # fmt: skip
             if (
                 first is not None
                 and first.culprit_rank is not None
@@ -244,7 +244,19 @@ class HangWatch:
         first = min(self.partials.values(), key=lambda i: i.first_arrival_ns)
         if first.comm_hash in followed:
             return None
-        return diagnose_hang(list(self.partials.values()), list(self.stuck.ops.values()), members)
+        return diagnose_hang(
+            list(self.partials.values()), list(self.stuck.ops.values()), members, self._went_past
+        )
+
+    def _went_past(self, rank: int, inst: Instance) -> bool:
+        """Whether ``rank``'s heartbeats say it completed the collective ``inst`` (then its
+        record of that call was lost on the way, and it is not missing from it).
+        Transfers are not judged so: sources count them differently (per peer, or not
+        at all) in heartbeats."""
+        if inst.sender >= 0:
+            return False
+        done = self.hb_done.get(rank)
+        return done is not None and done.get(inst.comm_hash, -1) >= inst.seq
 
     def _partial(self, comm_hash: int, sender: int, seq: int) -> Instance | None:
         """The partial instance ``seq`` of ``comm_hash`` sent by ``sender`` (to any peer)."""

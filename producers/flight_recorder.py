@@ -7,7 +7,8 @@ versions 2.x):
 * ``version``; ``pg_config``: each process group's name, description and member ranks
   (a list, or a string of one; empty where the backend does not say, as Gloo's);
   ``pg_status``: each group's last enqueued, started and completed collective, which
-  says how far a rank got even once its ring buffer wrapped;
+  says how far a rank got even once its ring buffer wrapped (keyed by the group's id
+  in that process, which the entries pair with its name);
 * ``entries``: the ring buffer of the rank's last calls, each with its group, its
   ``collective_seq_id`` (counted from 1, per group) or ``p2p_seq_id``, its
   ``profiling_name`` (``nccl:all_reduce``, ``nccl:_all_gather_base``, ``gloo:barrier``,
@@ -23,7 +24,10 @@ per group (from ``pg_status``, else its entries) becomes a
 :class:`~schemas.records.Heartbeat` at the time of its dump, so the analysis sees who
 never joined the stuck collective. A group's role comes from its description
 (Megatron names them: ``TENSOR_MODEL_PARALLEL_GROUP``...) or the Megatron layout when
-one is given; its members, where the dump lists none, from the ranks that use it.
+one is given; its members, where the dump lists none, from the ranks that use it, and
+where every one of those waits in a call none of them completed, the ranks that wrote
+no dump too (a stopped or killed rank writes none). Reading the files and their
+entries is :mod:`producers.fr_dump`'s.
 
 Pickles are read with a restricted unpickler that builds only plain containers and
 numbers: a dump file cannot run code. Entries that cannot be read are counted with why
@@ -32,43 +36,29 @@ numbers: a dump file cannot run code. Entries that cannot be read are counted wi
 
 from __future__ import annotations
 
-import ast
-import io
-import json
-import math
-import pickle
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from producers.fr_dump import (
+    DTYPE_BYTES,
+    Call,
+    DumpFormatError,
+    blocked,
+    coalesce,
+    dump_time_ns,
+    pg_of,
+    ranks_in,
+    read_dump,
+    status_by_name,
+)
 from producers.megatron_config import MegatronConfig
-from schemas.enums import CollOp, CommRole, DType, torch_op
+from schemas.enums import CollOp, CommRole
 from schemas.layout import Layout, comm_hash
 from schemas.records import Collective, CommInfo, CommProgress, Heartbeat
 
-
-class DumpFormatError(ValueError):
-    """A file that is not a Flight Recorder dump (with the reason)."""
-
-
-_DTYPES = {
-    "Float": DType.FLOAT32,
-    "BFloat16": DType.BFLOAT16,
-    "Half": DType.FLOAT16,
-    "Double": DType.FLOAT64,
-    "Long": DType.INT64,
-    "Int": DType.INT32,
-    "Byte": DType.UINT8,
-    "Char": DType.INT8,
-}
-_BYTES = {DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.FLOAT16: 2, DType.FLOAT64: 8,
-          DType.INT64: 8, DType.INT32: 4, DType.UINT8: 1, DType.INT8: 1}  # fmt: skip
-_RANK = re.compile(r"(\d+)(?:\.\w+)?$")
-_PEERS = re.compile(r"(\d+)\s*(->|<-)\s*(\d+)")
 #: a group's role from the description Megatron (and torch) give it
 _ROLES = (
     ("TENSOR", CommRole.TP),
@@ -78,132 +68,6 @@ _ROLES = (
     ("DATA_PARALLEL", CommRole.DP),
     ("default_pg", CommRole.WORLD),
 )
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        raise DumpFormatError(f"refusing to load {module}.{name} from a dump (not plain data)")
-
-
-def read_dump(path: Path) -> tuple[int, dict[str, Any]]:
-    """(rank, dump) of one file; the rank from the dump or the end of the file name."""
-    raw = Path(path).read_bytes()
-    try:
-        if raw[:1] in (b"{", b"["):
-            dump = json.loads(raw)
-        else:
-            dump = _SafeUnpickler(io.BytesIO(raw)).load()
-    except DumpFormatError:
-        raise
-    except Exception as e:  # a pickle of something else, JSON cut short, not a dump at all
-        raise DumpFormatError(f"{path}: not a Flight Recorder dump ({type(e).__name__})") from None
-    if not isinstance(dump, dict) or not isinstance(dump.get("entries"), list):
-        raise DumpFormatError(f"{path}: no 'entries' (not a Flight Recorder dump)")
-    rank = dump.get("rank")
-    if rank is None:
-        m = _RANK.search(Path(path).name)
-        if m is None:
-            raise DumpFormatError(f"{path}: no rank in the dump or at the end of the file name")
-        rank = int(m.group(1))
-    return int(rank), dump
-
-
-def _ranks(spec: Any) -> tuple[int, ...]:
-    if isinstance(spec, str):
-        spec = ast.literal_eval(spec) if spec.strip() else []
-    return tuple(sorted(int(r) for r in spec or ()))
-
-
-def _pg(e: dict[str, Any]) -> tuple[str, str]:
-    """An entry's process group: (name, description)."""
-    pg = e.get("process_group")
-    if isinstance(pg, list | tuple) and pg:
-        return str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
-    return str(e.get("pg_id", "")), ""
-
-
-def _time(v: Any) -> int | None:
-    return int(v) if v else None  # JSON dumps write 0 for "not discovered"
-
-
-@dataclass
-class _Call:
-    """One entry (or a coalesced group of them) as the import reads it."""
-
-    op: CollOp
-    pg: str
-    seq: int  # collective_seq_id or p2p_seq_id (from 1)
-    p2p: bool
-    peers: tuple[int, int] | None  # (src, dst) group ranks of a transfer
-    count: int
-    dtype: DType
-    created: int
-    started: int | None
-    ended: int | None
-
-    @property
-    def done(self) -> bool:
-        return self.ended is not None
-
-
-def _call(e: dict[str, Any]) -> _Call | str:
-    """An entry read, or why it cannot be."""
-    name = str(e.get("profiling_name", ""))
-    op = torch_op(name)
-    if op is None:
-        return f"operation {name or '?'}"
-    pg, _ = _pg(e)
-    p2p = bool(e.get("is_p2p", op.is_p2p)) or op.is_p2p
-    seq_key = "p2p_seq_id" if p2p else "collective_seq_id"
-    seq = e.get(seq_key, e.get("seq_id"))
-    if not isinstance(seq, int):
-        return f"{name} without {seq_key}"
-    peers = None
-    if p2p and (m := _PEERS.search(name.split(":", 1)[-1])):
-        a, arrow, b = int(m[1]), m[2], int(m[3])
-        peers = (a, b) if arrow == "->" else (b, a)
-    sizes = e.get("input_sizes") or []
-    count = sum(math.prod(s) for s in sizes if isinstance(s, list | tuple))
-    dtype = _DTYPES.get((e.get("input_dtypes") or ["Byte"])[0], DType.UINT8)
-    state = e.get("state", "scheduled")
-    created = int(e.get("time_created_ns") or 0)
-    started = _time(e.get("time_discovered_started_ns"))
-    completed = _time(e.get("time_discovered_completed_ns"))
-    ended: int | None = None
-    if state == "completed" or e.get("retired"):  # retired: the work is over (Gloo says no more)
-        ended = completed or created + int(float(e.get("duration_ms") or 0) * 1e6)
-    if state == "scheduled":
-        started = None
-    return _Call(op, pg, seq, p2p, peers, count, dtype, created, started, ended)
-
-
-def _coalesce(entries: list[dict[str, Any]]) -> tuple[list[_Call], dict[str, int]]:
-    """A rank's calls in buffer order, a coalesced group's collectives as one (their sizes
-    summed, done when all are); and why entries could not be read."""
-    calls: list[_Call] = []
-    skipped: dict[str, int] = {}
-    group: list[_Call] = []
-    for e in entries:
-        name = str(e.get("profiling_name", ""))
-        if name.split(":", 1)[-1].strip().startswith("coalesced"):
-            colls = [c for c in group if not c.p2p]
-            if len(colls) > 1:
-                first = colls[0]
-                first.count = sum(c.count for c in colls)
-                if not all(c.done for c in colls):
-                    first.ended = None
-                calls = [c for c in calls if c not in colls[1:]]
-            group = []
-            continue
-        c = _call(e)
-        if isinstance(c, str):
-            skipped[c] = skipped.get(c, 0) + 1
-            continue
-        if group and (group[0].pg, group[0].seq, group[0].p2p) != (c.pg, c.seq, c.p2p):
-            group = []
-        group.append(c)
-        calls.append(c)
-    return calls, skipped
 
 
 class FlightRecorderImport:
@@ -220,7 +84,7 @@ class FlightRecorderImport:
         self.skipped[why] = self.skipped.get(why, 0) + n
 
     def _groups(
-        self, dumps: dict[int, dict[str, Any]], calls: dict[int, list[_Call]], world: int
+        self, dumps: dict[int, dict[str, Any]], calls: dict[int, list[Call]], world: int
     ) -> dict[str, tuple[tuple[int, ...], str]]:
         """Each group's (members, description): from ``pg_config``, else the ranks whose
         ``pg_status`` or calls name it (all ranks for the default group)."""
@@ -229,41 +93,55 @@ class FlightRecorderImport:
         descs: dict[str, str] = {}
         for rank, d in dumps.items():
             for name, pg in (d.get("pg_config") or {}).items():
-                ranks = _ranks(pg.get("ranks")) if isinstance(pg, dict) else ()
+                ranks = ranks_in(pg.get("ranks")) if isinstance(pg, dict) else ()
                 desc = str(pg.get("desc", "")) if isinstance(pg, dict) else ""
                 if ranks:
                     listed[str(name)] = (ranks, desc)
                 descs.setdefault(str(name), desc)
-            for name in d.get("pg_status") or {}:
-                users.setdefault(str(name), set()).add(rank)
+            for name in self._status(d):
+                users.setdefault(name, set()).add(rank)
             for e in d["entries"]:
-                name, desc = _pg(e)
+                name, desc = pg_of(e)
                 users.setdefault(name, set()).add(rank)
                 if desc:
                     descs[name] = desc
         out = dict(listed)
+        silent = tuple(r for r in range(world) if r not in dumps)
         for name, ranks in users.items():
             if name in out or not name:
                 continue
             desc = descs.get(name, "")
             if desc == "default_pg" or name == "0":
                 out[name] = (tuple(range(world)), desc or "default_pg")
-            else:
-                out[name] = (tuple(sorted(ranks)), desc)
-                self.inferred["a group's members from the ranks that use it"] = (
-                    self.inferred.get("a group's members from the ranks that use it", 0) + 1
-                )
+                continue
+            self._infer("a group's members from the ranks that use it")
+            if silent and blocked(name, ranks, dumps, calls):
+                # a call every member that dumped posted and none completed waits on a
+                # member that wrote no dump (stopped, killed, hung outside the watchdog)
+                ranks = ranks | set(silent)
+                self._infer("a blocked group's members among the ranks that wrote no dump")
+            out[name] = (tuple(sorted(ranks)), desc)
         return out
+
+    def _infer(self, what: str) -> None:
+        self.inferred[what] = self.inferred.get(what, 0) + 1
+
+    def _status(self, d: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """:func:`status_by_name`, what it cannot name counted in :attr:`skipped`."""
+        status, unnamed = status_by_name(d)
+        if unnamed:
+            self._skip("a group's status no entry names", unnamed)
+        return status
 
     def records(self, dumps: dict[int, dict[str, Any]], dump_times: dict[int, int]) -> list:
         read = {}
         for rank, d in dumps.items():
-            calls, skipped = _coalesce(d["entries"])
+            calls, skipped = coalesce(d["entries"])
             read[rank] = calls
             for why, n in skipped.items():
                 self._skip(why, n)
         listed = [
-            max(_ranks(pg.get("ranks")) or (0,)) + 1
+            max(ranks_in(pg.get("ranks")) or (0,)) + 1
             for d in dumps.values()
             for pg in (d.get("pg_config") or {}).values()
             if isinstance(pg, dict)
@@ -284,7 +162,7 @@ class FlightRecorderImport:
             str(n)
             for d in dumps.values()
             for n, pg in (d.get("pg_config") or {}).items()
-            if isinstance(pg, dict) and _ranks(pg.get("ranks"))
+            if isinstance(pg, dict) and ranks_in(pg.get("ranks"))
         }
         for name, (ranks, desc) in sorted(groups.items()):
             # by name: two groups over the same ranks are two communicators
@@ -315,7 +193,7 @@ class FlightRecorderImport:
         return [*meta, *colls, *hb]
 
     def _collectives(
-        self, rank: int, calls: list[_Call], groups: dict, hashes: dict[str, int]
+        self, rank: int, calls: list[Call], groups: dict, hashes: dict[str, int]
     ) -> list[Collective]:
         out = []
         for c in calls:
@@ -352,7 +230,7 @@ class FlightRecorderImport:
                     op=c.op,
                     seq=max(c.seq - 1, 0),  # Flight Recorder counts from 1
                     count=c.count,
-                    size_bytes=c.count * _BYTES.get(c.dtype, 1),
+                    size_bytes=c.count * DTYPE_BYTES.get(c.dtype, 1),
                     dtype=c.dtype,
                     enqueue_ns=c.created,
                     start_ns=c.started,
@@ -376,8 +254,8 @@ class FlightRecorderImport:
             p[0] = max(p[0], c.seq)
             if c.end_ns is not None:
                 p[1] = max(p[1], c.seq)
-        for name, st in (d.get("pg_status") or {}).items():
-            if str(name) in hashes and isinstance(st, dict):  # beyond what the buffer kept
+        for name, st in status_by_name(d)[0].items():
+            if name in hashes:  # beyond what the buffer kept
                 p = progress.setdefault(hashes[str(name)], [-1, -1])
                 p[0] = max(p[0], int(st.get("last_enqueued_collective", 0) or 0) - 1)
                 p[1] = max(p[1], int(st.get("last_completed_collective", 0) or 0) - 1)
@@ -438,21 +316,6 @@ def _best_shift(sends: list[int], recvs: list[int], most: int = 64) -> int:
         if cost < best_cost:
             best, best_cost = k, cost
     return best
-
-
-def dump_time_ns(path: Path, dump: dict[str, Any]) -> int:
-    """When a rank dumped: its watchdog's timeout after its oldest unfinished call,
-    else the file's modification time, else its newest entry."""
-    entries = dump["entries"]
-    pending = [
-        int(e.get("time_created_ns") or 0) + int(float(e.get("timeout_ms") or 600_000) * 1e6)
-        for e in entries
-        if e.get("state") != "completed" and not e.get("retired")
-    ]
-    newest = max((int(e.get("time_created_ns") or 0) for e in entries), default=0)
-    if pending:
-        return max(min(pending), newest)
-    return max(int(Path(path).stat().st_mtime_ns), newest)
 
 
 def import_dumps(

@@ -36,6 +36,7 @@ at B from A). Roles (TP/PP/DP) follow the declared Megatron layout.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import socket
@@ -662,7 +663,8 @@ def _tensor_info(t: Any) -> tuple[int, int, DType]:
 
 
 def default_sink() -> Sink:
-    """The node agent's socket (``MEGATRACE_AGENT__SOCKET``), or a JSON-lines file
+    """The node agent's socket (``MEGATRACE_AGENT__SOCKET``; what it cannot take at once
+    waits in the client's bounded backlog), or a JSON-lines file
     (``MEGATRACE_COLLECT_FILE``) the agent tails."""
     from schemas.codec import encode
 
@@ -678,6 +680,7 @@ def default_sink() -> Sink:
     from producers.agent import AgentClient
 
     client = AgentClient(os.environ.get("MEGATRACE_AGENT__SOCKET", ".megatrace/agent.sock"))
+    atexit.register(client.close)  # what still waits for the agent's socket gets a moment
     return client.send
 
 

@@ -373,7 +373,10 @@ class AlignStats(Record, frozen=True, kw_only=True, tag="align_stats"):
     communicator (aligned all the same). ``dropped_instances``: collectives evicted
     unfinished beyond the bound on open ones. ``partial_reports``: collectives
     reported partial after the timeout (someone never joined or never finished),
-    each report counted. ``open_instances``: collectives open at ``ts_ns``.
+    each report counted. ``lost_instances``: collectives whose missing members went
+    on to later calls of the communicator, so their records of it were lost before
+    they reached the flow (a source's full buffer); not taken for a hang.
+    ``open_instances``: collectives open at ``ts_ns``.
     """
 
     comm_hash: CommHash
@@ -384,6 +387,7 @@ class AlignStats(Record, frozen=True, kw_only=True, tag="align_stats"):
     dropped_instances: Count = 0
     partial_reports: Count = 0
     open_instances: Count = 0
+    lost_instances: Count = 0
 
 
 class CommStructure(Record, frozen=True, kw_only=True, tag="comm_structure"):

@@ -130,7 +130,7 @@ SETTINGS join_use_nulls = 1""",
 SELECT s.job AS job, s.comm_hash AS comm_hash, c.role AS role, c.ranks AS ranks, s.ts AS ts,
        s.n AS records, s.late AS late_records, s.out_of_order AS out_of_order_records,
        s.dropped AS dropped_instances, s.partial AS partial_reports,
-       s.open_now AS open_instances
+       s.open_now AS open_instances, s.lost AS lost_instances
 FROM (
   SELECT job, comm_hash, max(ts) AS ts,
          argMax(records, (ts_ns, records)) AS n,
@@ -138,7 +138,8 @@ FROM (
          argMax(out_of_order_records, (ts_ns, records)) AS out_of_order,
          argMax(dropped_instances, (ts_ns, records)) AS dropped,
          argMax(partial_reports, (ts_ns, records)) AS partial,
-         argMax(open_instances, (ts_ns, records)) AS open_now
+         argMax(open_instances, (ts_ns, records)) AS open_now,
+         argMax(lost_instances, (ts_ns, records)) AS lost
   FROM {db}.align_stats FINAL GROUP BY job, comm_hash
 ) AS s
 LEFT JOIN (

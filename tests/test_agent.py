@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -106,10 +107,44 @@ def test_frames_round_trip() -> None:
     assert unpack(pack("topic", None, b"v")) == ("topic", None, b"v")
 
 
-def test_the_client_never_blocks_when_no_agent_listens(tmp_path: Path) -> None:
-    client = AgentClient(tmp_path / "nobody.sock")
-    client.send([Heartbeat(job="j", node="n", rank=0, ts_ns=1)] * 10)
-    assert (client.sent, client.dropped) == (0, 10)
+def _beats(first: int, n: int) -> list[Heartbeat]:
+    return [Heartbeat(job="j", node="n", rank=0, ts_ns=i) for i in range(first, first + n)]
+
+
+def test_the_client_holds_what_the_agent_cannot_take_yet_and_delivers_it_in_order(
+    tmp_path: Path,
+) -> None:
+    """A Unix datagram socket queues only ~10 datagrams: records sent before the agent
+    listens, and a burst while it does not read, wait in the client (which returns at
+    once) and arrive, all and in order, once the agent reads."""
+    path = tmp_path / "agent.sock"
+    client = AgentClient(path)
+    client.send(_beats(0, 10))  # no agent yet
+    assert (client.sent, client.pending, client.dropped) == (0, 10, 0)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(str(path))  # the agent listens, busy: it reads nothing for now
+    for first in range(10, 3010, 20):  # 150 datagrams: far more than its queue holds
+        client.send(_beats(first, 20))
+    assert client.pending > 0 and client.dropped == 0
+    got: list[int] = []
+    server.settimeout(5)
+    while len(got) < 3010:
+        if client.pending:
+            client.flush(0.01)
+        got += [decode(line).ts_ns for line in server.recv(1 << 16).split(b"\n")]
+    server.close()
+    assert got == list(range(3010)) and (client.sent, client.pending) == (3010, 0)
+
+
+def test_the_clients_backlog_is_bounded_and_drops_its_oldest(tmp_path: Path) -> None:
+    client = AgentClient(tmp_path / "nobody.sock", backlog_bytes=1 << 16)
+    for first in range(0, 6000, 100):
+        client.send(_beats(first, 100))
+    assert client.dropped > 0 and client.pending + client.dropped == 6000
+    with pytest.raises(ValueError, match="backlog_bytes"):
+        AgentClient(tmp_path / "a.sock", backlog_bytes=10)
+    client.close(timeout_s=0)  # nobody ever came: what waited is counted as dropped
+    assert (client.sent, client.pending, client.dropped) == (0, 0, 6000)
 
 
 # --------------------------------------------------------------------------- outage

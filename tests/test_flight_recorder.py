@@ -207,7 +207,7 @@ def test_dumps_as_pytorch_29_writes_them_lose_no_entry_and_name_the_culprit(
 
 
 def test_a_coalesced_group_of_collectives_is_one_instance() -> None:
-    from producers.flight_recorder import _coalesce
+    from producers.fr_dump import coalesce
 
     def e(name: str, seq: int, n: int, state: str = "completed") -> dict:
         return {"profiling_name": name, "process_group": ["3", "x"], "collective_seq_id": seq,
@@ -215,7 +215,7 @@ def test_a_coalesced_group_of_collectives_is_one_instance() -> None:
                 "input_dtypes": ["Float"], "state": state, "time_created_ns": 10 + seq,
                 "time_discovered_completed_ns": 20 + seq}  # fmt: skip
 
-    calls, skipped = _coalesce([
+    calls, skipped = coalesce([
         e("nccl:all_reduce", 1, 4),
         e("nccl:allreduce_coalesced", 2, 8), e("nccl:allreduce_coalesced", 2, 8, "started"),
         e("nccl:coalesced", 2, 0),
@@ -321,3 +321,29 @@ def test_real_gloo_dumps_of_two_ranks_that_never_joined_name_both(tmp_path: Path
     theirs = _fr_trace_missing(tmp_path)
     if theirs is not None:
         assert theirs <= {1, 2}
+
+
+def test_real_gloo_dumps_of_a_pipeline_job_name_the_stopped_rank(tmp_path: Path) -> None:
+    """The dumps of a real job (``megatrace lab``, case megatron-hang: a Megatron-style
+    1F1B job over Gloo, TP 2 x PP 2 x DP 2, rank 2 stopped by SIGSTOP at step 8; the
+    seven other ranks dumped at the hang timeout, rank 2 could not). Gloo's dumps list
+    no group's members, and a rank's ``pg_status`` names its groups by their id in that
+    process, not by name. The groups rank 2 belongs to are used by one rank that
+    dumped, which waits in a call nobody completed: rank 2 is their other member."""
+    import tarfile
+
+    from detectors.replay import Replay
+    from producers.flight_recorder import import_dumps
+    from schemas.records import Verdict
+
+    with tarfile.open(
+        Path(__file__).parent / "data" / "fr_gloo_megatron_rank2_stopped.tar.gz"
+    ) as t:
+        t.extractall(tmp_path, filter="data")
+    records, skipped = import_dumps(sorted((tmp_path / "fr").glob("rank_*")), "lab-megatron")
+    assert skipped == {}
+    groups = {tuple(c.ranks) for c in records if isinstance(c, CommInfo)}
+    assert {(2, 3), (0, 2)} <= groups and (0, 1) in groups  # not every dumped rank
+    verdicts = {v.verdict_id: v for v in Replay().run(records) if isinstance(v, Verdict)}
+    (hang,) = verdicts.values()
+    assert (hang.kind.value, hang.rank) == ("hang", 2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,6 +217,46 @@ def test_a_transfer_to_itself_is_counted_and_never_reported_stuck(
     assert counts["p2p_started"] == counts["self_transfers_skipped"] == 2
     assert counts["calls_reported_stuck"] == 0
     plugin.finalize(comm)
+
+
+def test_a_burst_beyond_the_agents_socket_queue_is_not_lost(
+    library: Path, receiver: socket.socket
+) -> None:
+    """The agent's socket queues ~10 datagrams; datagrams sent faster than a busy agent
+    reads them (one every 30 ms here) all arrive: the plugin's flusher waits for room
+    instead of dropping."""
+    data: list[bytes] = []
+    stop = threading.Event()
+
+    def busy_agent() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                data.append(receiver.recv(1 << 16))
+            time.sleep(0.03)
+
+    reader = threading.Thread(target=busy_agent)
+    reader.start()
+    plugin = Plugin(library)
+    comms = [plugin.init(COMM, 2, r) for r in range(2)]
+    for seq in range(400):  # about 40 datagrams, in bursts as the flusher wakes
+        plugin.collective(comms, seq, channels=2, steps=4, step_bytes=1 << 16)
+    plugin.flush()
+    dropped = plugin.stats()[2]
+
+    def calls() -> list[Collective]:
+        lines = [line for d in list(data) for line in d.split(b"\n") if b'"coll"' in line]
+        return [r for r in map(decode, lines) if isinstance(r, Collective)]
+
+    deadline = time.monotonic() + 20
+    while len(colls := calls()) < 800 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stop.set()
+    reader.join()
+    assert dropped == 0 and sorted((c.seq, c.rank) for c in colls) == [
+        (s, r) for s in range(400) for r in range(2)
+    ]
+    for comm in comms:
+        plugin.finalize(comm)
 
 
 def test_the_plugin_never_blocks_without_an_agent(

@@ -252,16 +252,18 @@ ORDER BY time""",
             "table",
             f"""SELECT lower(hex(comm_hash)) AS comm, role, ranks, records,
        late_records AS late, out_of_order_records AS out_of_order,
-       dropped_instances AS dropped, partial_reports AS partial, open_instances AS open_now
+       dropped_instances AS dropped, partial_reports AS partial, lost_instances AS lost,
+       open_instances AS open_now
 FROM {DB}.comm_accounts
 WHERE job = '${{job}}' AND $__timeFilter(ts)
-ORDER BY partial + late + out_of_order + dropped DESC, records DESC
+ORDER BY partial + late + out_of_order + dropped + lost DESC, records DESC
 LIMIT 20""",
             width=24,
             description="Counted by the flow since its state began: late = a record for a "
             "collective already complete (a duplicate or replay), ignored; out_of_order = "
             "below a sequence number its rank already sent; dropped = evicted unfinished; "
-            "partial = reported with members missing after the timeout (a hang shows here).",
+            "partial = reported with members missing after the timeout (a hang shows here); "
+            "lost = collectives the missing members went past (their records never arrived).",
         ),
     ],
     variables=[_JOB, _NODE, _RANK],

@@ -50,8 +50,10 @@
  * change is a clock read and two additions, finished records go into a
  * lock-free ring as binary structs. A background thread formats them as the
  * schema's JSON lines and sends them to the node agent's Unix datagram socket
- * (MEGATRACE_AGENT__SOCKET), many records per datagram, never blocking: if
- * the agent is absent or slow, records are dropped and counted.
+ * (MEGATRACE_AGENT__SOCKET), many records per datagram, never blocking NCCL:
+ * if the agent's queue is full that thread waits for room a little (see
+ * mt_send); if the agent is absent, or stays full, records are dropped and
+ * counted.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -516,12 +518,26 @@ static int mt_format(const mt_rec *r, char *buf, size_t cap) {
   return n < 0 ? n : n + link;
 }
 
+/* The agent's socket queues only a few datagrams (net.unix.max_dgram_qlen, 10 by
+ * default): a burst, or an agent busy for a moment, fills it. The flusher runs on its
+ * own thread, never on NCCL's, so it waits for room a little (MT_SEND_WAIT_MS at most
+ * per datagram; meanwhile the ring keeps taking events) before it drops. With no agent
+ * at all, or once the plugin is stopping (finalize joins that thread), it drops at once. */
+#define MT_SEND_WAIT_MS 200
 static void mt_send(char *buf, size_t len, int lines) {
   if (g_sock < 0 || !len) return;
-  if (sendto(g_sock, buf, len, MSG_DONTWAIT, (struct sockaddr *)&g_addr, sizeof g_addr) < 0)
-    atomic_fetch_add(&g_dropped, (uint64_t)lines); /* no agent, or it is behind: drop, count */
-  else
-    atomic_fetch_add(&g_sent, (uint64_t)lines);
+  for (int waited = 0;; waited++) {
+    if (sendto(g_sock, buf, len, MSG_DONTWAIT, (struct sockaddr *)&g_addr, sizeof g_addr) >= 0) {
+      atomic_fetch_add(&g_sent, (uint64_t)lines);
+      return;
+    }
+    if ((errno != EAGAIN && errno != EWOULDBLOCK && errno != ENOBUFS) || waited >= MT_SEND_WAIT_MS ||
+        atomic_load(&g_stop))
+      break;
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, NULL);
+  }
+  atomic_fetch_add(&g_dropped, (uint64_t)lines); /* no agent, or it stayed full: drop, count */
 }
 
 static void mt_flush(void) {

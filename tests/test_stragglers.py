@@ -1,0 +1,59 @@
+"""A straggler for one step, and several culprits slowing a job together."""
+
+from __future__ import annotations
+
+import pytest
+
+from detectors.changepoint import ShiftDetector
+from detectors.replay import Replay
+from producers.sim.faults import SlowGPU
+from producers.sim.scenarios import Run, scale_spec
+from schemas.enums import VerdictKind
+from schemas.records import Verdict
+
+
+def test_a_spike_that_opens_a_smaller_shift_is_a_burst_of_its_own() -> None:
+    """One step 3.5x, then a level 20% higher: the spike is told as a burst, and the
+    rest must make a shift on its own, from its own first step."""
+    det = ShiftDetector()
+    xs = [100.0, 96.0, 104.0, 99.0, 101.0, 98.0, 102.0, 100.0, 350.0] + [120.0] * 6
+    events = [(e.kind, e.onset, e.length) for i, x in enumerate(xs) if (e := det.update(x, i))]
+    assert events == [("burst", 8, 1), ("shift", 9, 3)]
+
+
+def test_a_spike_alone_is_still_a_burst_and_a_steady_shift_no_spike() -> None:
+    det = ShiftDetector()
+    xs = [100.0] * 8 + [350.0] + [100.0] * 4 + [150.0] * 5
+    events = [(e.kind, e.onset) for i, x in enumerate(xs) if (e := det.update(x, i))]
+    assert events == [("burst", 8), ("shift", 13)]
+
+
+def _incidents(faults: list[SlowGPU], **layout: int) -> list[Verdict]:
+    run = Run("two", scale_spec("tiny", job="two", seed=3, **layout), faults, steps=30)
+    last = {v.verdict_id: v for v in Replay().run(run.records()) if isinstance(v, Verdict)}
+    return list(last.values())
+
+
+@pytest.mark.parametrize(
+    ("layout", "ranks"),
+    [({}, (1, 6)), ({"tp": 4, "pp": 2, "dp": 1}, (1, 2))],
+    ids=["two-stages-on-two-nodes", "one-tensor-parallel-group"],
+)
+def test_two_gpus_slowing_together_are_one_incident_naming_both(
+    layout: dict[str, int], ranks: tuple[int, int]
+) -> None:
+    """Two GPUs 1.5x slower from the same step (in two pipeline stages on two nodes, or
+    in one tensor-parallel group): one slowdown whose ``culprit_ranks`` lists both, its
+    ``rank`` the first of them, one alert."""
+    faults = [SlowGPU(onset_step=12, rank=r, factor=1.5) for r in ranks]
+    (v,) = _incidents(faults, **layout)
+    assert v.kind is VerdictKind.SLOWDOWN and v.onset_step == 12
+    assert sorted(v.culprit_ranks) == sorted(ranks) and v.rank == v.culprit_ranks[0]
+    assert "ranks " in v.summary
+
+
+def test_one_slow_gpu_of_a_job_without_data_parallelism_is_named_alone() -> None:
+    """TP 4 x PP 2 x DP 1: the data-parallel groups of one rank carry no calls, and the
+    steps are whole without them."""
+    (v,) = _incidents([SlowGPU(onset_step=12, rank=2, factor=1.5)], tp=4, pp=2, dp=1)
+    assert (v.rank, v.culprit_ranks) == (2, [])
