@@ -302,7 +302,10 @@ class SlowdownTracker:
     def _burst(
         self, onset: int, ratio: float, length: int, rep: StepReport, topo: Topology
     ) -> list[msgspec.Struct]:
-        inc = self.locate([r for r in self.ledger.since(onset) if r.step < onset + length], topo)
+        # the burst and the step after it (where its waits may spill): for a burst that
+        # just ended, every step since its onset; for a spike that opened a shift, not
+        # the shift's steps that followed
+        inc = self.locate([r for r in self.ledger.since(onset) if r.step <= onset + length], topo)
         if inc is None:
             return []
         bursts = self.bursts.setdefault(inc.culprit, [])

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from producers.megatron_config import ConfigFormatError
 from schemas.enums import CollOp
@@ -28,8 +28,9 @@ _LINE = re.compile(
 _FUNCS = {op.value: op for op in CollOp}
 
 
-@dataclass(frozen=True)
-class CallLine:
+class CallLine(NamedTuple):
+    """One call line, read (a named tuple: a log has hundreds of thousands)."""
+
     ts_ns: int
     rank: int
     op: CollOp

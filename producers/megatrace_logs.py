@@ -95,6 +95,7 @@ class MegatraceLogReader:
         self.outside: dict[int, int] = {}
         self._ranks: dict[int, _RankState] = {}
         self._announced: set[int] = set()
+        self._groups: dict[tuple[int, CommRole], tuple[int, tuple[int, ...]]] = {}
         self._group_members: dict[int, set[int]] = {}
         self._pending_groups: dict[int, list[Collective]] = {}
         self._comm_sizes: dict[int, tuple[int, dict[int, int]]] = {}
@@ -199,8 +200,20 @@ class MegatraceLogReader:
         return [*out, self._record(c, h, 2, pair.index(c.rank), seq, peer)]
 
     # ------------------------------------------------------------------ collectives
-    def _members(self, rank: int, role: CommRole) -> tuple[int, ...]:
-        return next(m for m, r in self.layout.items() if r == role and rank in m)
+    def _group(self, rank: int, role: CommRole) -> tuple[int, tuple[int, ...]]:
+        """The communicator of ``role`` that ``rank`` is in, by the layout: (its hash, its
+        members); looked up once per rank and role (a log has hundreds of thousands of
+        its calls)."""
+        key = (rank, role)
+        found = self._groups.get(key)
+        if found is None:
+            if role == CommRole.WORLD:
+                members = tuple(range(self.cfg.world_size))
+            else:
+                members = next(m for m, r in self.layout.items() if r == role and rank in m)
+            h = comm_hash(f"inferred-{role.value}", members)
+            found = self._groups[key] = (h, members)
+        return found
 
     def _inferred_collective(self, c: CallLine, st: _RankState) -> list[msgspec.Struct]:
         cfg = self.cfg
@@ -217,18 +230,15 @@ class MegatraceLogReader:
                 role = CommRole.TP if c.count == st.tp_count else CommRole.DP
             elif role is None:
                 role = CommRole.TP if cfg.tp > 1 else CommRole.DP if cfg.dp > 1 else CommRole.WORLD
-            members = (
-                tuple(range(cfg.world_size))
-                if role == CommRole.WORLD
-                else self._members(c.rank, role)
-            )
-            h = comm_hash(f"inferred-{role.value}", members)
+            h, members = self._group(c.rank, role)
             how = "its stream" if st.roles else "the rank layout and call sizes"
             self.inferred[f"{role.value} communicator from {how}"] += 1
         seq = st.seq.get(h, 0)
         st.seq[h] = seq + 1
-        out = self._comm(h, members, role, c.ts_ns, inferred=True)
-        return [*out, self._record(c, h, len(members), members.index(c.rank), seq)]
+        rec = self._record(c, h, len(members), members.index(c.rank), seq)
+        if h in self._announced:
+            return [rec]
+        return [*self._comm(h, members, role, c.ts_ns, inferred=True), rec]
 
     def _tell_streams(self, st: _RankState) -> None:
         """Which communicator each of a rank's streams is, from what its buffered calls
@@ -311,8 +321,9 @@ class MegatraceLogReader:
             if c.rank >= self.cfg.world_size:  # another run's log, or the wrong configuration
                 self.outside[c.rank] = self.outside.get(c.rank, 0) + 1
                 continue
-            out += self._meta(c.ts_ns)
-            st = self._ranks.setdefault(c.rank, _RankState())
+            if not self._meta_done:
+                out += self._meta(c.ts_ns)
+            st = self._ranks.get(c.rank) or self._ranks.setdefault(c.rank, _RankState())
             if c.op.is_p2p:
                 out += self._p2p(c, st)
             elif c.group_hash is not None and c.op_count is not None:
