@@ -251,9 +251,11 @@ class CollectiveAligner:
         in :attr:`lost` instead (see the module docstring)."""
         limit = self.timeout_ns()
         out, lost = [], []
-        tops = self._tops()
+        tops: dict[tuple[int, int], int] | None = None  # only when something timed out
         for key, entry in self._open.items():
             if not entry.reported and now_ns - entry.first_seen_ns > limit:
+                if tops is None:
+                    tops = self._tops()
                 if self._went_past(key, entry, tops):
                     lost.append(key)
                     continue
@@ -268,12 +270,11 @@ class CollectiveAligner:
         """Instances reported partial whose missing members have since gone past them:
         evicted and counted in :attr:`lost` (their records were lost, they hold nobody).
         Worth asking only after new records came."""
+        reported = [(key, entry) for key, entry in self._open.items() if entry.reported]
+        if not reported:
+            return []
         tops = self._tops()
-        gone = [
-            (key, entry)
-            for key, entry in self._open.items()
-            if entry.reported and self._went_past(key, entry, tops)
-        ]
+        gone = [(key, entry) for key, entry in reported if self._went_past(key, entry, tops)]
         for key, _ in gone:
             del self._open[key]
         self.lost += len(gone)

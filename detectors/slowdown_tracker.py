@@ -200,7 +200,11 @@ class SlowdownTracker:
             if f.rank is not None and f.rank in link_ends:
                 continue
             growth = f.evidence.get("rank_lateness_growth_ns")
-            if growth is not None and growth < 0.25 * increase and not _dominant(growth, growths):
+            if (
+                growth is not None
+                and growth < 0.25 * increase
+                and not (growth >= 0.1 * increase and _dominant(growth, growths))
+            ):
                 continue  # too little of the lost time is this rank's own lateness
             where: dict[str, Any] = dict(pp_stage=f.stage, microbatch=f.microbatch, node=f.node,
                                          phase=Phase(f.phase) if f.phase else None,
@@ -412,7 +416,9 @@ _TOGETHER = 0.5
 def _dominant(growth: float, growths: list[float]) -> bool:
     """Whether a rank's lateness grew ``_DOMINANT`` times more than any other candidate's:
     who made the others wait, though waits that spread along a pipeline (each stage
-    waits on the one before) make the step lose more than the rank's own lateness."""
+    waits on the one before) make the step lose more than the rank's own lateness (its
+    caller still asks for a tenth of the loss: a few milliseconds over tiny others'
+    explain nothing)."""
     others = growths[1:] if growths and growths[0] == growth else growths
     return growth > 0 and growth == growths[0] and growth >= _DOMINANT * max(others[:1] or [0.0])
 
