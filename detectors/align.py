@@ -250,20 +250,16 @@ class CollectiveAligner:
         changes); those whose missing members went past them are evicted and counted
         in :attr:`lost` instead (see the module docstring)."""
         limit = self.timeout_ns()
-        out, lost = [], []
-        tops: dict[tuple[int, int], int] | None = None  # only when something timed out
-        for key, entry in self._open.items():
-            if not entry.reported and now_ns - entry.first_seen_ns > limit:
-                if tops is None:
-                    tops = self._tops()
-                if self._went_past(key, entry, tops):
-                    lost.append(key)
-                    continue
+        due = [(key, entry) for key, entry in self._open.items()
+               if not entry.reported and now_ns - entry.first_seen_ns > limit]  # fmt: skip
+        if not due:
+            return []
+        gone = {key for key, _ in self._evict_passed(due)}
+        out = []
+        for key, entry in due:
+            if key not in gone:
                 entry.reported = True
                 out.append(self._instance(key, entry))
-        for key in lost:
-            del self._open[key]
-        self.lost += len(lost)
         return out
 
     def passed(self) -> list[Instance]:
@@ -271,14 +267,18 @@ class CollectiveAligner:
         evicted and counted in :attr:`lost` (their records were lost, they hold nobody).
         Worth asking only after new records came."""
         reported = [(key, entry) for key, entry in self._open.items() if entry.reported]
-        if not reported:
+        return [self._instance(key, entry) for key, entry in self._evict_passed(reported)]
+
+    def _evict_passed(self, entries: list[tuple[Key, _Open]]) -> list[tuple[Key, _Open]]:
+        """Of ``entries``, those whose missing members went past them: evicted, counted."""
+        if not entries:
             return []
         tops = self._tops()
-        gone = [(key, entry) for key, entry in reported if self._went_past(key, entry, tops)]
+        gone = [(key, entry) for key, entry in entries if self._went_past(key, entry, tops)]
         for key, _ in gone:
             del self._open[key]
         self.lost += len(gone)
-        return [self._instance(key, entry) for key, entry in gone]
+        return gone
 
     def _tops(self) -> dict[tuple[int, int], int]:
         """The newest sequence number of each stream direction, over its ranks."""

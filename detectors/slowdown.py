@@ -35,8 +35,8 @@ from detectors.steps import StepReport
 from detectors.topology import Topology
 from schemas.enums import Cause
 
-#: a member of a slow group whose lateness grew this much of the latest one's is late too
-_TOGETHER = 0.5
+#: a rank whose lateness grew this much of the latest arriver's is a culprit with it
+TOGETHER = 0.5
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ class SlowdownLocalizer:
             top = float(max(late[r] for r in group))
             # the latest arriver, and any member nearly as late (two of a group slowed)
             for r in group:
-                if late[r] == top or late[r] >= _TOGETHER * top > 0:
+                if late[r] == top or late[r] >= TOGETHER * top > 0:
                     ranked.append((float(late[r]), r, group, (s, phase, mb), excess, dur))
         for growth, culprit, group, (s, phase, mb), excess, dur in sorted(ranked, reverse=True):
             if culprit in seen:

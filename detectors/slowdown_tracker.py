@@ -32,7 +32,7 @@ from detectors.changepoint import ShiftDetector
 from detectors.gpu_wait import GpuWaitBaseline
 from detectors.incidents import JOB, Culprit, Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
-from detectors.slowdown import SlowdownLocalizer
+from detectors.slowdown import TOGETHER, SlowdownLocalizer
 from detectors.steps import StepReport
 from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
@@ -203,7 +203,7 @@ class SlowdownTracker:
             if (
                 growth is not None
                 and growth < 0.25 * increase
-                and not (growth >= 0.1 * increase and _dominant(growth, growths))
+                and not _dominant(growth, growths, increase)
             ):
                 continue  # too little of the lost time is this rank's own lateness
             where: dict[str, Any] = dict(pp_stage=f.stage, microbatch=f.microbatch, node=f.node,
@@ -404,23 +404,24 @@ def _together(first: Any, found: list[Any], link_ends: set[int], least: float) -
         f.rank for f in found
         if f.rank is not None and f.rank != first.rank and f.rank not in link_ends
         and (g := f.evidence.get("rank_lateness_growth_ns")) is not None
-        and g >= max(least, _TOGETHER * growth)
+        and g >= max(least, TOGETHER * growth)
     })  # fmt: skip
     return (first.rank, *more) if more else ()
 
 
-#: a rank whose lateness grew this much of the culprit's, as well, is a culprit with it
-_TOGETHER = 0.5
-
-
-def _dominant(growth: float, growths: list[float]) -> bool:
-    """Whether a rank's lateness grew ``_DOMINANT`` times more than any other candidate's:
-    who made the others wait, though waits that spread along a pipeline (each stage
-    waits on the one before) make the step lose more than the rank's own lateness (its
-    caller still asks for a tenth of the loss: a few milliseconds over tiny others'
-    explain nothing)."""
-    others = growths[1:] if growths and growths[0] == growth else growths
-    return growth > 0 and growth == growths[0] and growth >= _DOMINANT * max(others[:1] or [0.0])
+def _dominant(growth: float, growths: list[float], increase: float) -> bool:
+    """Whether a rank's lateness grew most, ``_DOMINANT`` times more than the next
+    candidate's, and by a tenth of the step time added: who made the others wait,
+    though waits that spread along a pipeline (each stage waits on the one before) make
+    the step lose more than the rank's own lateness (``growths``: every candidate's,
+    largest first)."""
+    runner_up = growths[1] if len(growths) > 1 else 0.0
+    return (
+        growth > 0
+        and growth == growths[0]
+        and growth >= _DOMINANT * max(runner_up, 0.0)
+        and growth >= 0.1 * increase
+    )
 
 
 #: a rank whose lateness grew this many times more than any other's is the culprit
