@@ -84,10 +84,15 @@ class FlightRecorderImport:
         self.skipped[why] = self.skipped.get(why, 0) + n
 
     def _groups(
-        self, dumps: dict[int, dict[str, Any]], calls: dict[int, list[Call]], world: int
+        self,
+        dumps: dict[int, dict[str, Any]],
+        calls: dict[int, list[Call]],
+        status: dict[int, dict[str, dict[str, Any]]],
+        world: int,
     ) -> dict[str, tuple[tuple[int, ...], str]]:
         """Each group's (members, description): from ``pg_config``, else the ranks whose
-        ``pg_status`` or calls name it (all ranks for the default group)."""
+        ``pg_status`` (``status``: each rank's, by group name) or calls name it (all ranks
+        for the default group)."""
         listed: dict[str, tuple[tuple[int, ...], str]] = {}
         users: dict[str, set[int]] = {}
         descs: dict[str, str] = {}
@@ -98,7 +103,7 @@ class FlightRecorderImport:
                 if ranks:
                     listed[str(name)] = (ranks, desc)
                 descs.setdefault(str(name), desc)
-            for name in self._status(d):
+            for name in status[rank]:
                 users.setdefault(name, set()).add(rank)
             for e in d["entries"]:
                 name, desc = pg_of(e)
@@ -115,7 +120,7 @@ class FlightRecorderImport:
                 out[name] = (tuple(range(world)), desc or "default_pg")
                 continue
             self._infer("a group's members from the ranks that use it")
-            if silent and blocked(name, ranks, dumps, calls):
+            if silent and blocked(name, ranks, status, calls):
                 # a call every member that dumped posted and none completed waits on a
                 # member that wrote no dump (stopped, killed, hung outside the watchdog)
                 ranks = ranks | set(silent)
@@ -152,7 +157,8 @@ class FlightRecorderImport:
             raise DumpFormatError(
                 f"dumps name rank {world - 1}, beyond the world of {cfg.world_size}"
             )
-        groups = self._groups(dumps, read, cfg.world_size)
+        status = {rank: self._status(d) for rank, d in dumps.items()}
+        groups = self._groups(dumps, read, status, cfg.world_size)
         shape = Layout(cfg.world_size, cfg.tp, cfg.pp, cfg.dp)
         layout = shape.groups() if self.config else {}
         first_ns = min((c.created for cs in read.values() for c in cs), default=0)
@@ -184,9 +190,9 @@ class FlightRecorderImport:
         for rank in sorted(read):
             colls += self._collectives(rank, read[rank], groups, hashes)
         _align_transfers(colls)
-        for rank, d in sorted(dumps.items()):
-            out += self._liveness(rank, d, [c for c in colls if c.rank == rank], hashes,
-                                  dump_times[rank])  # fmt: skip
+        for rank in sorted(dumps):
+            out += self._liveness(rank, status[rank], [c for c in colls if c.rank == rank],
+                                  hashes, dump_times[rank])  # fmt: skip
         colls.sort(key=lambda c: c.enqueue_ns)
         hb = sorted((r for r in out if isinstance(r, Heartbeat)), key=lambda h: h.ts_ns)
         meta = [r for r in out if not isinstance(r, Heartbeat)]
@@ -241,8 +247,8 @@ class FlightRecorderImport:
         return out
 
     def _liveness(
-        self, rank: int, d: dict[str, Any], colls: list[Collective], hashes: dict[str, int],
-        dumped_ns: int,
+        self, rank: int, status: dict[str, dict[str, Any]], colls: list[Collective],
+        hashes: dict[str, int], dumped_ns: int,
     ) -> list[Heartbeat]:  # fmt: skip
         """The rank's progress per group as its dump tells it: up to its last completion,
         then none until the dump (the silence that makes a hang)."""
@@ -254,7 +260,7 @@ class FlightRecorderImport:
             p[0] = max(p[0], c.seq)
             if c.end_ns is not None:
                 p[1] = max(p[1], c.seq)
-        for name, st in status_by_name(d)[0].items():
+        for name, st in status.items():
             if name in hashes:  # beyond what the buffer kept
                 p = progress.setdefault(hashes[str(name)], [-1, -1])
                 p[0] = max(p[0], int(st.get("last_enqueued_collective", 0) or 0) - 1)

@@ -164,13 +164,17 @@ def status_by_name(d: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], int]:
 
 
 def blocked(
-    name: str, users: set[int], dumps: dict[int, dict[str, Any]], calls: dict[int, list[Call]]
+    name: str,
+    users: set[int],
+    status: dict[int, dict[str, dict[str, Any]]],
+    calls: dict[int, list[Call]],
 ) -> bool:
     """Whether some collective of group ``name`` was posted by every rank that dumped it
-    and completed by none (numbers from 1, as the dumps count)."""
+    and completed by none (numbers from 1, as the dumps count; ``status``: each rank's
+    ``pg_status`` by group name, :func:`status_by_name`)."""
     posted, done = [], 0
     for rank in users:
-        st = status_by_name(dumps[rank])[0].get(name, {})
+        st = status[rank].get(name, {})
         mine = [c for c in calls.get(rank, ()) if c.pg == name and not c.p2p]
         posted.append(max([c.seq for c in mine] + [int(st.get("last_enqueued_collective") or 0)]))
         done = max(
