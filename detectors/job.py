@@ -164,7 +164,9 @@ class JobAnalyzer:
         self.now_ns = max(self.now_ns, event_time(rec))
 
     def _job_in(self, info: JobInfo) -> Out:
-        self._record_time(info)
+        # metadata keeps no time: it describes the job (read from a compacted topic, or
+        # written by an importer ahead of the calls it inferred it from), it does not
+        # say that the job's clock moved
         if self.topo is None:
             self.topo = Topology.from_job(info)
             for m in self._pending_meta:
@@ -176,7 +178,6 @@ class JobAnalyzer:
         return []
 
     def _meta_in(self, rec: RankInfo | CommInfo) -> Out:
-        self._record_time(rec)
         assert self.topo is not None
         self.topo.add(rec)
         return []

@@ -170,10 +170,13 @@ class Route:
                     h = s.comm_hash if isinstance(s, StepMark) else s.comm.comm_hash
                     out += self._comm((job, h), [s])
         self._seen += 1
-        if self.poll is not None and self._seen % self.poll == 0:
+        polled = self.poll is None or self._seen % self.poll == 0
+        if self.poll is not None and polled:
             out += self._flush_poll()
         self.now_ns = max(self.now_ns, analyzer.now_ns)
-        if self.now_ns >= self._next_tick:
+        # batched, the timers run between polls: never while a communicator's records
+        # wait in one (the flow's keys keep their own clocks)
+        if polled and self.now_ns >= self._next_tick:
             out += self.tick(self.now_ns)
             self._next_tick = self.now_ns + self.tick_ns
         return out
@@ -275,11 +278,16 @@ class Route:
         """Each key's share of the poll, as one batch."""
         out: list[msgspec.Struct] = []
         pending, self._pending = self._pending, {}
-        for (stage, key), items in pending.items():
-            if stage != "shard":
+        shards: dict[Any, list[Any]] = {}  # parts sent on since the last poll (a marker's,
+        for (stage, key), items in pending.items():  # the timers'), then the poll's
+            if stage == "shard":
+                shards[key] = items
+            else:
                 out += self._comm(key, items) if stage == "comm" else self._node(key, items)
-        shards, self._pending = self._pending, {}  # what the communicators sent on
-        for (_, key), parts in shards.items():
+        for (_, key), parts in self._pending.items():
+            shards.setdefault(key, []).extend(parts)
+        self._pending = {}
+        for key, parts in shards.items():
             out += self._shard(key, parts)
         return out
 

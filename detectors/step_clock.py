@@ -42,6 +42,8 @@ from schemas.records import CommStructure
 SeqKey = tuple[int, int]  # (sender, receiver); (-1, -1) for a communicator's collectives
 #: marks kept (a communicator needs the few around its open steps)
 MARKS_KEPT = 256
+#: marked steps a sequence's votes must span before its cycle is numbered as the marks
+VOTE_STEPS = 3
 
 
 class StepClock:
@@ -62,7 +64,11 @@ class StepClock:
         # agree on one, the votes so far, and those that never agreed
         self.offset: dict[SeqKey, int] = {}
         self.votes: dict[SeqKey, dict[int, int]] = {}
+        self.voted_steps: dict[SeqKey, set[int]] = {}  # the marked steps the votes span
         self.distrust: set[SeqKey] = set()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({"voted_steps": {}, **state})  # one pickled before it existed
 
     # ------------------------------------------------------------------ learning
     def see(self, key: SeqKey, seq: int, shape: Any, first_ns: int, hint: int) -> bool:
@@ -177,24 +183,30 @@ class StepClock:
 
     def _vote(self, key: SeqKey, c: Cycle, seq: int, step: int) -> None:
         """Whether a sequence's learned cycle steps with the marks: once two cycles' worth
-        of its instances were placed by the marks, an offset that nearly all of them
-        share numbers its cycle as the marks (placed at once, whole steps, from then on);
-        none after six, and the marks place it, instance by instance."""
+        of its instances, spread over three marked steps, were placed by the marks, an
+        offset that nearly all of them share numbers its cycle as the marks (placed at
+        once, whole steps, from then on); none after six cycles' worth, and the marks place
+        it, instance by instance. The three steps matter: a cycle shorter than the step (a
+        pattern that recurs within it) can agree with the marks by chance over two of its
+        cycles that straddle one step's end, never over two ends."""
         if key in self.distrust:
             return
         votes = self.votes.setdefault(key, {})
         d = step - c.step_of(seq)
         votes[d] = votes.get(d, 0) + 1
+        spanned = self.voted_steps.setdefault(key, set())
+        spanned.add(step)
         total = sum(votes.values())
         if total < max(4, 2 * c.period):
             return
         best = max(votes, key=votes.__getitem__)
-        if votes[best] >= 0.8 * total:
+        if votes[best] >= 0.8 * total and len(spanned) >= VOTE_STEPS:
             self.offset[key] = best
-            del self.votes[key]
-        elif total >= 6 * c.period:
+        elif total >= 6 * c.period and len(spanned) >= VOTE_STEPS:
             self.distrust.add(key)
-            del self.votes[key]
+        else:
+            return
+        del self.votes[key], self.voted_steps[key]
 
 
 def layout_hint(topo: Topology, comm_hash: int, role: CommRole, inst: Instance) -> int:

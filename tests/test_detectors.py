@@ -1051,3 +1051,31 @@ def test_marks_read_ahead_of_a_communicators_calls_do_not_close_its_steps_empty(
         parts += [x for x in folder.update(inst(seq))[1] if isinstance(x, StepPart)]
     parts += [x for x in folder.flush()[1] if isinstance(x, StepPart)]
     assert [(p.step, p.n) for p in parts] == [(s, 2) for s in range(6)]
+
+
+def test_a_cycle_shorter_than_the_step_is_not_numbered_by_two_of_its_repeats() -> None:
+    """A pattern of calls can recur within one iteration (the same few collectives every
+    layer): a cycle learned from it is shorter than the step. Two of its repeats that
+    straddle a step's end agree with the markers by chance; numbered by them, every
+    later instance would land in a step of its own. The markers place such a sequence,
+    instance by instance, and every instance sits in its marked step."""
+    from detectors.cycle import Cycle
+    from detectors.step_clock import StepClock
+    from schemas.enums import CommRole
+    from schemas.records import CommStructure
+
+    clock = StepClock()
+    note = CommStructure(job="j", comm_hash=7, ts_ns=0, role=CommRole.TP, per_step=4,
+                         clock="pauses")  # fmt: skip
+    clock.adopt(note)  # a four-call pattern; a step holds twelve calls
+    assert clock.cycles[(-1, -1)].cycle == Cycle(4, 0, "pauses")
+    for step in range(6):  # every marker known first, as a flow may read them
+        clock.mark(step, 1200 * (step + 1) - 1)
+
+    def inst(seq: int) -> Instance:
+        t = 100 * seq
+        return Instance("j", 7, seq, CollOp.ALL_REDUCE, -1, 2, 8, (0, 1), (t, t), (t, t),
+                        (t + 5, t + 5))  # fmt: skip
+
+    placed = {seq: clock.step_of(inst(seq), 100 * seq, force=False) for seq in range(8, 72)}
+    assert placed == {seq: seq // 12 for seq in range(8, 72)}
