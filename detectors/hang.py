@@ -194,6 +194,35 @@ def _stuck_edge(
     return cause, culprit, (send.rank, send.peer), ev
 
 
+def _first_stopped(
+    culprits: list[tuple[int, int, int, tuple[int, ...]]],
+    was_in: list[tuple[int, int, int]],
+    issued: dict[int, dict[int, int]],
+    member_of: dict[int, tuple[int, ...]],
+) -> list[tuple[int, int, int, tuple[int, ...]]]:
+    """Of several ranks that stopped beating, the ones no other of them waited on.
+
+    A killed rank's peers fail in its calls and stop after it: each of them is then
+    behind somewhere too. A stopped rank whose last heartbeat says it was in a call
+    that another stopped culprit never joined was waiting on that one; the culprits
+    nobody among them waited on are where the job stopped (all of them, when the waits
+    go round)."""
+    names = {b[0] for b in culprits}
+    if len(names) < 2 or not was_in:
+        return culprits
+    waited: set[int] = set()
+    for rank, comm, seq in was_in:
+        if rank not in names:
+            continue
+        by_rank = issued.get(comm, {})
+        for r in member_of.get(comm, tuple(by_rank)):
+            if r != rank and r in names and by_rank.get(r, -1) < seq:
+                waited.add(rank)
+                break
+    roots = [b for b in culprits if b[0] not in waited]
+    return roots or culprits
+
+
 def diagnose_from_heartbeats(
     latest: dict[int, Heartbeat],
     member_of: dict[int, tuple[int, ...]],
@@ -213,11 +242,15 @@ def diagnose_from_heartbeats(
     """
     issued: dict[int, dict[int, int]] = {}
     waiting: set[int] = set()
+    was_in: list[tuple[int, int, int]] = []  # a silent rank's last call: (rank, comm, seq)
     for rank, hb in latest.items():
         for cp in hb.comms:
             issued.setdefault(cp.comm_hash, {})[rank] = cp.issued_seq
-            if cp.issued_seq > cp.completed_seq and rank not in silent:
-                waiting.add(rank)
+            if cp.issued_seq > cp.completed_seq:
+                if rank not in silent:
+                    waiting.add(rank)
+                else:
+                    was_in.append((rank, cp.comm_hash, cp.issued_seq))
     behind: list[tuple[int, int, int, tuple[int, ...]]] = []  # (rank, comm, seq, waiters)
     stuck_comms: list[tuple[int, int, tuple[int, ...]]] = []
     for comm, by_rank in issued.items():
@@ -231,6 +264,7 @@ def diagnose_from_heartbeats(
         if stuck and len(at_top) == len(members):
             stuck_comms.append((comm, top, at_top))
     culprits = [b for b in behind if b[0] not in waiting]
+    culprits = _first_stopped(culprits, was_in, issued, member_of)
     if culprits:
         prio = priority or {}
         rank, comm, seq, waiters = min(culprits, key=lambda b: (prio.get(b[1], 9), b[2], b[0]))

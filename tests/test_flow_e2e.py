@@ -59,6 +59,40 @@ def test_story_verdicts_reach_clickhouse_with_the_injected_culprits(
     assert stored == len(instances)
 
 
+def test_real_recordings_through_the_flow_name_whom_the_offline_analysis_names(
+    settings: Settings, ch: Any
+) -> None:
+    """Two real jobs kept from `megatrace lab` (see tests/test_lab_recordings.py) through
+    the broker, the flow and ClickHouse: the flow reads its topics at their own paces (the
+    markers, heartbeats and metadata ahead of the calls) and batches each poll, and still
+    names the killed rank (not a peer that failed after it) and the one-step straggler
+    with the time it cost."""
+    import dataclasses
+    import gzip
+    from pathlib import Path
+
+    from schemas.codec import decode
+    from schemas.records import Verdict
+
+    data = Path(__file__).parent / "data"
+    pub = publisher(settings)
+    for name in ("lab_megatron_killed_rank3.jsonl.gz", "lab_megatron_transient_rank1.jsonl.gz"):
+        with gzip.open(data / name) as fh:
+            pub.publish_all(decode(line) for line in fh if line.strip())
+    pub.flush()
+    run_main(build_flow(dataclasses.replace(flow_config(settings), console=False)))
+    db = settings.clickhouse.database
+    latest = {v.verdict_id: v for v in read_records(ch, db, "verdicts") if isinstance(v, Verdict)}
+    found = {(v.job.split("-")[2], v.kind.value, v.rank, v.onset_step) for v in latest.values()}
+    # read ahead of the calls, the heartbeats alone say where rank 3 stopped: after step
+    # 8's gradient sync (its peer completed it), before its first call of step 9
+    (killed,) = [f for f in found if f[0] == "killed"]
+    assert killed[1:3] == ("hang", 3) and killed[3] in (8, 9)
+    assert ("transient", "transient_straggler", 1, 9) in found
+    (t,) = [v for v in latest.values() if v.kind.value == "transient_straggler"]
+    assert 0.5e9 < t.evidence["time_lost_ns"] < 0.7e9
+
+
 def test_store_and_detect_roles_together_do_what_one_flow_does(settings: Settings, ch: Any) -> None:
     """A split deployment (store + detect processes) stores and concludes what ``all`` does;
     the detect role never reads kernels and a refused record is announced once."""

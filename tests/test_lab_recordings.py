@@ -13,7 +13,7 @@ import pytest
 
 from detectors.replay import Replay
 from schemas.codec import decode
-from schemas.records import CommInfo, Iteration, JobInfo, RankInfo, Verdict
+from schemas.records import CommInfo, Heartbeat, Iteration, JobInfo, RankInfo, Verdict
 
 DATA = Path(__file__).parent / "data"
 
@@ -33,6 +33,9 @@ def _verdicts(name: str, order: str = "as-read") -> list[Verdict]:
         records = [r for r in records if isinstance(r, ahead)] + [
             r for r in records if not isinstance(r, ahead)
         ]
+    if order == "no-calls":  # the job's own topics alone: heartbeats, markers, metadata
+        own = (JobInfo, RankInfo, CommInfo, Iteration, Heartbeat)
+        records = [r for r in records if isinstance(r, own)]
     replay = Replay(poll=300 if order == "polled" else None)
     last = {v.verdict_id: v for v in replay.run(records) if isinstance(v, Verdict)}
     return list(last.values())
@@ -50,6 +53,17 @@ def test_a_killed_rank_is_named_although_healthy_ranks_lost_a_step_of_records(
     come."""
     (hang,) = _verdicts("lab_megatron_killed_rank3.jsonl.gz", order)
     assert (hang.kind.value, hang.rank, hang.onset_step) == ("hang", 3, 8)
+
+
+def test_a_killed_rank_is_named_from_heartbeats_alone_not_a_peer_that_failed_after_it() -> None:
+    """The same job from its heartbeats alone (the calls' topic read later, as a flow
+    catching up on a backlog reads it). The peers failed in rank 3's calls and stopped
+    beating within 0.2 s after it, each behind somewhere too; their last heartbeats say
+    what they waited in, and rank 2 waited in the tensor-parallel call rank 3 never
+    issued. Rank 3 stopped after its step 8's gradient sync (its peer completed it) and
+    before its first call of step 9."""
+    (hang,) = _verdicts("lab_megatron_killed_rank3.jsonl.gz", "no-calls")
+    assert (hang.kind.value, hang.rank, hang.onset_step) == ("hang", 3, 9)
 
 
 @pytest.mark.parametrize("order", ORDERS)
