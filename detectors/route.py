@@ -115,7 +115,9 @@ class Route:
     poll
         None: each record goes through at once. A number: records are gathered per
         communicator and per node and go through every ``poll`` records, as the flow
-        batches a poll (each key's share of a poll is one batch).
+        batches a poll (each key's share of a poll is one batch), or sooner when their
+        times reach the next tick (the flow's polls are short against its timers); the
+        timers run between polls.
     hook
         Told each stage's time on each key's batch (see :data:`Hook`).
     """
@@ -138,11 +140,14 @@ class Route:
         self.jobs: dict[str, JobAnalyzer] = {}
         self._pending: dict[tuple[str, Any], list[Any]] = {}  # (stage, key) -> its batch
         self._seen = 0
+        self._poll_ns = 0  # the newest time of the records in the poll
+        self._flush_at = 0  # a poll goes through once its records reach this time
         self._next_tick = 0
         self.now_ns = 0
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        defaults = {"poll": None, "hook": None, "nodes": {}, "_pending": {}, "_seen": 0}
+        defaults = {"poll": None, "hook": None, "nodes": {}, "_pending": {}, "_seen": 0,
+                    "_poll_ns": 0, "_flush_at": 0}  # fmt: skip
         self.__dict__.update({**defaults, **state})  # one pickled before these existed
 
     def __getstate__(self) -> dict[str, Any]:
@@ -162,6 +167,9 @@ class Route:
                 out += self._comm(key, [rec]) if stage == "comm" else self._node(key, [rec])
             else:
                 self._pending.setdefault((stage, key), []).append(rec)
+                t = rec.ts_ns if stage == "node" else getattr(rec, "arrival_ns", 0)
+                if t > self._poll_ns:
+                    self._poll_ns = t
         elif stage == "job":
             out += self._timed("job", analyzer.update, rec)
             if schedules_it(rec):
@@ -170,9 +178,10 @@ class Route:
                     h = s.comm_hash if isinstance(s, StepMark) else s.comm.comm_hash
                     out += self._comm((job, h), [s])
         self._seen += 1
-        polled = self.poll is None or self._seen % self.poll == 0
+        polled = self.poll is None or self._seen % self.poll == 0 or self._poll_ns >= self._flush_at
         if self.poll is not None and polled:
             out += self._flush_poll()
+            self._flush_at = self._poll_ns + self.tick_ns
         self.now_ns = max(self.now_ns, analyzer.now_ns)
         # batched, the timers run between polls: never while a communicator's records
         # wait in one (the flow's keys keep their own clocks)
