@@ -181,6 +181,9 @@ class HangWatch:
             fresh = sum(hb.ts_ns > self.hb_progress_ns for hb in self.hb_latest.values())
             if fresh < world and silent <= 3 * limit and not final:
                 return []  # wait until every rank reported after the freeze
+            calls_ns = max(view.coll_now_ns, now_ns) - self.hb_progress_ns
+            if not final and calls_ns <= limit + st.partial_timeout_ms * 1e6 and self._blind(view):
+                return []  # the calls the heartbeats do not follow may still show the start
             diag = self._from_heartbeats(view.topo, members)
             detected = self.hb_now_ns
         else:
@@ -227,6 +230,14 @@ class HangWatch:
             ):
                 diag = first
         return diag
+
+    def _blind(self, view: JobView) -> bool:
+        """Some communicator's calls are not followed by the heartbeats (a source that
+        counts collectives only, and a pipeline's transfers): a hang that began there
+        shows only in its calls, whose partial instances come after the heartbeats (on
+        another topic, once their aligner's timeout passed on their own clock)."""
+        followed = {cp.comm_hash for hb in self.hb_latest.values() for cp in hb.comms}
+        return any(h not in followed and len(c.ranks) > 1 for h, c in view.topo.comms.items())
 
     def _unfollowed(self, members: dict[int, tuple[int, ...]]) -> HangDiagnosis | None:
         """A hang that began on a communicator the heartbeats do not follow, from the

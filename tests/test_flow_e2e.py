@@ -93,6 +93,25 @@ def test_real_recordings_through_the_flow_name_whom_the_offline_analysis_names(
     assert 0.5e9 < t.evidence["time_lost_ns"] < 0.7e9
 
 
+def test_a_network_hang_is_the_link_with_heartbeats_that_follow_collectives_only(
+    settings: Settings, ch: Any
+) -> None:
+    """NCCL's profiler plugin counts collectives in its heartbeats, not a pipeline's
+    transfers. A transfer stuck on a link then shows only in its calls, which reach the
+    flow's watchdog after the heartbeats do (another topic; their aligner reports them
+    open once its own clock passed the timeout): the watchdog waits for them and names
+    the link, not a rank that stopped behind it."""
+    run = build("network-hang", scale="tiny", seed=1, steps=30, heartbeat_p2p=False)
+    pub = publisher(settings)
+    pub.publish_all(run.records())
+    pub.flush()
+    run_main(build_flow(flow_config(settings)))
+    db = settings.clickhouse.database
+    (label,) = run.labels
+    hangs = [v for v in read_records(ch, db, "verdicts") if v.kind == VerdictKind.HANG]
+    assert {(v.rank, v.link) for v in hangs} == {(label.rank, label.link)}
+
+
 def test_store_and_detect_roles_together_do_what_one_flow_does(settings: Settings, ch: Any) -> None:
     """A split deployment (store + detect processes) stores and concludes what ``all`` does;
     the detect role never reads kernels and a refused record is announced once."""
