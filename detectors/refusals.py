@@ -39,8 +39,11 @@ def outside(job: str, topo: Topology, item: Any) -> DeadLetter | None:
     if not ranks:
         return None
     bad = next((r for r in ranks if r >= world), None)
-    why = f"rank {bad} is outside job {job}'s {world} ranks"
-    if bad is None and isinstance(item, Instance):
+    if bad is not None:
+        why = f"rank {bad} is outside job {job}'s {world} ranks"
+    elif not isinstance(item, Instance):
+        return None
+    else:
         info = topo.comms.get(item.comm_hash)
         if info is None:
             return None
@@ -55,8 +58,6 @@ def outside(job: str, topo: Topology, item: Any) -> DeadLetter | None:
             else f"communicator {item.comm_hash:016x} has {len(info.ranks)} members, "
             f"not {item.comm_size}"
         )
-    elif bad is None:
-        return None
     return _letter(item, DeadLetterReason.OUT_OF_LAYOUT, f"{why}: not used as evidence", "rank")
 
 

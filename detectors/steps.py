@@ -295,21 +295,26 @@ def step_tables(
             late_instances=assembler.late_instances,
         )
     ]
+    # a row per rank: the arrays read as lists once (numpy's per-element access is slow)
+    first, last = rep.first_ns.tolist(), rep.last_end_ns.tolist()
+    wait, late, blame = rep.wait_ns.tolist(), rep.lateness_ns.tolist(), rep.blame_ns.tolist()
+    node, coords, step = topo.node, topo.coords, rep.step
     for r in range(topo.job.world_size):
-        if rep.first_ns[r] < 0:
+        f = first[r]
+        if f < 0:
             continue
         out.append(
             RankStep(
                 job=job,
-                step=rep.step,
+                step=step,
                 rank=r,
-                node=topo.node(r),
-                pp_stage=topo.coords(r)[0],
-                start_ns=int(rep.first_ns[r]),
-                end_ns=int(max(rep.last_end_ns[r], rep.first_ns[r])),
-                wait_ns=int(rep.wait_ns[r]),
-                lateness_ns=float(rep.lateness_ns[r]),
-                blame_ns=int(rep.blame_ns[r]),
+                node=node(r),
+                pp_stage=coords(r)[0],
+                start_ns=int(f),
+                end_ns=int(max(last[r], f)),
+                wait_ns=int(wait[r]),
+                lateness_ns=float(late[r]),
+                blame_ns=int(blame[r]),
             )
         )
     return out
