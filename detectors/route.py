@@ -60,6 +60,10 @@ from schemas.records import (
     ProxySummary,
 )
 
+#: records a poll of the flow holds (its Kafka source's batch): what a batched route
+#: gathers (``megatrace analyze`` and ``eval`` replay recordings so)
+POLL = 5000
+
 #: (stage, seconds, its outputs): called after each stage's work on one key's items; the
 #: stage is one of the table's, or ``timers`` (the communicators' and jobs' timers)
 Hook = Callable[[str, float, list[Any]], None]
@@ -141,7 +145,7 @@ class Route:
         self._pending: dict[tuple[str, Any], list[Any]] = {}  # (stage, key) -> its batch
         self._seen = 0
         self._poll_ns = 0  # the newest time of the records in the poll
-        self._flush_at = 0  # a poll goes through once its records reach this time
+        self._flush_at = 0  # a poll goes through once its time reaches this
         self._next_tick = 0
         self.now_ns = 0
 
@@ -178,10 +182,12 @@ class Route:
                     h = s.comm_hash if isinstance(s, StepMark) else s.comm.comm_hash
                     out += self._comm((job, h), [s])
         self._seen += 1
-        polled = self.poll is None or self._seen % self.poll == 0 or self._poll_ns >= self._flush_at
+        # the poll's time: its records', or the job's own (heartbeats go on in a hang)
+        t = max(self._poll_ns, analyzer.now_ns)
+        polled = self.poll is None or self._seen % self.poll == 0 or t >= self._flush_at
         if self.poll is not None and polled:
             out += self._flush_poll()
-            self._flush_at = self._poll_ns + self.tick_ns
+            self._flush_at = t + self.tick_ns
         self.now_ns = max(self.now_ns, analyzer.now_ns)
         # batched, the timers run between polls: never while a communicator's records
         # wait in one (the flow's keys keep their own clocks)
@@ -301,5 +307,5 @@ class Route:
         return out
 
 
-__all__ = ["Hook", "Route", "comm_key", "entry", "job_of", "node_key", "schedules_it",
+__all__ = ["POLL", "Hook", "Route", "comm_key", "entry", "job_of", "node_key", "schedules_it",
            "shard_key", "to_shard"]  # fmt: skip

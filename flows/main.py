@@ -42,6 +42,7 @@ from detectors.console import IncidentLog
 from detectors.merge import CommLiveness
 from detectors.parts import StepPart
 from detectors.route import (
+    POLL,
     comm_key,
     entry,
     job_of,
@@ -106,7 +107,7 @@ class FlowConfig:
     clickhouse_url: str
     database: str
     tail: bool = True
-    batch_size: int = 5000
+    batch_size: int = POLL
     idle_stop_s: float = 1.5
     #: a bounded run fails once the broker did not answer for this long
     outage_wait_s: float = 300.0

@@ -757,13 +757,14 @@ def analyze(path: str, as_json: bool) -> None:
     """Run the detectors over recorded records (a JSON-lines file or a simulate directory)."""
     from detectors.console import IncidentLog
     from detectors.replay import Replay
+    from detectors.route import POLL
     from schemas.codec import SchemaError, read_jsonl, verdict_json
     from schemas.records import Verdict
 
     p = Path(path)
     files = [p / "records.jsonl"] if p.is_dir() else [p]
     log = IncidentLog()
-    replay = Replay()
+    replay = Replay(poll=POLL)  # batched as the flow batches its polls
     try:
         for f in files:
             for out in replay.run(read_jsonl(f, inputs=True)):

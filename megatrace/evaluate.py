@@ -100,13 +100,14 @@ def score(cases: Iterable[Case], baselines: bool, progress: Callable[[str], None
     """Every case through megatrace (and the peers' rules, with ``baselines``)."""
     from detectors.baselines import BASELINES
     from detectors.replay import Replay
+    from detectors.route import POLL
     from schemas.records import StepSummary, Verdict
 
     methods = ["megatrace", *(BASELINES if baselines else [])]
     res = Results({m: Score() for m in methods}, dict.fromkeys(methods, 0.0))
     for case in cases:
         res.cases += 1
-        replay = Replay()
+        replay = Replay(poll=POLL)  # batched as the flow batches its polls
         t0 = time.perf_counter()
         out = list(replay.run(case.records))
         res.seconds["megatrace"] += time.perf_counter() - t0
