@@ -223,6 +223,9 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
                 return []  # an unreachable broker's silence is not the end of the input
             if self._complete is not None and not self._complete():
                 return []  # its writer says more is coming: quiet is not the end
+            if not self._broker_answers():
+                self._quiet.health.lost(now)  # its error was not told yet (a busy host)
+                return []
             self._eof = True
         return []
 
@@ -263,6 +266,18 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
             return
         quiet.health.back(time.monotonic_ns())
         quiet.last_ns = now
+
+    def _broker_answers(self) -> bool:
+        """Quiet is the end of the input only if the broker is there to say so."""
+        if self._consumer is None:
+            return True
+        from confluent_kafka import KafkaException
+
+        try:
+            self._consumer.list_topics(timeout=1.0)
+        except KafkaException:
+            return False
+        return True
 
     def next_awake(self) -> datetime | None:
         # an empty poll backs off a little instead of blocking or spinning
