@@ -227,9 +227,27 @@ class HangWatch:
                     (first.comm_hash == diag.comm_hash and first.seq < diag.seq)
                     or diag.culprit_rank in stopped
                 )
+                and not self._waited_on(first.culprit_rank, diag.culprit_rank, members)
             ):
                 diag = first
         return diag
+
+    def _waited_on(self, rank: int, other: int | None, members: dict[int, tuple[int, ...]]) -> bool:
+        """``rank``'s last heartbeat says it was in a call that ``other`` (a member of its
+        communicator) never issued: whatever calls ``rank`` missed since, it was held up."""
+        mine, theirs = (
+            self.hb_latest.get(rank),
+            self.hb_latest.get(other if other is not None else -1),
+        )
+        if mine is None or theirs is None:
+            return False
+        issued = {cp.comm_hash: cp.issued_seq for cp in theirs.comms}
+        return any(
+            cp.issued_seq > cp.completed_seq
+            and other in members.get(cp.comm_hash, ())
+            and issued.get(cp.comm_hash, cp.issued_seq) < cp.issued_seq
+            for cp in mine.comms
+        )
 
     def _blind(self, view: JobView) -> bool:
         """Some communicator's calls are not followed by the heartbeats (a source that

@@ -302,10 +302,12 @@ def test_a_one_step_straggler_in_a_pipeline_is_named_from_logs_without_ids(
                         streams="group")  # fmt: skip
     got, _ = import_dir(tmp_path / "logs", read_megatron_config(config), "j")
     from detectors.replay import Replay
+    from detectors.route import POLL
     from schemas.records import Verdict
 
     (label,) = run.labels
-    found = [v for v in Replay().run(got) if isinstance(v, Verdict) and v.revision == 0]
+    replay = Replay(poll=POLL)  # as `megatrace analyze` replays it
+    found = [v for v in replay.run(got) if isinstance(v, Verdict) and v.revision == 0]
     assert [(v.kind, v.rank, v.onset_step) for v in found] == [
         (label.kind, label.rank, label.onset_step)
     ]
