@@ -79,3 +79,14 @@ def test_a_one_step_straggler_in_a_pipeline_is_named_with_the_time_it_cost(order
     assert (v.rank, v.onset_step, v.status.value) == (1, 9, "resolved")
     assert 0.5e9 < v.evidence["time_lost_ns"] < 0.7e9
     assert 3.2 < v.evidence["step_time_ratio"] < 3.7
+
+
+def test_a_killed_rank_is_named_when_its_peer_dies_waiting_for_it() -> None:
+    """Case megatron-killed again, another run: rank 3 SIGKILLed at step 8. Its tensor-
+    parallel peer, rank 2, waited in a call rank 3 never issued, failed and stopped a
+    moment later; the next stage's ranks wait for rank 2's pipeline Send, opened
+    earlier than anything else. The calls alone blame rank 2 for that Send; rank 2's
+    last heartbeat says it was held up by rank 3."""
+    (hang,) = _verdicts("lab_megatron_killed_rank3_run2.jsonl.gz")
+    assert (hang.kind.value, hang.rank) == ("hang", 3)
+    assert hang.onset_step in (8, 9)  # killed after its step 8's calls or before step 9's
