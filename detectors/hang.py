@@ -194,9 +194,24 @@ def _stuck_edge(
     return cause, culprit, (send.rank, send.peer), ev
 
 
+def held_up_by(
+    calls: Sequence[tuple[int, int]],
+    other: int,
+    issued: dict[int, dict[int, int]],
+    member_of: dict[int, tuple[int, ...]],
+) -> bool:
+    """Whether a rank whose last heartbeat had ``calls`` open ((comm, seq), issued and
+    not completed) was waiting on ``other``: a member of one of those communicators
+    that never issued that call (``issued``: comm -> rank -> its issued seq)."""
+    return any(
+        other in member_of.get(comm, ()) and issued.get(comm, {}).get(other, -1) < seq
+        for comm, seq in calls
+    )
+
+
 def _first_stopped(
     culprits: list[tuple[int, int, int, tuple[int, ...]]],
-    was_in: list[tuple[int, int, int]],
+    was_in: dict[int, list[tuple[int, int]]],
     issued: dict[int, dict[int, int]],
     member_of: dict[int, tuple[int, ...]],
 ) -> list[tuple[int, int, int, tuple[int, ...]]]:
@@ -210,15 +225,11 @@ def _first_stopped(
     names = {b[0] for b in culprits}
     if len(names) < 2 or not was_in:
         return culprits
-    waited: set[int] = set()
-    for rank, comm, seq in was_in:
-        if rank not in names:
-            continue
-        by_rank = issued.get(comm, {})
-        for r in member_of.get(comm, tuple(by_rank)):
-            if r != rank and r in names and by_rank.get(r, -1) < seq:
-                waited.add(rank)
-                break
+    waited = {
+        rank
+        for rank in names
+        if any(held_up_by(was_in.get(rank, ()), r, issued, member_of) for r in names - {rank})
+    }
     roots = [b for b in culprits if b[0] not in waited]
     return roots or culprits
 
@@ -242,7 +253,7 @@ def diagnose_from_heartbeats(
     """
     issued: dict[int, dict[int, int]] = {}
     waiting: set[int] = set()
-    was_in: list[tuple[int, int, int]] = []  # a silent rank's last call: (rank, comm, seq)
+    was_in: dict[int, list[tuple[int, int]]] = {}  # a silent rank's open calls (comm, seq)
     for rank, hb in latest.items():
         for cp in hb.comms:
             issued.setdefault(cp.comm_hash, {})[rank] = cp.issued_seq
@@ -250,7 +261,7 @@ def diagnose_from_heartbeats(
                 if rank not in silent:
                     waiting.add(rank)
                 else:
-                    was_in.append((rank, cp.comm_hash, cp.issued_seq))
+                    was_in.setdefault(rank, []).append((cp.comm_hash, cp.issued_seq))
     behind: list[tuple[int, int, int, tuple[int, ...]]] = []  # (rank, comm, seq, waiters)
     stuck_comms: list[tuple[int, int, tuple[int, ...]]] = []
     for comm, by_rank in issued.items():

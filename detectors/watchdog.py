@@ -51,7 +51,7 @@ import msgspec
 from detectors import texts
 from detectors.align import Instance, Key
 from detectors.edges import StuckProxies
-from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang
+from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang, held_up_by
 from detectors.topology import Position, Topology
 from detectors.verdicts import VerdictBook
 from schemas.config import DetectSettings
@@ -235,27 +235,26 @@ class HangWatch:
     def _waited_on(self, rank: int, other: int | None, members: dict[int, tuple[int, ...]]) -> bool:
         """``rank``'s last heartbeat says it was in a call that ``other`` (a member of its
         communicator) never issued: whatever calls ``rank`` missed since, it was held up."""
-        mine, theirs = (
-            self.hb_latest.get(rank),
-            self.hb_latest.get(other if other is not None else -1),
-        )
-        if mine is None or theirs is None:
+        mine, theirs = self.hb_latest.get(rank), self.hb_latest.get(-1 if other is None else other)
+        if mine is None or theirs is None or other is None:
             return False
-        issued = {cp.comm_hash: cp.issued_seq for cp in theirs.comms}
-        return any(
-            cp.issued_seq > cp.completed_seq
-            and other in members.get(cp.comm_hash, ())
-            and issued.get(cp.comm_hash, cp.issued_seq) < cp.issued_seq
-            for cp in mine.comms
-        )
+        calls = [
+            (cp.comm_hash, cp.issued_seq) for cp in mine.comms if cp.issued_seq > cp.completed_seq
+        ]
+        issued = {cp.comm_hash: {other: cp.issued_seq} for cp in theirs.comms}
+        return held_up_by(calls, other, issued, members)
 
     def _blind(self, view: JobView) -> bool:
         """Some communicator's calls are not followed by the heartbeats (a source that
         counts collectives only, and a pipeline's transfers): a hang that began there
         shows only in its calls, whose partial instances come after the heartbeats (on
         another topic, once their aligner's timeout passed on their own clock)."""
-        followed = {cp.comm_hash for hb in self.hb_latest.values() for cp in hb.comms}
+        followed = self._followed()
         return any(h not in followed and len(c.ranks) > 1 for h, c in view.topo.comms.items())
+
+    def _followed(self) -> set[int]:
+        """The communicators the heartbeats report progress on."""
+        return {cp.comm_hash for hb in self.hb_latest.values() for cp in hb.comms}
 
     def _unfollowed(self, members: dict[int, tuple[int, ...]]) -> HangDiagnosis | None:
         """A hang that began on a communicator the heartbeats do not follow, from the
@@ -269,7 +268,7 @@ class HangWatch:
         posted its side of the transfer, or a transfer both ends joined (the network)."""
         if not self.partials:
             return None
-        followed = {cp.comm_hash for hb in self.hb_latest.values() for cp in hb.comms}
+        followed = self._followed()
         first = min(self.partials.values(), key=lambda i: i.first_arrival_ns)
         if first.comm_hash in followed:
             return None
