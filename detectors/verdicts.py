@@ -33,6 +33,10 @@ def verdict_id(job: str, kind: str, culprit: str, onset: int | None) -> str:
     return hashlib.sha1(raw, usedforsecurity=False).hexdigest()[:16]
 
 
+#: the fields that say who is to blame (cleared when an incident is blamed on another)
+_CULPRIT_FIELDS = ("rank", "node", "gpu", "link", "src_rank", "dst_rank", "pp_stage")
+
+
 class VerdictBook:
     """Open incidents of one job."""
 
@@ -112,6 +116,29 @@ class VerdictBook:
             current, revision=current.revision + 1, status=VerdictStatus.RESOLVED, resolved_ns=ts_ns
         )
         return v
+
+    def rename(self, kind: str, culprit: str, to: str) -> None:
+        """The open incident ``culprit`` is blamed on ``to`` from now on: the next
+        :meth:`report` for ``to`` revises it (same ``verdict_id``, one alert) with the
+        new culprit's fields; the old culprit's are cleared.
+
+        >>> book = VerdictBook("job-1")
+        >>> v = book.report(VerdictKind.HANG, Cause.COMPUTE, "rank:5", onset_step=3,
+        ...                 onset_ns=1, detected_ns=2, severity=1.0, confidence=0.9, rank=5)
+        >>> book.rename("hang", "rank:5", "link:1->5")
+        >>> w = book.report(VerdictKind.HANG, Cause.NETWORK_LINK, "link:1->5", onset_step=3,
+        ...                 onset_ns=1, detected_ns=4, severity=1.0, confidence=0.9,
+        ...                 link="node-0->node-1", src_rank=1, dst_rank=5)
+        >>> (w.verdict_id == v.verdict_id, w.revision, w.status.value, w.rank, w.link)
+        (True, 1, 'update', None, 'node-0->node-1')
+        """
+        current = self._open.pop((kind, culprit), None)
+        if current is None or culprit == to:
+            if current is not None:
+                self._open[(kind, culprit)] = current
+            return
+        cleared = {name: None for name in _CULPRIT_FIELDS}
+        self._open[(kind, to)] = msgspec.structs.replace(current, culprit_ranks=[], **cleared)
 
     def current(self, kind: str, culprit: str) -> Verdict | None:
         """The latest revision of an open incident (None if none is open)."""

@@ -79,6 +79,8 @@ class JobView(NamedTuple):
 class HangWatch:
     """Liveness of one job, and its hang verdict (see the module docstring)."""
 
+    revisable = False  # snapshots of versions without it
+
     def __init__(self) -> None:
         self._reset()
 
@@ -93,6 +95,7 @@ class HangWatch:
         self.open: str | None = None  # the open hang incident's culprit
         self.detected_ns = 0
         self.final = False  # the hang being judged is at the end of the input
+        self.revisable = False  # the open hang may be blamed elsewhere (see _revise)
 
     # ------------------------------------------------------------------ inputs
     def heartbeat(self, hb: Heartbeat, book: VerdictBook) -> list[msgspec.Struct]:
@@ -165,7 +168,7 @@ class HangWatch:
         leaves only calls younger than that open).
         """
         if self.open:
-            return []
+            return self._revise(view) if self.revisable else []
         st, exp = view.settings, view.expected_ns
         limit = max(st.hang_factor * exp, st.min_hang_ms * 1e6)
         if final:
@@ -186,6 +189,8 @@ class HangWatch:
                 return []  # the calls the heartbeats do not follow may still show the start
             diag = self._from_heartbeats(view.topo, members)
             detected = self.hb_now_ns
+            # the calls the heartbeats do not follow may still come (a lagging partition)
+            self.revisable = self._blind(view)
         else:
             now = max(view.coll_now_ns, now_ns)
             silent = now - self.last_progress_ns
@@ -231,6 +236,20 @@ class HangWatch:
             ):
                 diag = first
         return diag
+
+    def _revise(self, view: JobView) -> list[msgspec.Struct]:
+        """A hang judged from heartbeats that do not follow every communicator: once the
+        calls they do not follow show it began there (their partial instances came after
+        the verdict, e.g. from a partition read later), it is blamed where it began (one
+        incident, revised)."""
+        if not self.partials:
+            return []
+        members = {h: tuple(c.ranks) for h, c in view.topo.comms.items()}
+        diag = self._unfollowed(members)
+        if diag is None:
+            return []
+        self.revisable = False
+        return self._verdict(diag, self.hb_now_ns - self.hb_progress_ns, self.detected_ns, view)
 
     def _waited_on(self, rank: int, other: int | None, members: dict[int, tuple[int, ...]]) -> bool:
         """``rank``'s last heartbeat says it was in a call that ``other`` (a member of its
@@ -339,6 +358,8 @@ class HangWatch:
             )
         on_link = diag.link is not None and diag.cause != Cause.COMPUTE
         culprit = f"link:{diag.link[0]}->{diag.link[1]}" if on_link else f"rank:{rank}"
+        if self.open:
+            view.book.rename(VerdictKind.HANG.value, self.open, culprit)
         phase = fields["phase"]
         where = texts.where(pos.step if pos else None, phase.value if phase else None,
                             pos.microbatch if pos else None, fields.get("pp_stage"))  # fmt: skip

@@ -93,12 +93,6 @@ def test_real_recordings_through_the_flow_name_whom_the_offline_analysis_names(
     assert 0.5e9 < t.evidence["time_lost_ns"] < 0.7e9
 
 
-@pytest.mark.xfail(
-    reason="races on a loaded host: the watchdog's wait is in the calls' event time, while the "
-    "stuck transfer's partial comes once its communicator's clock, moved by the wall clock, "
-    "passes the timeout (failed in a fresh-clone CI run, passed in three local runs)",
-    strict=False,
-)
 def test_a_network_hang_is_the_link_with_heartbeats_that_follow_collectives_only(
     settings: Settings, ch: Any
 ) -> None:
@@ -106,7 +100,8 @@ def test_a_network_hang_is_the_link_with_heartbeats_that_follow_collectives_only
     transfers. A transfer stuck on a link then shows only in its calls, which reach the
     flow's watchdog after the heartbeats do (another topic; their aligner reports them
     open once its own clock passed the timeout): the watchdog waits for them and names
-    the link, not a rank that stopped behind it."""
+    the link, not a rank that stopped behind it; where they come later still (a loaded
+    host), the one incident is revised to the link once they do."""
     run = build("network-hang", scale="tiny", seed=1, steps=30, heartbeat_p2p=False)
     pub = publisher(settings)
     pub.publish_all(run.records())
@@ -115,7 +110,8 @@ def test_a_network_hang_is_the_link_with_heartbeats_that_follow_collectives_only
     db = settings.clickhouse.database
     (label,) = run.labels
     hangs = [v for v in read_records(ch, db, "verdicts") if v.kind == VerdictKind.HANG]
-    assert {(v.rank, v.link) for v in hangs} == {(label.rank, label.link)}
+    latest = {v.verdict_id: v for v in sorted(hangs, key=lambda v: v.revision)}
+    assert {(v.rank, v.link) for v in latest.values()} == {(label.rank, label.link)}
 
 
 def test_store_and_detect_roles_together_do_what_one_flow_does(settings: Settings, ch: Any) -> None:

@@ -74,3 +74,28 @@ def test_link_samples_read_ahead_of_the_collectives_are_not_a_hang() -> None:
     (hang,) = _hangs(out)
     assert (hang.comm_hash, hang.seq) == (tp.comm_hash, 10**6)
     assert hang.rank in tp.ranks and hang.rank != tp.ranks[0]  # the one that never came
+
+
+def test_a_hang_judged_before_the_calls_that_show_its_start_is_revised_to_them() -> None:
+    """Heartbeats that count collectives only (NCCL's profiler plugin) cannot follow a
+    pipeline transfer. When the pipeline's calls come late (their partition read after
+    the heartbeats' and the other calls'), the watchdog first names a rank held up
+    behind the stuck transfer; once the transfer's calls show it began on the link, the
+    same incident (one alert) is revised to the link."""
+    from schemas.records import Collective, CommInfo
+
+    run = build("network-hang", scale="tiny", seed=1, steps=30, heartbeat_p2p=False)
+    recs = list(run.records())
+    (label,) = run.labels
+    pp = {r.comm_hash for r in recs if isinstance(r, CommInfo) and r.role == CommRole.PP}
+    cut = max(r.arrival_ns for r in recs if isinstance(r, Collective)) - 2_000_000_000
+
+    def late(r: msgspec.Struct) -> bool:
+        return isinstance(r, Collective) and r.comm_hash in pp and r.arrival_ns >= cut
+
+    out = list(Replay().run([*(r for r in recs if not late(r)), *filter(late, recs)]))
+    hangs = [v for v in out if isinstance(v, Verdict) and v.kind == VerdictKind.HANG]
+    first, last = hangs[0], hangs[-1]
+    assert first.link is None and first.rank != label.rank  # judged before the calls came
+    assert {v.verdict_id for v in hangs} == {first.verdict_id}
+    assert (last.rank, last.link, last.revision) == (label.rank, label.link, 1)
