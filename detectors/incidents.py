@@ -185,12 +185,13 @@ class StepTimeLedger:
     def level_before_step(self, onset: int, steps: int = 3) -> float:
         """The step time an incident beginning at step ``onset`` adds to: the baseline, or
         the level of the steps just before it when those were slow already (a shift on
-        top of an earlier one, e.g. a degraded link: a culprit explains only what it added)."""
+        top of an earlier one, e.g. a degraded link: a culprit explains only what it added).
+        Their median: one straggling step among them is not a level."""
         base = self.baseline
         before = [
             r.duration_ns for r in self.recent if r.complete and onset - steps <= r.step < onset
         ]
-        level = float(np.mean(before)) if before else base
+        level = float(np.median(before)) if before else base
         return level if level > base * (1 + self.min_shift) else base
 
     def step_reaching(self, ts_ns: int) -> int | None:

@@ -81,6 +81,17 @@ def test_a_one_step_straggler_in_a_pipeline_is_named_with_the_time_it_cost(order
     assert 3.2 < v.evidence["step_time_ratio"] < 3.7
 
 
+def test_what_follows_a_one_step_straggler_is_priced_against_the_level_before_it() -> None:
+    """The same recording: after the straggler, steps 10-12 ran 1.2x slower than before it
+    (291-300 ms against 245 ms). Whatever that is called, its cost is the time it added
+    to the steps before the straggler, not to a level the straggler's one step raised
+    (the steps before it, with it, averaged 446 ms: nothing lost, "0%")."""
+    for v in _verdicts("lab_megatron_transient_rank1.jsonl.gz"):
+        if v.kind.value == "slowdown":
+            ratio = v.evidence["step_time_ratio"]
+            assert v.severity >= 0.5 * (1 - 1 / ratio) > 0, v.summary
+
+
 def test_a_killed_rank_is_named_when_its_peer_dies_waiting_for_it() -> None:
     """Case megatron-killed again, another run: rank 3 SIGKILLed at step 8. Its tensor-
     parallel peer, rank 2, waited in a call rank 3 never issued, failed and stopped a
