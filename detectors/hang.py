@@ -249,7 +249,8 @@ def diagnose_from_heartbeats(
     the culprit is missing from several calls (lower first: the most specific
     place in the schedule, e.g. a pipeline Recv before the gradient sync).
     ``silent`` ranks stopped beating while the others went on (a process stopped or
-    gone): whatever their last heartbeat said they were in, they are not waiting.
+    gone): whatever their last heartbeat said they were in, they are not waiting. A
+    member that never beat while its peers did is named before any that did.
     """
     issued: dict[int, dict[int, int]] = {}
     waiting: set[int] = set()
@@ -275,6 +276,10 @@ def diagnose_from_heartbeats(
         if stuck and len(at_top) == len(members):
             stuck_comms.append((comm, top, at_top))
     culprits = [b for b in behind if b[0] not in waiting]
+    # a member never heard from while its peers were (it wrote no dump: killed or
+    # stopped before anyone) stopped first; peers that failed in its calls are behind
+    # elsewhere too, after it
+    culprits = [b for b in culprits if b[0] not in latest] or culprits
     culprits = _first_stopped(culprits, was_in, issued, member_of)
     if culprits:
         prio = priority or {}

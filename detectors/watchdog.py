@@ -233,6 +233,7 @@ class HangWatch:
                     or diag.culprit_rank in stopped
                 )
                 and not self._waited_on(first.culprit_rank, diag.culprit_rank, members)
+                and not self._never_heard(first.culprit_rank, diag.culprit_rank)
             ):
                 diag = first
         return diag
@@ -250,6 +251,13 @@ class HangWatch:
             return []
         self.revisable = False
         return self._verdict(diag, self.hb_now_ns - self.hb_progress_ns, self.detected_ns, view)
+
+    def _never_heard(self, rank: int, named: int | None) -> bool:
+        """``rank``, named by the heartbeats too, never sent one (e.g. it wrote no Flight
+        Recorder dump): it is missing from every call of its communicators, and the oldest
+        of them says nothing about when it stopped; the heartbeats' call (the newest its
+        peers issued) says where it was needed."""
+        return rank == named and rank not in self.hb_latest
 
     def _waited_on(self, rank: int, other: int | None, members: dict[int, tuple[int, ...]]) -> bool:
         """``rank``'s last heartbeat says it was in a call that ``other`` (a member of its

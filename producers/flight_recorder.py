@@ -25,8 +25,9 @@ per group (from ``pg_status``, else its entries) becomes a
 never joined the stuck collective. A group's role comes from its description
 (Megatron names them: ``TENSOR_MODEL_PARALLEL_GROUP``...) or the Megatron layout when
 one is given; its members, where the dump lists none, from the ranks that use it, and
-where every one of those waits in a call none of them completed, the ranks that wrote
-no dump too (a stopped or killed rank writes none). Reading the files and their
+where every one of those waits in a call none of them completed, or one rank alone
+calls collectives on it, the ranks that wrote no dump too (a stopped or killed rank
+writes none). Reading the files and their
 entries is :mod:`producers.fr_dump`'s.
 
 Pickles are read with a restricted unpickler that builds only plain containers and
@@ -125,6 +126,12 @@ class FlightRecorderImport:
                 # member that wrote no dump (stopped, killed, hung outside the watchdog)
                 ranks = ranks | set(silent)
                 self._infer("a blocked group's members among the ranks that wrote no dump")
+            elif silent and len(ranks) == 1 and _calls_on(name, calls.get(min(ranks), [])):
+                # a group that one rank that dumped calls collectives on has other members
+                # (a group of one has nobody to wait for): those that wrote none (a killed
+                # rank's peers fail in its calls, which their dumps show retired)
+                ranks = ranks | set(silent)
+                self._infer("a lone caller's group's members among the ranks that wrote no dump")
             out[name] = (tuple(sorted(ranks)), desc)
         return out
 
@@ -338,6 +345,11 @@ def import_dumps(
         raise DumpFormatError("no Flight Recorder dumps given")
     imp = FlightRecorderImport(job, config)
     return imp.records(dumps, times), imp.skipped
+
+
+def _calls_on(name: str, calls: list[Call]) -> bool:
+    """Whether ``calls`` hold a collective on group ``name``."""
+    return any(c.pg == name and not c.p2p for c in calls)
 
 
 __all__ = ["DumpFormatError", "FlightRecorderImport", "dump_time_ns", "import_dumps", "read_dump"]

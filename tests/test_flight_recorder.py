@@ -347,3 +347,35 @@ def test_real_gloo_dumps_of_a_pipeline_job_name_the_stopped_rank(tmp_path: Path)
     verdicts = {v.verdict_id: v for v in Replay().run(records) if isinstance(v, Verdict)}
     (hang,) = verdicts.values()
     assert (hang.kind.value, hang.rank) == ("hang", 2)
+    # where: the call its tensor-parallel peer waits in, not the group's first call (a
+    # rank that wrote no dump is missing from every call the others' dumps hold)
+    tp = {c.comm_hash for c in records if isinstance(c, CommInfo) and tuple(c.ranks) == (2, 3)}
+    assert hang.comm_hash in tp and hang.seq > 100
+
+
+def test_real_gloo_dumps_of_a_pipeline_job_name_the_killed_rank(tmp_path: Path) -> None:
+    """Case megatron-killed of the same lab: rank 3 SIGKILLed at step 8. Its peers fail
+    in its calls, and Gloo's dumps show those calls retired as if completed: no group is
+    blocked. The groups rank 3 belongs to are each called on by one rank that dumped (a
+    group of one has nobody to wait for): rank 3 is their other member, and a rank never
+    heard from while its peers were is named before the peers that failed after it
+    (rank 2, its tensor-parallel peer, is a step behind on its gradient sync)."""
+    import tarfile
+
+    from detectors.replay import Replay
+    from producers.flight_recorder import import_dumps
+    from schemas.records import Verdict
+
+    with tarfile.open(Path(__file__).parent / "data" / "fr_gloo_megatron_rank3_killed.tar.gz") as t:
+        t.extractall(tmp_path, filter="data")
+    dumps = sorted((tmp_path / "fr").glob("rank_*"))
+    assert [p.name for p in dumps] == [f"rank_{r}" for r in (0, 1, 2, 4, 5, 6, 7)]
+    records, skipped = import_dumps(dumps, "lab-megatron")
+    assert skipped == {}
+    groups = {tuple(c.ranks) for c in records if isinstance(c, CommInfo)}
+    assert {(2, 3), (1, 3)} <= groups
+    verdicts = {v.verdict_id: v for v in Replay().run(records) if isinstance(v, Verdict)}
+    (hang,) = verdicts.values()
+    assert (hang.kind.value, hang.rank) == ("hang", 3)
+    tp = {c.comm_hash for c in records if isinstance(c, CommInfo) and tuple(c.ranks) == (2, 3)}
+    assert hang.comm_hash in tp and hang.seq > 100
