@@ -240,6 +240,7 @@ def diagnose_from_heartbeats(
     stuck_proxies: Sequence[ProxySummary],
     priority: dict[int, int] | None = None,
     silent: frozenset[int] = frozenset(),
+    joined: dict[int, dict[int, int]] | None = None,
 ) -> HangDiagnosis | None:
     """The same diagnosis from each rank's latest heartbeat (issued/completed per communicator).
 
@@ -251,18 +252,26 @@ def diagnose_from_heartbeats(
     ``silent`` ranks stopped beating while the others went on (a process stopped or
     gone): whatever their last heartbeat said they were in, they are not waiting. A
     member that never beat while its peers did is named before any that did.
+
+    ``joined``: rank -> communicator -> the newest call its own records show it joined
+    (a heartbeat stream can stall while its rank's calls go on: the calls say it issued
+    at least that far). A call every member joined and none completed, one of them
+    stopped beating since, is that one's.
     """
+    joined = joined or {}
     issued: dict[int, dict[int, int]] = {}
     waiting: set[int] = set()
     was_in: dict[int, list[tuple[int, int]]] = {}  # a silent rank's open calls (comm, seq)
     for rank, hb in latest.items():
+        mine = joined.get(rank, {})
         for cp in hb.comms:
-            issued.setdefault(cp.comm_hash, {})[rank] = cp.issued_seq
-            if cp.issued_seq > cp.completed_seq:
+            seq = max(cp.issued_seq, mine.get(cp.comm_hash, -1))
+            issued.setdefault(cp.comm_hash, {})[rank] = seq
+            if seq > cp.completed_seq:
                 if rank not in silent:
                     waiting.add(rank)
                 else:
-                    was_in.setdefault(rank, []).append((cp.comm_hash, cp.issued_seq))
+                    was_in.setdefault(rank, []).append((cp.comm_hash, seq))
     behind: list[tuple[int, int, int, tuple[int, ...]]] = []  # (rank, comm, seq, waiters)
     stuck_comms: list[tuple[int, int, tuple[int, ...]]] = []
     for comm, by_rank in issued.items():
@@ -323,6 +332,23 @@ def diagnose_from_heartbeats(
                     link=link,
                     evidence={**ev, "source_heartbeats": 1.0},
                 )
+        for comm, seq, members in stuck_comms:
+            # every member joined and the call never completed, but one stopped beating
+            # while the others went on: it stopped in the call (a frozen process), not
+            # the network
+            frozen = [r for r in members if r in silent]
+            if frozen:
+                rank = min(frozen, key=lambda r: (latest[r].ts_ns, r))
+                return HangDiagnosis(
+                    Cause.COMPUTE,
+                    rank,
+                    comm,
+                    seq,
+                    missing=tuple(sorted(frozen)),
+                    waiting=tuple(r for r in members if r not in silent),
+                    evidence={"source_heartbeats": 1.0, "heartbeats_stopped": 1.0,
+                              "waiting_ranks": float(len(waiting))},
+                )  # fmt: skip
         comm, seq, members = stuck_comms[0]
         return HangDiagnosis(
             Cause.NETWORK_LINK,

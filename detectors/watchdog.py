@@ -84,6 +84,10 @@ class HangWatch:
     def __init__(self) -> None:
         self._reset()
 
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("joined", {})  # snapshots of versions without it
+
     def _reset(self) -> None:
         self.partials: dict[Key, Instance] = {}
         self.stuck = StuckProxies()
@@ -96,6 +100,7 @@ class HangWatch:
         self.detected_ns = 0
         self.final = False  # the hang being judged is at the end of the input
         self.revisable = False  # the open hang may be blamed elsewhere (see _revise)
+        self.joined: dict[int, dict[int, int]] = {}  # rank -> comm -> newest partial it joined
 
     # ------------------------------------------------------------------ inputs
     def heartbeat(self, hb: Heartbeat, book: VerdictBook) -> list[msgspec.Struct]:
@@ -131,8 +136,15 @@ class HangWatch:
         return []
 
     def partial(self, inst: Instance) -> None:
-        """An instance open too long: a hang's evidence, until it completes."""
+        """An instance open too long: a hang's evidence, until it completes. Its members
+        issued it, whatever their heartbeats (which can stall) said."""
         self.partials[inst.key] = inst
+        if inst.sender < 0:
+            joined = self.joined
+            for r in inst.ranks:
+                mine = joined.setdefault(r, {})
+                if inst.seq > mine.get(inst.comm_hash, -1):
+                    mine[inst.comm_hash] = inst.seq
 
     def completed(self, key: Key) -> None:
         self.partials.pop(key, None)
@@ -215,6 +227,7 @@ class HangWatch:
         diag = diagnose_from_heartbeats(
             self.hb_latest, members, list(self.stuck.ops.values()), prio,
             silent=stopped if len(stopped) < len(self.hb_latest) else frozenset(),
+            joined=self.joined,
         )  # fmt: skip
         if diag is not None and len(diag.alternatives) > 1:
             diag = _earliest_call(topo, diag)
@@ -268,7 +281,12 @@ class HangWatch:
         calls = [
             (cp.comm_hash, cp.issued_seq) for cp in mine.comms if cp.issued_seq > cp.completed_seq
         ]
-        issued = {cp.comm_hash: {other: cp.issued_seq} for cp in theirs.comms}
+        # what ``other`` issued: its heartbeat, or the calls it joined where that stalled
+        joined = self.joined.get(other, {})
+        issued = {
+            cp.comm_hash: {other: max(cp.issued_seq, joined.get(cp.comm_hash, -1))}
+            for cp in theirs.comms
+        }
         return held_up_by(calls, other, issued, members)
 
     def _blind(self, view: JobView) -> bool:

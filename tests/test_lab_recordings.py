@@ -101,3 +101,22 @@ def test_a_killed_rank_is_named_when_its_peer_dies_waiting_for_it() -> None:
     (hang,) = _verdicts("lab_megatron_killed_rank3_run2.jsonl.gz")
     assert (hang.kind.value, hang.rank) == ("hang", 3)
     assert hang.onset_step in (8, 9)  # killed after its step 8's calls or before step 9's
+
+
+def test_a_killed_rank_is_named_though_its_peers_heartbeats_stalled_before_their_calls() -> None:
+    """Case ddp-killed: data-parallel over 4 ranks, rank 3 SIGKILLed at step 12. Ranks 0,
+    1 and 2 joined gradient all-reduces 23 and 24, which rank 3 never did; but the last
+    heartbeats of ranks 0 and 2 (their threads starved on 2 shared cores) say they had
+    issued 18 and 9. Their calls say how far they got: rank 3, whose own last heartbeat
+    says it was in 23 and 24, was not held up by them."""
+    (hang,) = _verdicts("lab_ddp_killed_rank3.jsonl.gz")
+    assert (hang.kind.value, hang.rank, hang.seq) == ("hang", 3, 23)
+
+
+def test_a_rank_stopped_inside_a_call_every_member_joined_is_named_not_the_network() -> None:
+    """Case ddp-hang: rank 2 SIGSTOPped at step 12, after it posted its share of
+    gradient all-reduces 25 and 26 (every member joined them; Gloo needs the stopped
+    process to finish them). Its heartbeats stopped, the others' went on: the call that
+    never completed is rank 2's, not the network's."""
+    (hang,) = _verdicts("lab_ddp_stopped_rank2.jsonl.gz")
+    assert (hang.kind.value, hang.cause.value, hang.rank) == ("hang", "compute", 2)
