@@ -209,6 +209,13 @@ def held_up_by(
     )
 
 
+def issued_seqs(hb: Heartbeat, joined: dict[int, int] | None = None) -> dict[int, int]:
+    """What a rank issued per communicator: its heartbeat's word, or further where the
+    calls it joined (``joined``: comm -> the newest) went past a stalled heartbeat."""
+    joined = joined or {}
+    return {cp.comm_hash: max(cp.issued_seq, joined.get(cp.comm_hash, -1)) for cp in hb.comms}
+
+
 def _first_stopped(
     culprits: list[tuple[int, int, int, tuple[int, ...]]],
     was_in: dict[int, list[tuple[int, int]]],
@@ -263,9 +270,9 @@ def diagnose_from_heartbeats(
     waiting: set[int] = set()
     was_in: dict[int, list[tuple[int, int]]] = {}  # a silent rank's open calls (comm, seq)
     for rank, hb in latest.items():
-        mine = joined.get(rank, {})
+        mine = issued_seqs(hb, joined.get(rank))
         for cp in hb.comms:
-            seq = max(cp.issued_seq, mine.get(cp.comm_hash, -1))
+            seq = mine[cp.comm_hash]
             issued.setdefault(cp.comm_hash, {})[rank] = seq
             if seq > cp.completed_seq:
                 if rank not in silent:

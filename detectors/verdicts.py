@@ -132,11 +132,9 @@ class VerdictBook:
         >>> (w.verdict_id == v.verdict_id, w.revision, w.status.value, w.rank, w.link)
         (True, 1, 'update', None, 'node-0->node-1')
         """
-        current = self._open.pop((kind, culprit), None)
-        if current is None or culprit == to:
-            if current is not None:
-                self._open[(kind, culprit)] = current
+        if culprit == to or (kind, culprit) not in self._open:
             return
+        current = self._open.pop((kind, culprit))
         cleared = {name: None for name in _CULPRIT_FIELDS}
         self._open[(kind, to)] = msgspec.structs.replace(current, culprit_ranks=[], **cleared)
 

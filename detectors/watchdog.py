@@ -51,7 +51,13 @@ import msgspec
 from detectors import texts
 from detectors.align import Instance, Key
 from detectors.edges import StuckProxies
-from detectors.hang import HangDiagnosis, diagnose_from_heartbeats, diagnose_hang, held_up_by
+from detectors.hang import (
+    HangDiagnosis,
+    diagnose_from_heartbeats,
+    diagnose_hang,
+    held_up_by,
+    issued_seqs,
+)
 from detectors.topology import Position, Topology
 from detectors.verdicts import VerdictBook
 from schemas.config import DetectSettings
@@ -79,14 +85,14 @@ class JobView(NamedTuple):
 class HangWatch:
     """Liveness of one job, and its hang verdict (see the module docstring)."""
 
-    revisable = False  # snapshots of versions without it
-
     def __init__(self) -> None:
         self._reset()
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
-        self.__dict__.setdefault("joined", {})  # snapshots of versions without it
+        # snapshots of versions without them
+        self.__dict__.setdefault("revisable", False)
+        self.__dict__.setdefault("joined", {})
 
     def _reset(self) -> None:
         self.partials: dict[Key, Instance] = {}
@@ -281,12 +287,8 @@ class HangWatch:
         calls = [
             (cp.comm_hash, cp.issued_seq) for cp in mine.comms if cp.issued_seq > cp.completed_seq
         ]
-        # what ``other`` issued: its heartbeat, or the calls it joined where that stalled
-        joined = self.joined.get(other, {})
-        issued = {
-            cp.comm_hash: {other: max(cp.issued_seq, joined.get(cp.comm_hash, -1))}
-            for cp in theirs.comms
-        }
+        theirs_issued = issued_seqs(theirs, self.joined.get(other))
+        issued = {comm: {other: seq} for comm, seq in theirs_issued.items()}
         return held_up_by(calls, other, issued, members)
 
     def _blind(self, view: JobView) -> bool:
