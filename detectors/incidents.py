@@ -182,12 +182,16 @@ class StepTimeLedger:
         """The step time a slowdown starting at ``reps[0]`` adds to."""
         return self.level_before_step(reps[0].step) if reps else self.baseline
 
-    def level_before_step(self, onset: int, steps: int = 3) -> float:
-        """The step time an incident beginning at step ``onset`` adds to: the baseline, or
-        the level of the steps just before it when those were slow already (a shift on
-        top of an earlier one, e.g. a degraded link: a culprit explains only what it added).
-        Their median: one straggling step among them is not a level."""
+    def level_before_step(self, onset: int, steps: int = 3, of: Culprit | None = None) -> float:
+        """The step time an incident beginning at step ``onset`` (of culprit ``of``) adds
+        to: the baseline, or the level of the steps just before it when those were slow
+        already under another open incident (a shift on top of an earlier one, e.g. a
+        degraded link: a culprit explains only what it added). Their median: one
+        straggling step among them is not a level; and with no other incident open, slow
+        steps before it were a burst, not a level."""
         base = self.baseline
+        if not any(c != of for c in self.onset_at):
+            return base
         before = [
             r.duration_ns for r in self.recent if r.complete and onset - steps <= r.step < onset
         ]
@@ -226,9 +230,10 @@ class StepTimeLedger:
         if step is None:
             step = self.step_reaching(onset_ns)
             if step is None:  # no step reached its onset yet: the level so far
-                return self.level_before_step(self.recent[-1].step + 1) if self.recent else None
+                nxt = self.recent[-1].step + 1 if self.recent else None
+                return self.level_before_step(nxt, of=culprit) if nxt is not None else None
             self.onset_at[culprit] = (step, onset_ns)
-        level = self.onset_level[culprit] = self.level_before_step(step)
+        level = self.onset_level[culprit] = self.level_before_step(step, of=culprit)
         return level
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from detectors.align import Instance
-from detectors.rank_figures import ANY, NEVER, WAIT_MODEL, WAITS, dense_ranks, figures
+from detectors.rank_figures import ANY, NEVER, WAIT_MODEL, dense_ranks, figures
 from detectors.topology import Topology
 from schemas.enums import CommRole
 
@@ -97,7 +97,7 @@ class StepPart:
             self.transfer[inst.comm_hash] = x
         several = len(inst.ranks) >= 2
         grouped = role is CommRole.TP and several
-        adds = (WAITS if role is not CommRole.PP else 0) | (WAIT_MODEL if grouped else 0)
+        adds = WAIT_MODEL if grouped else 0
         if several and inst.sender < 0 and role is not CommRole.PP:
             adds |= ANY
         self.folded.append((inst, adds))

@@ -18,11 +18,12 @@ if TYPE_CHECKING:
 NEVER = 1 << 62
 #: the per-rank sums a part carries, in the rows of :attr:`StepPart.sealed`
 SUMS = ("lead_sum", "lead_n", "wait", "lateness", "blame", "blame_any")
-#: what a folded instance adds besides arrivals and host lead: its members' wait for the
-#: last to arrive (not a pipeline transfer), the TP wait-time model (lateness, blame),
-#: the last arriver's blame in any collective (who makes the others wait, in any layout)
-WAITS, WAIT_MODEL, ANY = 1, 2, 4
-_NEVER, _SUMS, _WAITS, _WAIT_MODEL, _ANY = NEVER, SUMS, WAITS, WAIT_MODEL, ANY  # short names
+#: what a folded instance adds besides arrivals, host lead and its members' wait for the
+#: last to arrive (a pipeline stage waiting for its input waits too): the TP wait-time
+#: model (lateness, blame), the last arriver's blame in any collective (who makes the
+#: others wait, in any layout)
+WAIT_MODEL, ANY = 2, 4
+_NEVER, _SUMS, _WAIT_MODEL, _ANY = NEVER, SUMS, WAIT_MODEL, ANY  # short names
 
 
 def dense_ranks(parts: list[StepPart], world: int) -> dict[str, np.ndarray]:
@@ -117,7 +118,6 @@ def _any_figures(
     np.minimum.at(first, at, arr)
     last = np.zeros(k, dtype=np.int64)
     np.maximum.at(last, at, end)
-    waits = (flags & _WAITS) > 0
     tp = (flags & _WAIT_MODEL) > 0
     anyc = (flags & _ANY) > 0
     rel = arr - a_min[inst]  # small: exact in a float
@@ -134,7 +134,7 @@ def _any_figures(
         who,
         np.bincount(at, weights=arr - enq, minlength=k),
         np.bincount(at, minlength=k),
-        np.bincount(at, weights=np.where(waits, a_max[inst] - arr, 0), minlength=k),
+        np.bincount(at, weights=a_max[inst] - arr, minlength=k),
         np.bincount(at, weights=lateness, minlength=k),
         np.bincount(at[late], weights=arr[late] - arr[before], minlength=k),
         np.bincount(at[late_any], weights=arr[late_any] - arr[before_any], minlength=k),
@@ -170,7 +170,6 @@ def _member_figures(
     of integers are exact either way, and the one sum of fractions (lateness) adds the
     instances in their order, as ``np.bincount`` does."""
     n, k = arr.shape
-    waits = ((flags & _WAITS) > 0)[:, None]
     tp = (flags & _WAIT_MODEL) > 0
     anyc = (flags & _ANY) > 0
     a_min = arr.min(axis=1)
@@ -182,7 +181,7 @@ def _member_figures(
         who,
         (arr - enq).sum(axis=0),
         np.full(k, n),
-        np.where(waits, arr.max(axis=1)[:, None] - arr, 0).sum(axis=0),
+        (arr.max(axis=1)[:, None] - arr).sum(axis=0),
         np.cumsum(lateness, axis=0)[-1],  # in instance order
         blame,
         blame_any,
@@ -192,4 +191,4 @@ def _member_figures(
     return np.array(rows_out, dtype=np.float64)
 
 
-__all__ = ["ANY", "NEVER", "SUMS", "WAITS", "WAIT_MODEL", "dense_ranks", "figures"]
+__all__ = ["ANY", "NEVER", "SUMS", "WAIT_MODEL", "dense_ranks", "figures"]

@@ -14,9 +14,10 @@ MEGATRACE's Algorithm 2 over :class:`~detectors.steps.StepReport` tables:
    member whose lateness grew nearly as much (several culprits).
 
 Where no schedule can be walked (a data-parallel job, a layout its calls do not
-follow), :meth:`SlowdownLocalizer.who_waits` names who makes the others wait: the
-ranks whose time waiting in collectives did not grow while everyone else's did, by a
-good share of the step time added; and where nobody did,
+follow), or nothing on it explains the time added, :meth:`SlowdownLocalizer.who_waits`
+names who makes the others wait: of the ranks that spent a good share of the time
+added busy while the others waited, every rank of one node is its host, else the one
+that held the others up most; and where nobody waited,
 :meth:`SlowdownLocalizer.slow_transfers` names the network between the nodes whose
 transfers grew.
 
@@ -223,63 +224,52 @@ class SlowdownLocalizer:
     def who_waits(
         self, reports: Sequence[StepReport], topo: Topology, increase: float, share: float = 0.3
     ) -> list[SlowdownFinding]:
-        """Who made the others wait, in any layout: the ranks whose time waiting in
-        collectives did not grow while every other rank's grew by ``share`` of the step
-        time added or more (they came late; the others waited for them). One such rank is
-        the culprit; several, all of one node, that node's host, unless one of them made
-        the others wait far more than the rest as the last to arrive (its exclusive blame
-        grew by ``share`` of the time added, and twice any other rank's: in a pipeline,
-        the slow rank's downstream stages are held up with it, and do not wait more in
-        their own collectives either). Nobody where the others' waiting explains less
-        (the time went into transfers: a network, or where the collectives run on the CPU,
-        as Gloo's do, a rank slow at them too), or where the late ranks are many (a
-        quarter of the job; half, all on one node)."""
+        """Who made the others wait, in any layout. A rank that spent ``share`` or more of
+        the step time added busy (not waiting for others, in collectives or for a
+        pipeline transfer) did its own part slower; the others waited for it. Of the busy
+        ranks, every rank of one node (two or more): that node's host; else the one that
+        made the others wait most as the last to arrive (its exclusive blame grew most:
+        the members of its own collectives that it held up are busy in them with it).
+        Nobody where nobody waited for the time added (it went into transfers: a
+        network, or, where the collectives run on the CPU, as Gloo's do, a rank slow at
+        them too), or where the busy ranks are many (a quarter of the job; half, all on
+        one node)."""
         reps = [r for r in reports if r.complete] or list(reports)
         base = getattr(self, "base_wait", None)
         if not reps or base is None or increase <= 0 or len(base) < 2:
             return []
         grew = np.mean([r.wait_ns for r in reps], axis=0) - base
-        typical = float(np.median(grew))
-        late = [r for r, x in enumerate(grew.tolist()) if x <= 0.25 * typical]
-        others = [x for r, x in enumerate(grew.tolist()) if r not in late]
-        one_node = len({topo.node(r) for r in late}) == 1
-        if not late or not others or len(late) > max(1, len(grew) // (2 if one_node else 4)):
-            return []
-        waited = float(np.median(others))
-        if waited < share * increase:
+        busy = [r for r, x in enumerate(grew.tolist()) if increase - x >= share * increase]
+        waited = [x for r, x in enumerate(grew.tolist()) if r not in busy]
+        nodes = {topo.node(r) for r in busy}
+        if not busy or not waited or len(busy) > max(1, len(grew) // (2 if len(nodes) == 1 else 4)):
             return []
         evidence = {
-            "others_wait_growth_ns": waited,
+            "others_wait_growth_ns": float(np.median(waited)),
             "step_time_added_ns": float(increase),
-            "late_ranks": float(len(late)),
+            "busy_ranks": float(len(busy)),
         }
-        blamed = self._most_blamed(reps, late, share * increase)
-        if blamed is not None:
-            late = [blamed]
-        if len(late) == 1:
-            (r,) = late
-            evidence["rank_wait_growth_ns"] = float(grew[r])
-            return [SlowdownFinding(Cause.COMPUTE, r, topo.node(r), None, None, None,
-                                    critical=True, evidence=evidence)]  # fmt: skip
-        nodes = {topo.node(r) for r in late}
-        if len(nodes) == 1:
-            (node,) = nodes
+        (node, *more) = nodes
+        on_node = [r for r in range(len(grew)) if topo.node(r) == node]
+        if not more and len(busy) >= 2 and busy == on_node:
             return [SlowdownFinding(Cause.HOST_CPU, None, node, None, None, None,
                                     critical=True, evidence=evidence)]  # fmt: skip
-        return []
+        r = busy[0] if len(busy) == 1 else self._most_blamed(reps, busy)
+        if r is None:
+            return []
+        evidence["rank_wait_growth_ns"] = float(grew[r])
+        return [SlowdownFinding(Cause.COMPUTE, r, topo.node(r), None, None, None,
+                                critical=True, evidence=evidence)]  # fmt: skip
 
-    def _most_blamed(self, reps: Sequence[StepReport], late: list[int], least: float) -> int | None:
-        """Of several ``late`` ranks, the one whose exclusive blame as the last arriver grew
-        by ``least`` or more and twice as much as any other rank's (None: none stands out)."""
+    def _most_blamed(self, reps: Sequence[StepReport], busy: list[int]) -> int | None:
+        """Of several ``busy`` ranks, the one whose exclusive blame as the last arriver grew
+        most (None: none grew)."""
         base = self.base_blame
-        if len(late) < 2 or base is None:
+        if base is None:
             return None
         blame = np.mean([r.blame_any_ns for r in reps], axis=0) - base
-        top = max(late, key=lambda r: blame[r])
-        rest = np.delete(blame, top)
-        if blame[top] < least or blame[top] < 2 * max(float(rest.max(initial=0.0)), 0.0):
-            return None
-        return top
+        top = max(busy, key=lambda r: blame[r])
+        return top if blame[top] > 0 else None
 
     def slow_transfers(
         self, reports: Sequence[StepReport], topo: Topology, increase: float, share: float = 0.5

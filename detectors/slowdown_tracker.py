@@ -49,8 +49,9 @@ class SlowdownTracker:
     warmup, node_margin, alpha, host_lead_drop
         The localiser's (:class:`~detectors.slowdown.SlowdownLocalizer`).
     settle_steps
-        A shift whose first steps name the network or nobody is localised again until
-        it has lasted this many steps (a rank's lateness takes a few to stand out).
+        A shift whose first steps name the network, a host or nobody is localised again
+        until it has lasted this many steps (a rank's lateness takes a few to stand out:
+        at first, the peers it holds up come late with it).
     link_wait_ms
         How long after the step that confirmed a shift it waits for link samples that
         are read behind the collectives.
@@ -172,10 +173,10 @@ class SlowdownTracker:
             return []
         reps = self.ledger.since(onset)
         if not final and len(reps) < self.settle_steps:
-            # who waits for whom takes a few steps to show: a network or nobody, named
-            # from the first steps of a shift, is only believed once it settled
+            # who waits for whom takes a few steps to show: a network, a host or nobody,
+            # named from the first steps of a shift, is only believed once it settled
             found = self.locate(reps, topo)
-            if found is None or found.culprit.kind == "nodes":
+            if found is None or found.culprit.kind in ("nodes", "node"):
                 return []
         self.pending = None
         return self._slowdown(rep, ratio, onset, topo)
@@ -194,6 +195,9 @@ class SlowdownTracker:
             found += self.localizer.who_waits(reps, topo, increase)
             if not self.links.open:
                 found += self.localizer.slow_transfers(reps, topo, increase)
+        # a host first (as MEGATRACE checks it first): every rank on it slowed, and the
+        # one of them the critical path shows latest is only the most visible
+        found.sort(key=lambda f: f.cause is not Cause.HOST_CPU)
         growths = sorted((g for f in found if (g := f.evidence.get("rank_lateness_growth_ns"))
                           is not None), reverse=True)  # fmt: skip
         for f in found:

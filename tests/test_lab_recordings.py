@@ -120,3 +120,53 @@ def test_a_rank_stopped_inside_a_call_every_member_joined_is_named_not_the_netwo
     never completed is rank 2's, not the network's."""
     (hang,) = _verdicts("lab_ddp_stopped_rank2.jsonl.gz")
     assert (hang.kind.value, hang.cause.value, hang.rank) == ("hang", "compute", 2)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_slow_rank_is_named_not_the_host_its_held_up_peers_share(order: str) -> None:
+    """Case megatron-slow-rank: TP 2 x PP 2 x DP 2 on two nodes, rank 1 under a 0.1 CPU
+    quota from step 9. Its whole pipeline replica arrives late: its tensor-parallel peer
+    rank 0 waits for it inside their collectives, the next stage (ranks 4 and 5, the
+    other node) waits for their input. Counting a stage's wait for its input as waiting,
+    only ranks 0 and 1 spent the time added busy, and rank 1 held the others up most."""
+    (slow,) = _verdicts("lab_megatron_slow_rank1.jsonl.gz", order)
+    assert (slow.kind.value, slow.rank, slow.node) == ("slowdown", 1, "lab-n0")
+    assert slow.onset_step == 9
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_slow_host_is_named_not_the_one_of_its_ranks_the_critical_path_shows(
+    order: str,
+) -> None:
+    """Case megatron-slow-node: the same job, the four ranks of node lab-n1 under one 0.25
+    CPU quota from step 9. Rank 6 is the latest of its tensor-parallel pair on the
+    critical path, but every rank of lab-n1 spent most of the time added busy while the
+    other node's waited: the host."""
+    (slow,) = _verdicts("lab_megatron_slow_node1.jsonl.gz", order)
+    assert (slow.kind.value, slow.rank, slow.node) == ("slowdown", None, "lab-n1")
+    assert slow.cause.value == "host_cpu"
+
+
+def test_a_slow_rank_is_named_once_its_first_steps_settled() -> None:
+    """Case ddp-slow-rank: data-parallel over 4 ranks, rank 1 under a 0.1 CPU quota from
+    step 13 (its steps then go from 25 ms to about 100). In the first steps after the
+    shift, ranks 0 and 1 of node lab-n0 both came late; over more, rank 1 alone did (a
+    host named from a shift's first steps is believed only once it settled)."""
+    (slow,) = _verdicts("lab_ddp_slow_rank1.jsonl.gz")
+    assert (slow.kind.value, slow.rank) == ("slowdown", 1)
+
+
+def test_a_slowdown_right_after_a_burst_is_priced_against_the_baseline() -> None:
+    """Case ddp-slow-node: node lab-n1 under a 0.25 CPU quota from step 13. Steps 16-17
+    ran 3x slower, step 18 at full speed, then 3x slower again from step 19. The burst
+    is no level the slowdown adds to: nothing else was open, so the slowdown costs what
+    it added to the baseline (it was priced at a few percent against the burst's steps)."""
+    with gzip.open(DATA / "lab_ddp_slow_node1.jsonl.gz") as fh:
+        records = [decode(line) for line in fh if line.strip()]
+    first = {}
+    for v in Replay().run(records):
+        if isinstance(v, Verdict) and v.kind.value == "slowdown":
+            first.setdefault(v.verdict_id, v)
+    (slow,) = first.values()
+    assert slow.onset_step == 19
+    assert slow.severity >= 0.5, slow.summary
