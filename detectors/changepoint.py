@@ -138,8 +138,11 @@ class ShiftDetector:
         three times the noise where that is more."""
         return max(self.min_shift, _NOISE_SIGMAS * self.noise)
 
-    def update(self, x: float, index: int) -> ShiftEvent | None:
-        """Feed one value (``index`` is its position, e.g. the step number)."""
+    def update(self, x: float, index: int, explained: bool = False) -> ShiftEvent | None:
+        """Feed one value (``index`` is its position, e.g. the step number). An
+        ``explained`` value has a cause seen beside it (one rank made the others wait
+        far longer than it used to): it is judged against ``min_shift``, not the noise,
+        which is no explanation for it."""
         if self._normal is None:
             self._normal = deque(maxlen=_NOISE_WINDOW)
         if self.baseline is None:
@@ -150,13 +153,13 @@ class ShiftDetector:
                 self.baseline = s[len(s) // 2]
             return None
         rel = min(max(x / self.baseline, 0.0), self.clip)
-        bar = self.bar
+        bar = self.min_shift if explained else self.bar
         # the test sees deviations in units of the bar: min_shift's for a quiet signal
         self._ph.update(1.0 + (rel - 1.0) * self.min_shift / bar)
         self._drift = self._drift or self._ph.drift_detected
         high = rel >= 1.0 + bar
-        if self.shifted:
-            return self._while_shifted(rel, index, bar)
+        if self.shifted:  # a further shift stands out of the noise; explained is not calm
+            return self._while_shifted(rel, index, self.bar, explained)
         if high:
             if not self._run:
                 self._onset = index
@@ -185,8 +188,10 @@ class ShiftDetector:
             self.baseline = float(np.median(np.asarray(self._normal)))
         return event
 
-    def _while_shifted(self, rel: float, index: int, bar: float) -> ShiftEvent | None:
-        if rel < 1.0 + bar / 2:
+    def _while_shifted(
+        self, rel: float, index: int, bar: float, explained: bool
+    ) -> ShiftEvent | None:
+        if rel < 1.0 + bar / 2 and not explained:
             self._calm += 1
             self._more = []
             if self._calm >= self.persistence:

@@ -158,6 +158,17 @@ class SlowdownLocalizer:
                 elif abs(d - exp) <= alpha * exp:
                     expected[key] = exp + 0.2 * (d - exp)
 
+    def held_up(self, rep: StepReport) -> tuple[int, float]:
+        """The rank that, as the last to arrive, made the others wait longer than it
+        usually does by the largest share of step ``rep``, and that share ((-1, 0.0)
+        before the baselines)."""
+        base = self.base_blame
+        if base is None or rep.duration_ns <= 0 or len(base) != len(rep.blame_any_ns):
+            return -1, 0.0
+        excess = rep.blame_any_ns - base
+        r = int(np.argmax(excess))
+        return r, max(float(excess[r]), 0.0) / rep.duration_ns
+
     def localize(self, reports: Sequence[StepReport], topo: Topology) -> list[SlowdownFinding]:
         """Culprit candidates for the slowdown seen in ``reports``, most likely first.
 
@@ -224,25 +235,32 @@ class SlowdownLocalizer:
     def who_waits(
         self, reports: Sequence[StepReport], topo: Topology, increase: float, share: float = 0.3
     ) -> list[SlowdownFinding]:
-        """Who made the others wait, in any layout. A rank that spent ``share`` or more of
-        the step time added busy (not waiting for others, in collectives or for a
-        pipeline transfer) did its own part slower; the others waited for it. Of the busy
-        ranks, every rank of one node (two or more): that node's host; else the one that
-        made the others wait most as the last to arrive (its exclusive blame grew most:
-        the members of its own collectives that it held up are busy in them with it).
-        Nobody where nobody waited for the time added (it went into transfers: a
-        network, or, where the collectives run on the CPU, as Gloo's do, a rank slow at
-        them too), or where the busy ranks are many (a quarter of the job; half, all on
-        one node)."""
+        """Who made the others wait, in any layout. The ranks split where how much longer
+        they waited (for others, in collectives or for a pipeline stage's input) breaks
+        widest, by ``share`` of the step time added or more: those below the break stayed
+        busy, doing their own part slower, while the others waited for them by ``share``
+        or more. Of the busy ranks, every rank of one node (two or more): that node's
+        host; else the one that made the others wait most as the last to arrive (its
+        exclusive blame grew most: the members of its own collectives that it held up
+        are busy in them with it). Nobody where nobody waited for the time added (it
+        went into transfers: a network, or, where the collectives run on the CPU, as
+        Gloo's do, a rank slow at them too), or where the busy ranks are many (a quarter
+        of the job; half, all on one node)."""
         reps = [r for r in reports if r.complete] or list(reports)
         base = getattr(self, "base_wait", None)
         if not reps or base is None or increase <= 0 or len(base) < 2:
             return []
         grew = np.mean([r.wait_ns for r in reps], axis=0) - base
-        busy = [r for r, x in enumerate(grew.tolist()) if increase - x >= share * increase]
-        waited = [x for r, x in enumerate(grew.tolist()) if r not in busy]
+        # the ranks on either side of the widest break in how much longer they waited
+        order = np.argsort(grew, kind="stable")
+        gaps = np.diff(grew[order])
+        cut = int(np.argmax(gaps)) + 1
+        busy = sorted(order[:cut].tolist())
+        waited = grew[order[cut:]].tolist()
+        if gaps[cut - 1] < share * increase or waited[0] < share * increase:
+            return []  # nobody stands apart, or the others hardly waited longer
         nodes = {topo.node(r) for r in busy}
-        if not busy or not waited or len(busy) > max(1, len(grew) // (2 if len(nodes) == 1 else 4)):
+        if len(busy) > max(1, len(grew) // (2 if len(nodes) == 1 else 4)):
             return []
         evidence = {
             "others_wait_growth_ns": float(np.median(waited)),

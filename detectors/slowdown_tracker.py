@@ -61,7 +61,14 @@ class SlowdownTracker:
     transient_floor
         A burst is a transient straggler only this far above the baseline (and twice
         the bar a shift must clear): one that stands out of the noise.
+    held_share
+        A step in which the rank that made the others wait this share of it longer than
+        it used to (as the last to arrive) did so in the step before too is slower for
+        that reason, not noise: the change-point detector judges it against its least
+        shift, not the noise.
     """
+
+    held_share: float = 0.25  # (for one pickled before it had its own)
 
     def __init__(
         self,
@@ -78,6 +85,7 @@ class SlowdownTracker:
         link_wait_ms: float = 1000.0,
         gpu_wait_confirms: float = 3.0,
         transient_floor: float = 0.5,
+        held_share: float = 0.25,
     ) -> None:
         if settle_steps < 1 or gpu_wait_confirms <= 1 or transient_floor <= 0:
             raise ValueError(
@@ -85,6 +93,8 @@ class SlowdownTracker:
                 f"transient_floor positive, not {settle_steps}, {gpu_wait_confirms}, "
                 f"{transient_floor}"
             )
+        if not 0 < held_share <= 1:
+            raise ValueError(f"held_share must be in (0, 1], not {held_share}")
         self.book, self.ledger, self.links, self.gpu_wait = book, ledger, links, gpu_wait
         self.warmup, self.node_margin, self.alpha = warmup, node_margin, alpha
         self.host_lead_drop = host_lead_drop
@@ -92,6 +102,7 @@ class SlowdownTracker:
         self.link_wait_ms = link_wait_ms
         self.gpu_wait_confirms = gpu_wait_confirms
         self.transient_floor = transient_floor
+        self.held_share = held_share
         self._reset()
 
     def _reset(self) -> None:
@@ -106,6 +117,7 @@ class SlowdownTracker:
         # a confirmed step-time shift whose cause waits for the links' samples to cover
         # it: (onset step, ratio, start of the step that confirmed it in ns)
         self.pending: tuple[int, float, int] | None = None
+        self._held_by = -1  # the rank that held the others up in the last step, or -1
 
     @property
     def shift(self) -> ShiftDetector:
@@ -117,7 +129,14 @@ class SlowdownTracker:
         if not rep.complete or rep.step == 0:
             return []
         out: list[msgspec.Struct] = []
-        ev = self.shift.update(rep.duration_ns, rep.step)
+        # one rank holding the others up far longer than it used to, step after step,
+        # explains a slower step: the step's own noise does not (a noisy job would
+        # hide a slow rank otherwise)
+        rank, share = self.localizer.held_up(rep)
+        held = rank if share >= self.held_share else -1
+        explained = held >= 0 and held == getattr(self, "_held_by", -1)
+        self._held_by = held
+        ev = self.shift.update(rep.duration_ns, rep.step, explained=explained)
         if not self.localizer.ready or (ev is None and not self.shift.shifted):
             self.localizer.learn(rep)
         if ev is not None:
@@ -314,7 +333,9 @@ class SlowdownTracker:
         # just ended, every step since its onset; for a spike that opened a shift, not
         # the shift's steps that followed
         inc = self.locate([r for r in self.ledger.since(onset) if r.step <= onset + length], topo)
-        if inc is None:
+        if inc is None or (inc.rank is None and inc.culprit.kind != "node"):
+            # a burst is a straggler's: a rank or host named (transfers that took longer
+            # for a step are as often a busy host's collectives as its network's)
             return []
         bursts = self.bursts.setdefault(inc.culprit, [])
         bursts.append((onset, ratio, length))
@@ -357,8 +378,6 @@ class SlowdownTracker:
         """A straggler for a step or a few, over already: reported with its culprit and the
         time it cost, and resolved at once (a second one makes it intermittent). Only one
         that stands out: a rank or host named, and well over the noise."""
-        if inc.rank is None and inc.culprit.kind != "node":
-            return []
         if ratio < 1.0 + max(self.transient_floor, 2 * self.shift.bar):
             return []
         reps = [r for r in self.ledger.recent if onset <= r.step < onset + length and r.complete]

@@ -112,6 +112,19 @@ def test_a_short_excursion_is_a_burst_not_a_shift() -> None:
     assert kinds == ["burst"]
 
 
+def test_a_shift_inside_the_noise_is_confirmed_only_where_a_cause_explains_it() -> None:
+    """Steps varying by a quarter hide a shift of 200 to 300 from the noise bar (three
+    times their spread); steps that a cause explains (one rank holding the others up)
+    are judged against the least shift, and the shift holds as long as the cause does."""
+    rng = np.random.default_rng(2)
+    xs = [*200 * rng.lognormal(0, 0.25, 12), *300 * rng.lognormal(0, 0.05, 20), *[200.0] * 5]
+    plain, told = ShiftDetector(), ShiftDetector()
+    assert [e for i, x in enumerate(xs) if (e := plain.update(x, i))] == []
+    events = [(i, e.kind, e.onset) for i, x in enumerate(xs)
+              if (e := told.update(x, i, explained=12 <= i < 32))]  # fmt: skip
+    assert events == [(14, "shift", 12), (34, "recovered", 32)]
+
+
 def _verdicts(name: str, seed: int = 0, steps: int | None = None) -> tuple[list[Verdict], object]:
     run = build(name, scale="tiny", seed=seed, steps=steps)
     out = [v for v in Replay().run(run.records()) if isinstance(v, Verdict)]

@@ -170,3 +170,31 @@ def test_a_slowdown_right_after_a_burst_is_priced_against_the_baseline() -> None
     (slow,) = first.values()
     assert slow.onset_step == 19
     assert slow.severity >= 0.5, slow.summary
+
+
+def test_a_slow_rank_is_named_where_every_rank_also_spent_longer_in_transfers() -> None:
+    """Case zero-slow-rank: sharded data parallelism over 4 ranks, rank 1 under a 0.1 CPU
+    quota from step 13. Gloo runs collectives on the CPU, so every rank's transfers got
+    longer with it; but the other three also waited for rank 1 about half the time
+    added, and its own waiting did not grow: the widest break in who waited longer."""
+    (slow,) = _verdicts("lab_zero_slow_rank1.jsonl.gz")
+    assert (slow.kind.value, slow.rank, slow.node) == ("slowdown", 1, "lab-n0")
+
+
+def test_bursts_of_noise_in_transfers_are_no_intermittent_straggler() -> None:
+    """Case zero-healthy: nothing injected; two steps about 1.9x their neighbours', their
+    time in longer transfers (on 2 shared cores, a collective run by a CPU that was
+    busy elsewhere). Bursts are a straggler's only with a rank or host named."""
+    assert _verdicts("lab_zero_healthy.jsonl.gz") == []
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_slow_rank_is_found_in_steps_noisier_than_its_slowdown(order: str) -> None:
+    """Case megatron-slow-rank, another run: rank 1 under a 0.1 CPU quota from step 9.
+    The job's first steps ran 133 to 309 ms (noise three times as wide as the 1.5x the
+    quota then added), so the step times alone never stand out of their noise. But from
+    step 9 rank 1 held the others up by most of every step, far past its usual share:
+    a cause seen beside the slower steps, which are judged against the least shift."""
+    (slow,) = _verdicts("lab_megatron_slow_rank1_run2.jsonl.gz", order)
+    assert (slow.kind.value, slow.rank, slow.node) == ("slowdown", 1, "lab-n0")
+    assert 9 <= slow.onset_step <= 11
