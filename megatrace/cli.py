@@ -754,27 +754,37 @@ def gpu_check(out: str) -> None:
     "--json", "as_json", is_flag=True, help="Every verdict revision, one per line, as JSON."
 )
 def analyze(path: str, as_json: bool) -> None:
-    """Run the detectors over recorded records (a JSON-lines file or a simulate directory)."""
+    """Run the detectors over recorded records: a JSON-lines file, a folder holding one
+    (`megatrace simulate`, `megatrace lab`), or a run of the original MEGATRACE collector
+    read in place (as `megatrace import megatrace-logs` reads it; its job: the folder's
+    name)."""
     from detectors.console import IncidentLog
     from detectors.replay import Replay
     from detectors.route import POLL
+    from producers.megatron_config import ConfigFormatError
     from schemas.codec import SchemaError, read_jsonl, verdict_json
     from schemas.records import Verdict
 
     p = Path(path)
-    files = [p / "records.jsonl"] if p.is_dir() else [p]
     log = IncidentLog()
     replay = Replay(poll=POLL)  # batched as the flow batches its polls
     try:
-        for f in files:
-            for out in replay.run(read_jsonl(f, inputs=True)):
-                if not isinstance(out, Verdict):
-                    continue
-                if as_json:  # every revision, as the verdicts table keeps them
-                    click.echo(json.dumps(verdict_json(out)))
-                elif (line := log.update(out)) is not None:
-                    click.echo(line)
-    except SchemaError as e:
+        if p.is_dir() and not (p / "records.jsonl").exists():
+            from producers.megatrace_run import import_dir
+
+            records, report = import_dir(p, None, p.resolve().name)
+            for line in report.lines_out():
+                click.echo(f"  {line}", err=True)
+        else:
+            records = read_jsonl(p / "records.jsonl" if p.is_dir() else p, inputs=True)
+        for out in replay.run(records):
+            if not isinstance(out, Verdict):
+                continue
+            if as_json:  # every revision, as the verdicts table keeps them
+                click.echo(json.dumps(verdict_json(out)))
+            elif (line := log.update(out)) is not None:
+                click.echo(line)
+    except (SchemaError, ConfigFormatError) as e:
         raise click.ClickException(str(e)) from None
     if not as_json:
         click.echo("")

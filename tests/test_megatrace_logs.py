@@ -237,6 +237,14 @@ def test_a_run_directory_imports_as_the_tool_leaves_it(slow_run, tmp_path: Path)
                                    "--to", str(tmp_path / "out.jsonl")])  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "skipped file README.txt" in res.output and "iteration clock" in res.output
+    # read in place, the run gives what its import gives
+    found = []
+    for target in (tmp_path / "out.jsonl", d):
+        res = CliRunner().invoke(cli, ["analyze", str(target), "--json"])
+        assert res.exit_code == 0, res.output
+        found.append(sorted((v["kind"], v["rank"], v["onset_step"])
+                            for v in latest_verdicts(res.stdout)))  # fmt: skip
+    assert found[0] == found[1] and found[0][0][:2] == ("slowdown", run.labels[0].rank)
 
 
 @pytest.mark.parametrize(
