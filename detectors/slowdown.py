@@ -251,9 +251,10 @@ class SlowdownLocalizer:
         if not reps or base is None or increase <= 0 or len(base) < 2:
             return []
         grew = np.mean([r.wait_ns for r in reps], axis=0) - base
-        # the ranks on either side of the widest break in how much longer they waited
+        # the ranks on either side of the widest break in how much longer they waited,
+        # the busy ones at most half the job (one that waited far longer is no break)
         order = np.argsort(grew, kind="stable")
-        gaps = np.diff(grew[order])
+        gaps = np.diff(grew[order])[: max(1, len(grew) // 2)]
         cut = int(np.argmax(gaps)) + 1
         busy = sorted(order[:cut].tolist())
         waited = grew[order[cut:]].tolist()

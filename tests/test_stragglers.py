@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from detectors.changepoint import ShiftDetector
 from detectors.replay import Replay
+from detectors.slowdown import SlowdownLocalizer
+from detectors.steps import StepReport
+from detectors.topology import Topology
 from producers.sim.faults import SlowGPU
 from producers.sim.scenarios import Run, scale_spec
 from schemas.enums import VerdictKind
-from schemas.records import Verdict
+from schemas.records import JobInfo, Verdict
 
 
 def test_a_spike_that_opens_a_smaller_shift_is_a_burst_of_its_own() -> None:
@@ -57,3 +61,32 @@ def test_one_slow_gpu_of_a_job_without_data_parallelism_is_named_alone() -> None
     steps are whole without them."""
     (v,) = _incidents([SlowGPU(onset_step=12, rank=2, factor=1.5)], tp=4, pp=2, dp=1)
     assert (v.rank, v.culprit_ranks) == (2, [])
+
+
+def _report(step: int, wait_ms: list[float], blame_ms: list[float], dur_ms: float) -> StepReport:
+    n = len(wait_ms)
+    ms = lambda xs: np.array(xs, dtype=float) * 1e6  # noqa: E731
+    zeros = np.zeros(n)
+    return StepReport(
+        step, step * 10**9, step * 10**9 + int(dur_ms * 1e6), int(dur_ms * 1e6), True, 10,
+        zeros, zeros, ms(blame_ms), ms(wait_ms), zeros, np.zeros(n, dtype=np.int64),
+        np.zeros(n, dtype=np.int64), {}, {}, {},
+    )  # fmt: skip
+
+
+def test_who_waits_splits_at_the_break_below_not_at_one_rank_that_waited_far_longer() -> None:
+    """16 data-parallel ranks on 4 nodes: rank 5 computed 100 ms slower, so everyone
+    else waited about 100 ms longer for it, and one of them (rank 9, its own input
+    late too) far longer. The break that names the culprit is the one under the
+    waiting ranks, not the one above the one that waited most."""
+    topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=16, tp=1, pp=1, dp=16,
+                                     gpus_per_node=4))  # fmt: skip
+    loc = SlowdownLocalizer(warmup=3)
+    for s in range(3):
+        loc.learn(_report(s, [10.0] * 16, [1.0] * 16, 200.0))
+    wait = [110.0 + r for r in range(16)]
+    wait[5], wait[9] = 10.0, 600.0
+    blame = [1.0] * 16
+    blame[5] = 101.0
+    (found,) = loc.who_waits([_report(3, wait, blame, 300.0)], topo, 100e6)
+    assert (found.rank, found.cause.value) == (5, "compute")
