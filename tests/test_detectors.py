@@ -553,6 +553,27 @@ def test_lateness_is_exact_at_real_clock_readings() -> None:
     assert ranks["wait"].tolist() == [3000.0, 0.0]
 
 
+def test_a_stage_waiting_for_its_input_waits() -> None:
+    """A pipeline transfer's receiver that posted its Recv 4 ms before the sender's Send
+    waited those 4 ms for the stage before it, as a member of a collective waits for the
+    last to arrive: who made the others wait counts it (its waits hold up nobody)."""
+    from detectors.parts import StepPart
+    from detectors.rank_figures import dense_ranks
+    from detectors.topology import Topology
+    from schemas.enums import CommRole
+
+    topo = Topology.from_job(build("healthy", scale="tiny", seed=0, steps=1).spec.job_info())
+    part = StepPart(0)
+    t = 10**18
+    # rank 0 sends to rank 2: its Send comes at t + 4 ms, rank 2's Recv at t
+    part.fold(Instance("j", 7, 0, CollOp.SEND, 0, 2, 8, (0, 2), (t + 4_000_000, t),
+                       (t + 4_000_000, t), (t + 5_000_000, t + 5_000_000)),
+              "forward", 0, CommRole.PP, topo)  # fmt: skip
+    ranks = dense_ranks([part.seal()], 3)
+    assert ranks["wait"].tolist() == [0.0, 0.0, 4_000_000.0]
+    assert ranks["blame_any"].tolist() == [0.0, 0.0, 0.0]
+
+
 def test_a_communicator_that_goes_quiet_holds_merged_parts_back_two_steps_at_most() -> None:
     """A job restarted with new communicators leaves the old ones silent for good:
     the merger stops waiting for them instead of delaying every later step."""
