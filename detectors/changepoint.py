@@ -153,13 +153,14 @@ class ShiftDetector:
                 self.baseline = s[len(s) // 2]
             return None
         rel = min(max(x / self.baseline, 0.0), self.clip)
-        bar = self.min_shift if explained else self.bar
+        noise_bar = self.bar  # a median over the recent normal values: read once
+        bar = self.min_shift if explained else noise_bar
         # the test sees deviations in units of the bar: min_shift's for a quiet signal
         self._ph.update(1.0 + (rel - 1.0) * self.min_shift / bar)
         self._drift = self._drift or self._ph.drift_detected
         high = rel >= 1.0 + bar
         if self.shifted:  # a further shift stands out of the noise; explained is not calm
-            return self._while_shifted(rel, index, self.bar, explained)
+            return self._while_shifted(rel, index, noise_bar, explained)
         if high:
             if not self._run:
                 self._onset = index

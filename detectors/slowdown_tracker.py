@@ -68,7 +68,9 @@ class SlowdownTracker:
         shift, not the noise.
     """
 
-    held_share: float = 0.25  # (for one pickled before it had its own)
+    # for one pickled before it had them
+    held_share: float = 0.25
+    _held_by: int = -1
 
     def __init__(
         self,
@@ -134,7 +136,7 @@ class SlowdownTracker:
         # hide a slow rank otherwise)
         rank, share = self.localizer.held_up(rep)
         held = rank if share >= self.held_share else -1
-        explained = held >= 0 and held == getattr(self, "_held_by", -1)
+        explained = held >= 0 and held == self._held_by
         self._held_by = held
         ev = self.shift.update(rep.duration_ns, rep.step, explained=explained)
         if not self.localizer.ready or (ev is None and not self.shift.shifted):
