@@ -319,7 +319,12 @@ class JobAnalyzer:
         assert self.assembler is not None
         baseline = self.ledger.shift.baseline
         tables = step_tables(self.job, self.topo, rep, self.assembler, baseline)
-        return [*tables, *self.slowdowns.step(rep, self.topo)]
+        out = [*tables, *self.slowdowns.step(rep, self.topo)]
+        ranks, nodes = self.slowdowns.explained()
+        return out + self.links.transfer_times(
+            rep, self.topo, explained_ranks=ranks, explained_nodes=nodes,
+            settling=self.slowdowns.pending is not None,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ hangs
     def expected_step_ns(self) -> float | None:

@@ -5,7 +5,9 @@ from the nodes' link samples (the MEGATRACE WR measure) or, for a job whose sour
 have no NIC counters, from the throughput of its proxy transfers
 (:class:`~detectors.edges.EdgeThroughput`, baselines of their own). Several slow links
 leaving one rank are that rank's NIC (the last row of docs/method.md's decision table).
-Each incident is charged its share of the step time through the job's
+For a job with neither, the network between nodes whose communicators all transfer far
+slower than usual (:class:`~detectors.transfer_watch.TransferWatch`). Each incident is
+charged its share of the step time through the job's
 :class:`~detectors.incidents.StepTimeLedger`.
 
 >>> from detectors.changepoint import ShiftDetector
@@ -39,6 +41,7 @@ from detectors.incidents import Culprit, Incident, StepTimeLedger
 from detectors.links import LinkEvent, LinkMonitor
 from detectors.steps import StepReport
 from detectors.topology import Topology
+from detectors.transfer_watch import NetworkEvent, TransferWatch
 from detectors.verdicts import VerdictBook
 from schemas.enums import Cause, Phase, VerdictKind
 from schemas.records import LinkSample
@@ -59,6 +62,10 @@ class LinkTracker:
     drop
         A link this far below its baseline is degraded.
     """
+
+    # for one pickled before it had them
+    proxied: bool = False
+    transfers: TransferWatch | None = None
 
     def __init__(
         self,
@@ -82,6 +89,10 @@ class LinkTracker:
         self.edge_onset: dict[tuple[int, int], int] = {}  # degraded edge -> since when (ns)
         self.incidents: dict[Culprit, Incident] = {}
         self.seen: dict[str, int] = {}  # node -> its newest link sample (ns)
+        self.proxied = False  # its sources measured proxy transfers
+        # the network between nodes, from its communicators' transfer times (neither)
+        self.transfers = TransferWatch(warmup=self.warmup)
+        self.networks: dict[str, Incident] = {}  # link ("a<->b") -> its open incident
 
     @property
     def open(self) -> bool:
@@ -114,6 +125,7 @@ class LinkTracker:
         the job's sources (which then have no NIC counters), with baselines of its own;
         ``per_step_ns`` gives what :meth:`event` takes, asked only for an event (a median
         over the job's steps: not for every measure)."""
+        self.proxied = True
         if self.seen or not warm:
             return []
         sample = LinkSample(
@@ -203,7 +215,8 @@ class LinkTracker:
         """The open incidents at their shares of a step of ``duration`` ns (0: the job
         recovered)."""
         out = []
-        for culprit in dict.fromkeys(self.edges.values()):
+        networks = [inc.culprit for inc in (getattr(self, "networks", None) or {}).values()]
+        for culprit in [*dict.fromkeys(self.edges.values()), *networks]:
             inc = self.incidents[culprit]
             fields = inc.fields(evidence=False)
             # opened before any step was seen: placed once a step reaches its onset
@@ -225,6 +238,70 @@ class LinkTracker:
             ):
                 out.append(v)
         return out
+
+    def transfer_times(
+        self,
+        rep: StepReport,
+        topo: Topology,
+        *,
+        explained_ranks: set[int],
+        explained_nodes: set[str],
+        settling: bool,
+    ) -> list[msgspec.Struct]:
+        """A complete step's transfer times, for a job whose sources measure no link: the
+        network between nodes that degraded or came back
+        (:class:`~detectors.transfer_watch.TransferWatch`). Ranks and hosts that an open
+        slowdown names, and the networks it names (``explained_*``), are not judged;
+        ``settling``: a step-time shift is being localised, nothing opens or closes."""
+        if self.seen or self.proxied or not rep.complete:
+            return []
+        if self.transfers is None:  # pickled before it had one
+            self.transfers = TransferWatch(warmup=self.warmup)
+            self.networks = {}
+        events = self.transfers.update(
+            rep.step, rep.start_ns, rep.transfer_sum_ns, topo, skip_ranks=explained_ranks,
+            skip_nodes=explained_nodes, hold=settling,
+        )  # fmt: skip
+        out: list[msgspec.Struct] = []
+        for ev in events:
+            out += self._network(ev, rep)
+        return out
+
+    def _network(self, ev: NetworkEvent, rep: StepReport) -> list[msgspec.Struct]:
+        culprit = Culprit.network(ev.link)
+        if ev.kind == "recovered":
+            if self.networks.pop(ev.link, None) is None:
+                return []  # the step time's own incident, not this one's
+            self.incidents.pop(culprit, None)
+            self.ledger.forget(culprit)
+            v = self.book.resolve(_KIND.value, culprit.key, rep.end_ns)
+            return [v] if v else []
+        if self.book.current(_KIND.value, culprit.key) is not None:
+            return []  # the step time's own incident names this network already
+        inc = Incident(culprit, Cause.NETWORK_LINK, link=ev.link, phase=Phase.TRANSFER)
+        inc.evidence = {"transfer_ratio": ev.ratio, "communicators": float(ev.comms)}
+        self.networks[ev.link] = inc
+        self.incidents[culprit] = inc
+        self.ledger.open(culprit, ev.onset_step, ev.onset_ns)
+        recent = self.ledger.recent
+        shifted = self.ledger.shift.shifted and recent
+        severity = self.ledger.share(culprit, recent[-1].duration_ns) if shifted else 0.0
+        summary = texts.network_summary(link=ev.link, ratio=ev.ratio, onset=ev.onset_step,
+                                        comms=ev.comms)  # fmt: skip
+        v = self.book.report(
+            _KIND,
+            inc.cause,
+            culprit.key,
+            onset_step=ev.onset_step,
+            onset_ns=ev.onset_ns,
+            detected_ns=rep.end_ns,
+            severity=severity,
+            confidence=0.8,
+            step=ev.onset_step,
+            summary=summary,
+            **inc.fields(),
+        )
+        return [v] if v else []
 
 
 __all__ = ["LinkTracker"]

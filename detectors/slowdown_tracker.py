@@ -149,6 +149,19 @@ class SlowdownTracker:
             out += self.judge(rep, topo)
         return out
 
+    def explained(self) -> tuple[set[int], set[str]]:
+        """The ranks and hosts its open slowdowns name (what they explain elsewhere)."""
+        ranks: set[int] = set()
+        nodes: set[str] = set()
+        for c in self.open:
+            if c.kind == "rank":
+                ranks.add(int(c.name))
+                if (v := self.book.current(c.verdict_kind.value, c.key)) is not None:
+                    ranks.update(v.culprit_ranks)
+            elif c.kind == "node":
+                nodes.add(c.name)
+        return ranks, nodes
+
     def links_moved(self, topo: Topology) -> list[msgspec.Struct]:
         """The links' samples moved on: a shift waiting for them may be judged."""
         if self.pending is None or not self.ledger.recent:

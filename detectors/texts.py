@@ -193,6 +193,21 @@ def link_summary(*, link: str, current_gbps: float, drop: float, baseline_gbps: 
     )
 
 
+def network_summary(*, link: str, ratio: float, onset: int, comms: int) -> str:
+    """The network between nodes, from its communicators' transfer times.
+
+    >>> for part in network_summary(link="node-0<->node-1", ratio=3.04, onset=12,
+    ...                             comms=4).split(" - "):
+    ...     print(part)
+    link degradation: the network between node-0 and node-1
+    4 communicators across it transfer 3.04x slower since step 12
+    """
+    return (
+        f"link degradation: {network(link)} - {plural(comms, 'communicator')} across it "
+        f"transfer {ratio:.2f}x slower since step {onset}"
+    )
+
+
 def nic_summary(*, nic: str, dsts: list[int], current_gbps: float, drop: float) -> str:
     """Several links leaving one NIC below their baselines: that NIC.
 

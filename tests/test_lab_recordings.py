@@ -198,3 +198,30 @@ def test_a_slow_rank_is_found_in_steps_noisier_than_its_slowdown(order: str) -> 
     (slow,) = _verdicts("lab_megatron_slow_rank1_run2.jsonl.gz", order)
     assert (slow.kind.value, slow.rank, slow.node) == ("slowdown", 1, "lab-n0")
     assert 9 <= slow.onset_step <= 11
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_slow_link_that_costs_no_step_time_is_found_from_transfer_times(order: str) -> None:
+    """Case megatron-slow-link (its first 18 steps): the same job, lab-n1's link limited to
+    60 Mbit/s (tbf) from step 9. The pipeline hides it (the step time barely moves), and
+    a Gloo job has no link counters; but every one of the four communicators whose
+    transfers cross the two nodes now takes over twice its usual transfer time, with no
+    rank in all of them: the network between the nodes."""
+    (link,) = _verdicts("lab_megatron_slow_link.jsonl.gz", order)
+    assert (link.kind.value, link.cause.value, link.link) == (
+        "link_degradation",
+        "network_link",
+        "lab-n0<->lab-n1",
+    )
+    assert link.onset_step == 9
+    assert link.evidence["communicators"] == 4
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_transfers_a_slow_host_made_longer_are_no_slow_link(order: str) -> None:
+    """Case megatron-slow-node (its first 26 steps): lab-n1's four ranks under one CPU
+    quota from step 9. From step 15 the communicators across the nodes transfer over
+    twice as slowly as usual too (a CPU-bound Gloo rank moves its buffers slowly); the
+    host's slowdown explains them, so no link is reported beside it."""
+    (slow,) = _verdicts("lab_megatron_slow_node1_run2.jsonl.gz", order)
+    assert (slow.kind.value, slow.node, slow.cause.value) == ("slowdown", "lab-n1", "host_cpu")

@@ -1,0 +1,79 @@
+"""The network between nodes from its communicators' transfer times
+(:class:`~detectors.transfer_watch.TransferWatch`): what tells it from a slow member."""
+
+from __future__ import annotations
+
+from detectors.topology import Topology
+from detectors.transfer_watch import TransferWatch
+from schemas.enums import CommRole
+from schemas.records import CommInfo, JobInfo
+
+
+def _topo(comms: dict[int, list[int]]) -> Topology:
+    """8 ranks, 4 per node: ranks 0-3 on node-0, 4-7 on node-1."""
+    topo = Topology.from_job(
+        JobInfo(job="j", ts_ns=0, world_size=8, tp=1, pp=2, dp=4, gpus_per_node=4)
+    )
+    for h, ranks in comms.items():
+        topo.add(CommInfo(job="j", ts_ns=0, comm_hash=h, role=CommRole.PP, ranks=ranks))
+    return topo
+
+
+def _run(watch, topo, slow: dict[int, float], steps: int = 30, at: int = 10, **kw):
+    """Every communicator moves 10 ms a step; those in ``slow`` that many times more from
+    step ``at`` (and back from step 20)."""
+    events = []
+    for step in range(steps):
+        xsum = {c: int(10e6 * (slow.get(c, 1.0) if at <= step < 20 else 1.0)) for c in topo.comms}
+        events += watch.update(step, step * 1000, xsum, topo, **kw)
+    return [(e.kind, e.link, e.onset_step) for e in events]
+
+
+def test_every_communicator_across_two_nodes_slower_is_their_network_and_it_comes_back():
+    topo = _topo({1: [0, 4], 2: [1, 5], 3: [2, 6]})
+    assert _run(TransferWatch(), topo, {1: 3.0, 2: 2.5, 3: 2.2}) == [
+        ("degraded", "node-0<->node-1", 10),
+        ("recovered", "node-0<->node-1", 22),
+    ]
+
+
+def test_one_communicator_slower_is_a_member_not_the_network():
+    topo = _topo({1: [0, 4], 2: [1, 5], 3: [2, 6]})
+    assert _run(TransferWatch(), topo, {1: 4.0}) == []
+
+
+def test_a_rank_in_every_communicator_could_be_what_is_slow():
+    topo = _topo({1: [0, 4], 2: [0, 5]})  # rank 0 is in both
+    assert _run(TransferWatch(), topo, {1: 3.0, 2: 3.0}) == []
+
+
+def test_a_single_communicator_cannot_tell_its_network_from_its_members():
+    topo = _topo({1: [0, 1, 4, 5]})
+    assert _run(TransferWatch(), topo, {1: 5.0}) == []
+
+
+def test_what_another_incident_explains_is_not_judged():
+    topo = _topo({1: [0, 4], 2: [1, 5], 3: [2, 6]})
+    slow = {1: 3.0, 2: 3.0, 3: 3.0}
+    assert _run(TransferWatch(), topo, slow, skip_nodes={"node-1"}) == []
+    assert _run(TransferWatch(), topo, slow, hold=True) == []
+    # a rank another incident names: the communicators without it still tell
+    assert _run(TransferWatch(), topo, slow, skip_ranks={0})[0][:2] == (
+        "degraded",
+        "node-0<->node-1",
+    )
+    assert _run(TransferWatch(), topo, slow, skip_ranks={0, 1}) == []
+
+
+def test_a_noisy_healthy_job_is_not_a_slow_network():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    topo = _topo({1: [0, 4], 2: [1, 5], 3: [2, 6], 4: [3, 7]})
+    watch = TransferWatch()
+    events = []
+    for step in range(5000):  # log-normal step-to-step noise of 40%, and 3x spikes
+        xsum = {c: int(10e6 * rng.lognormal(0, 0.4) * (3 if rng.random() < 0.05 else 1))
+                for c in topo.comms}  # fmt: skip
+        events += watch.update(step, step * 1000, xsum, topo)
+    assert events == []
