@@ -1,4 +1,5 @@
-"""A job's step-time incidents: slowdowns, transient stragglers and intermittent ones.
+"""A job's step-time incidents: slowdowns, transient stragglers and intermittent ones
+(those in :mod:`detectors.stragglers`).
 
 Every closed step's time goes to the change-point detector
 (:class:`~detectors.changepoint.ShiftDetector`). A confirmed shift is localised
@@ -34,12 +35,13 @@ from detectors.incidents import JOB, Culprit, Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
 from detectors.slowdown import TOGETHER, SlowdownLocalizer
 from detectors.steps import StepReport
+from detectors.stragglers import Stragglers
 from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
-from schemas.enums import Cause, Phase, VerdictKind
+from schemas.enums import Cause, Phase
 
 
-class SlowdownTracker:
+class SlowdownTracker(Stragglers):
     """Open step-time incidents of one job, other than its links'.
 
     Parameters
@@ -340,95 +342,6 @@ class SlowdownTracker:
         )
         out += self._reprice(duration, rep, skip=culprit)  # the others' shares moved too
         return [*out, v] if v else out
-
-    def _burst(
-        self, onset: int, ratio: float, length: int, rep: StepReport, topo: Topology
-    ) -> list[msgspec.Struct]:
-        # the burst and the step after it (where its waits may spill): for a burst that
-        # just ended, every step since its onset; for a spike that opened a shift, not
-        # the shift's steps that followed
-        inc = self.locate([r for r in self.ledger.since(onset) if r.step <= onset + length], topo)
-        if inc is None or (inc.rank is None and inc.culprit.kind != "node"):
-            # a burst is a straggler's: a rank or host named (transfers that took longer
-            # for a step are as often a busy host's collectives as its network's)
-            return []
-        bursts = self.bursts.setdefault(inc.culprit, [])
-        bursts.append((onset, ratio, length))
-        if len(bursts) < 2:
-            return self._transient(inc, onset, ratio, length, rep)
-        first = bursts[0][0]
-        span = max(1, rep.step - first + 1)
-        extra = sum((r - 1) * n for _, r, n in bursts)
-        severity = extra / (span + extra)
-        mean_ratio = float(np.mean([r for _, r, _ in bursts]))
-        inc.evidence = {
-            **inc.evidence,
-            "bursts": float(len(bursts)),
-            "mean_burst_ratio": mean_ratio,
-            "burst_period_steps": float(np.mean(np.diff([b[0] for b in bursts]))),
-        }
-        reps = [r for r in self.ledger.recent if r.step == first]
-        who = texts.who(inc.rank, inc.gpu, inc.node)
-        summary = texts.intermittent_summary(
-            who=who, bursts=len(bursts), mean_ratio=mean_ratio, first=first, severity=severity
-        )
-        v = self.book.report(
-            VerdictKind.INTERMITTENT_SLOWDOWN,
-            inc.cause,
-            inc.culprit.key,
-            onset_step=first,
-            onset_ns=reps[0].start_ns if reps else rep.start_ns,
-            detected_ns=rep.end_ns,
-            severity=severity,
-            confidence=0.8,
-            step=first,
-            summary=summary,
-            **inc.fields(),
-        )
-        return [v] if v else []
-
-    def _transient(
-        self, inc: Incident, onset: int, ratio: float, length: int, rep: StepReport
-    ) -> list[msgspec.Struct]:
-        """A straggler for a step or a few, over already: reported with its culprit and the
-        time it cost, and resolved at once (a second one makes it intermittent). Only one
-        that stands out: a rank or host named, and well over the noise."""
-        if ratio < 1.0 + max(self.transient_floor, 2 * self.shift.bar):
-            return []
-        reps = [r for r in self.ledger.recent if onset <= r.step < onset + length and r.complete]
-        level = self.ledger.level_before_step(onset)
-        lost = sum(max(0.0, r.duration_ns - level) for r in reps)
-        if reps and level > 0:  # the steps' own ratio (the detector's is clipped)
-            ratio = float(np.mean([r.duration_ns for r in reps])) / level
-        inc.evidence = {
-            **inc.evidence,
-            "time_lost_ns": float(lost),
-            "steps": float(length),
-            "step_time_ratio": float(ratio),
-            "baseline_step_ns": float(level),
-        }
-        start = reps[0].start_ns if reps else rep.start_ns
-        end = reps[-1].end_ns if reps else rep.end_ns
-        kind, key = VerdictKind.TRANSIENT_STRAGGLER, inc.culprit.key
-        who = texts.who(inc.rank, inc.gpu, inc.node)
-        summary = texts.transient_summary(
-            who=who, onset=onset, length=length, ratio=ratio, lost_ns=lost
-        )
-        v = self.book.report(
-            kind,
-            inc.cause,
-            key,
-            onset_step=onset,
-            onset_ns=start,
-            detected_ns=rep.end_ns,
-            severity=1.0 - 1.0 / ratio if ratio > 1 else 0.0,
-            confidence=0.8,
-            step=onset,
-            summary=summary,
-            **inc.fields(),
-        )
-        done = self.book.resolve(kind.value, key, end)
-        return [x for x in (v, done) if x is not None]
 
 
 def _together(first: Any, found: list[Any], link_ends: set[int], least: float) -> tuple[int, ...]:

@@ -1,0 +1,130 @@
+"""Stragglers over already: a burst of slow steps is a transient straggler (culprit,
+steps, time lost); the same culprit bursting again is intermittent.
+
+:class:`Stragglers` is the part of :class:`~detectors.slowdown_tracker.SlowdownTracker`
+that judges the change-point detector's bursts; it uses the tracker's verdict book,
+ledger and localisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from detectors import texts
+from detectors.incidents import Culprit, Incident, StepTimeLedger
+from detectors.steps import StepReport
+from detectors.topology import Topology
+from detectors.verdicts import VerdictBook
+from schemas.enums import VerdictKind
+
+if TYPE_CHECKING:
+    from detectors.changepoint import ShiftDetector
+
+
+class Stragglers:
+    """Bursts of slow steps, judged with the tracker's verdict book, ledger, change-point
+    detector and localisation (the attributes below)."""
+
+    book: VerdictBook
+    ledger: StepTimeLedger
+    bursts: dict[Culprit, list[tuple[int, float, int]]]
+    transient_floor: float
+
+    shift: ShiftDetector
+    locate: Callable[[list[StepReport], Topology], Incident | None]
+
+    def _burst(
+        self, onset: int, ratio: float, length: int, rep: StepReport, topo: Topology
+    ) -> list[msgspec.Struct]:
+        # the burst and the step after it (where its waits may spill): for a burst that
+        # just ended, every step since its onset; for a spike that opened a shift, not
+        # the shift's steps that followed
+        inc = self.locate([r for r in self.ledger.since(onset) if r.step <= onset + length], topo)
+        if inc is None or (inc.rank is None and inc.culprit.kind != "node"):
+            # a burst is a straggler's: a rank or host named (transfers that took longer
+            # for a step are as often a busy host's collectives as its network's)
+            return []
+        bursts = self.bursts.setdefault(inc.culprit, [])
+        bursts.append((onset, ratio, length))
+        if len(bursts) < 2:
+            return self._transient(inc, onset, ratio, length, rep)
+        first = bursts[0][0]
+        span = max(1, rep.step - first + 1)
+        extra = sum((r - 1) * n for _, r, n in bursts)
+        severity = extra / (span + extra)
+        mean_ratio = float(np.mean([r for _, r, _ in bursts]))
+        inc.evidence = {
+            **inc.evidence,
+            "bursts": float(len(bursts)),
+            "mean_burst_ratio": mean_ratio,
+            "burst_period_steps": float(np.mean(np.diff([b[0] for b in bursts]))),
+        }
+        reps = [r for r in self.ledger.recent if r.step == first]
+        who = texts.who(inc.rank, inc.gpu, inc.node)
+        summary = texts.intermittent_summary(
+            who=who, bursts=len(bursts), mean_ratio=mean_ratio, first=first, severity=severity
+        )
+        v = self.book.report(
+            VerdictKind.INTERMITTENT_SLOWDOWN,
+            inc.cause,
+            inc.culprit.key,
+            onset_step=first,
+            onset_ns=reps[0].start_ns if reps else rep.start_ns,
+            detected_ns=rep.end_ns,
+            severity=severity,
+            confidence=0.8,
+            step=first,
+            summary=summary,
+            **inc.fields(),
+        )
+        return [v] if v else []
+
+    def _transient(
+        self, inc: Incident, onset: int, ratio: float, length: int, rep: StepReport
+    ) -> list[msgspec.Struct]:
+        """A straggler for a step or a few, over already: reported with its culprit and the
+        time it cost, and resolved at once (a second one makes it intermittent). Only one
+        that stands out: a rank or host named, and well over the noise."""
+        if ratio < 1.0 + max(self.transient_floor, 2 * self.shift.bar):
+            return []
+        reps = [r for r in self.ledger.recent if onset <= r.step < onset + length and r.complete]
+        level = self.ledger.level_before_step(onset)
+        lost = sum(max(0.0, r.duration_ns - level) for r in reps)
+        if reps and level > 0:  # the steps' own ratio (the detector's is clipped)
+            ratio = float(np.mean([r.duration_ns for r in reps])) / level
+        inc.evidence = {
+            **inc.evidence,
+            "time_lost_ns": float(lost),
+            "steps": float(length),
+            "step_time_ratio": float(ratio),
+            "baseline_step_ns": float(level),
+        }
+        start = reps[0].start_ns if reps else rep.start_ns
+        end = reps[-1].end_ns if reps else rep.end_ns
+        kind, key = VerdictKind.TRANSIENT_STRAGGLER, inc.culprit.key
+        who = texts.who(inc.rank, inc.gpu, inc.node)
+        summary = texts.transient_summary(
+            who=who, onset=onset, length=length, ratio=ratio, lost_ns=lost
+        )
+        v = self.book.report(
+            kind,
+            inc.cause,
+            key,
+            onset_step=onset,
+            onset_ns=start,
+            detected_ns=rep.end_ns,
+            severity=1.0 - 1.0 / ratio if ratio > 1 else 0.0,
+            confidence=0.8,
+            step=onset,
+            summary=summary,
+            **inc.fields(),
+        )
+        done = self.book.resolve(kind.value, key, end)
+        return [x for x in (v, done) if x is not None]
+
+
+__all__ = ["Stragglers"]
