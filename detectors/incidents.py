@@ -174,6 +174,13 @@ class StepTimeLedger:
     def onset_ns(self, culprit: Culprit) -> int:
         return self.onset_at[culprit][1]
 
+    def rename(self, culprit: Culprit, to: Culprit) -> None:
+        """Open incident ``culprit`` is ``to``'s from now on (its onset and level kept)."""
+        if culprit in self.onset_at:
+            self.onset_at[to] = self.onset_at.pop(culprit)
+        if culprit in self.onset_level:
+            self.onset_level[to] = self.onset_level.pop(culprit)
+
     def forget(self, culprit: Culprit) -> None:
         self.onset_at.pop(culprit, None)
         self.onset_level.pop(culprit, None)

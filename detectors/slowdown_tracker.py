@@ -53,7 +53,9 @@ class SlowdownTracker(Stragglers):
     settle_steps
         A shift whose first steps name the network, a host or nobody is localised again
         until it has lasted this many steps (a rank's lateness takes a few to stand out:
-        at first, the peers it holds up come late with it).
+        at first, the peers it holds up come late with it). A rank named earlier is
+        reported at once and checked again then: another rank or host found over those
+        steps takes over its incident (the same verdict, revised).
     link_wait_ms
         How long after the step that confirmed a shift it waits for link samples that
         are read behind the collectives.
@@ -73,6 +75,7 @@ class SlowdownTracker(Stragglers):
     # for one pickled before it had them
     held_share: float = 0.25
     _held_by: int = -1
+    _unsettled: dict[Culprit, int] | None = None
 
     def __init__(
         self,
@@ -122,6 +125,8 @@ class SlowdownTracker(Stragglers):
         # it: (onset step, ratio, start of the step that confirmed it in ns)
         self.pending: tuple[int, float, int] | None = None
         self._held_by = -1  # the rank that held the others up in the last step, or -1
+        # ranks named before their shift settled -> its onset step: checked once it has
+        self._unsettled = {}
 
     @property
     def shift(self) -> ShiftDetector:
@@ -149,6 +154,33 @@ class SlowdownTracker(Stragglers):
             out += self._update(rep, self.ledger.recent[-1].duration_ns / self.shift.baseline)
         if ev is None and self.pending is not None:
             out += self.judge(rep, topo)
+        if ev is None and self.pending is None and self._unsettled:
+            out += self._recheck(rep, topo)
+        return out
+
+    def _recheck(self, rep: StepReport, topo: Topology) -> list[msgspec.Struct]:
+        """Ranks named from a shift's first steps, localised again once it has lasted
+        ``settle_steps``: another rank or host found then takes over the incident (in
+        the first steps, a held-up peer can look as late as the rank that holds it up)."""
+        assert self._unsettled is not None
+        out: list[msgspec.Struct] = []
+        for culprit, onset in list(self._unsettled.items()):
+            reps = self.ledger.since(onset)
+            if len(reps) < self.settle_steps:
+                continue
+            del self._unsettled[culprit]
+            found = self.locate(reps, topo) if culprit in self.open else None
+            if (
+                found is None
+                or found.culprit.kind not in ("rank", "node")
+                or found.culprit in self.open
+            ):
+                continue
+            self.book.rename(culprit.verdict_kind.value, culprit.key, found.culprit.key)
+            self.ledger.rename(culprit, found.culprit)
+            self.open[self.open.index(culprit)] = found.culprit
+            level = float(np.mean([r.duration_ns for r in reps if r.complete] or [0.0]))
+            out += self._slowdown(rep, level / (self.ledger.baseline or level or 1.0), onset, topo)
         return out
 
     def explained(self) -> tuple[set[int], set[str]]:
@@ -190,6 +222,7 @@ class SlowdownTracker(Stragglers):
                     out.append(v)
                 self.ledger.forget(culprit)
             self.open = []
+            self._unsettled = {}
             out += self.links.severities(0.0, rep)
             return out
         return self._burst(onset, ratio, length, rep, topo)
@@ -311,6 +344,10 @@ class SlowdownTracker(Stragglers):
         if not grew:
             self.open.append(culprit)
             self.ledger.begin(culprit, onset, onset_rep.start_ns)
+            if culprit.kind == "rank" and len(reps) < self.settle_steps:
+                if self._unsettled is None:  # pickled before it had them
+                    self._unsettled = {}
+                self._unsettled[culprit] = onset
         severity = self.ledger.share(culprit, duration)
         out = self.links.severities(duration, rep)
         kind = culprit.verdict_kind

@@ -225,3 +225,30 @@ def test_transfers_a_slow_host_made_longer_are_no_slow_link(order: str) -> None:
     host's slowdown explains them, so no link is reported beside it."""
     (slow,) = _verdicts("lab_megatron_slow_node1_run2.jsonl.gz", order)
     assert (slow.kind.value, slow.node, slow.cause.value) == ("slowdown", "lab-n1", "host_cpu")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_peer_named_from_a_shifts_first_steps_gives_way_to_the_rank_that_held_it_up(
+    order: str,
+) -> None:
+    """Case megatron-slow-rank, another run (its first 20 steps): rank 1 under a 0.1 CPU
+    quota from step 9. In steps 9-11 its tensor-parallel peer rank 0 made the others
+    wait as long as rank 1 did, and was named. Over the shift's first 8 steps rank 1
+    held them up far longer (250-410 ms a step against rank 0's 150-240, while rank 0
+    waited for it): the same incident, revised to rank 1, one alert."""
+    (slow,) = _verdicts("lab_megatron_slow_rank1_run3.jsonl.gz", order)
+    assert (slow.kind.value, slow.rank, slow.node, slow.onset_step) == ("slowdown", 1, "lab-n0", 9)
+
+
+def test_a_rank_named_from_a_shifts_first_steps_gives_way_to_its_host() -> None:
+    """Case ddp-slow-node, another run (its first 26 steps): node lab-n1 under a 0.25 CPU
+    quota from step 13. Its rank 3 made the others wait in the first steps; over 8, both
+    of lab-n1's ranks were busy while lab-n0's waited: the host, in the same incident."""
+    (slow,) = _verdicts("lab_ddp_slow_node1_run2.jsonl.gz")
+    assert (slow.kind.value, slow.rank, slow.node, slow.cause.value) == (
+        "slowdown",
+        None,
+        "lab-n1",
+        "host_cpu",
+    )
+    assert slow.onset_step == 13
