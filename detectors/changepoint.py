@@ -36,7 +36,7 @@ _NOISE_WINDOW = 32
 _NOISE_SIGMAS = 3.0
 #: an excursion's first value this many times further above the baseline than the rest
 #: of it is a spike of its own (a straggler for a step) before whatever follows
-_SPIKE_OVER_REST = 3.0
+SPIKE_OVER_REST = 3.0
 
 
 @dataclass(frozen=True)
@@ -222,11 +222,11 @@ class ShiftDetector:
     def _spike(self, bar: float) -> ShiftEvent | None:
         """A shift about to be confirmed that began with a spike: its first value far above
         both the noise and the rest of the excursion (its excess over the baseline
-        ``_SPIKE_OVER_REST`` times theirs) is a burst of its own, told now; the rest must
+        ``SPIKE_OVER_REST`` times theirs) is a burst of its own, told now; the rest must
         then make a shift on its own merit (a fresh test over it)."""
         first, rest = self._run[0], self._run[1:]
         level = float(np.median(rest))
-        if first < 1.0 + 2 * bar or first - 1.0 < _SPIKE_OVER_REST * max(level - 1.0, 0.0):
+        if first < 1.0 + 2 * bar or first - 1.0 < SPIKE_OVER_REST * max(level - 1.0, 0.0):
             return None
         event = ShiftEvent("burst", self._onset, first, 1, self.baseline)
         self._run, self._onset = rest, self._onset + 1

@@ -156,6 +156,8 @@ class SlowdownTracker(Stragglers):
             out += self.judge(rep, topo)
         if ev is None and self.pending is None and self._unsettled:
             out += self._recheck(rep, topo)
+        if ev is None:
+            out += self._release_burst(rep, now=False)
         return out
 
     def _recheck(self, rep: StepReport, topo: Topology) -> list[msgspec.Struct]:
@@ -203,17 +205,22 @@ class SlowdownTracker(Stragglers):
         return self.judge(self.ledger.recent[-1], topo)
 
     def finish(self, topo: Topology) -> list[msgspec.Struct]:
-        """No more input: a shift still waiting for link samples is judged now."""
-        if self.pending is None or not self.ledger.recent:
+        """No more input: a shift still waiting for link samples, and a burst held, are
+        judged now."""
+        if not self.ledger.recent:
             return []
-        return self.judge(self.ledger.recent[-1], topo, final=True)
+        out = self._release_burst(self.ledger.recent[-1])
+        if self.pending is None:
+            return out
+        return out + self.judge(self.ledger.recent[-1], topo, final=True)
 
     def _shift_event(
         self, kind: str, onset: int, ratio: float, length: int, rep: StepReport, topo: Topology
     ) -> list[msgspec.Struct]:
         if kind == "shift":
+            onset, out = self._burst_before_shift(onset, ratio, rep)
             self.pending = (onset, ratio, rep.start_ns)
-            return self.judge(rep, topo)
+            return out + self.judge(rep, topo)
         if kind == "recovered":
             self.pending = None
             out = []
@@ -225,7 +232,7 @@ class SlowdownTracker(Stragglers):
             self._unsettled = {}
             out += self.links.severities(0.0, rep)
             return out
-        return self._burst(onset, ratio, length, rep, topo)
+        return self._hold_burst(onset, ratio, length, rep, topo)
 
     def judge(self, rep: StepReport, topo: Topology, final: bool = False) -> list[msgspec.Struct]:
         """Localise the pending shift (as of step ``rep``, the newest) once every node's link

@@ -1,6 +1,10 @@
 """Stragglers over already: a burst of slow steps is a transient straggler (culprit,
 steps, time lost); the same culprit bursting again is intermittent.
 
+A burst is judged once as many steps as confirm a shift have followed it: slow steps
+that come back within them and stay are the first of a slowdown (a CPU quota lets a
+fast step through now and then), reported as that slowdown alone.
+
 :class:`Stragglers` is the part of :class:`~detectors.slowdown_tracker.SlowdownTracker`
 that judges the change-point detector's bursts; it uses the tracker's verdict book,
 ledger and localisation.
@@ -15,6 +19,7 @@ import msgspec
 import numpy as np
 
 from detectors import texts
+from detectors.changepoint import SPIKE_OVER_REST
 from detectors.incidents import Culprit, Incident, StepTimeLedger
 from detectors.steps import StepReport
 from detectors.topology import Topology
@@ -36,22 +41,59 @@ class Stragglers:
 
     shift: ShiftDetector
     locate: Callable[[list[StepReport], Topology], Incident | None]
+    #: a burst waiting to be reported: (onset, ratio, length, the step it is reported
+    #: at, its culprit and the change-point detector's bar, as found when it ended)
+    _held: tuple[int, float, int, int, Incident, float] | None = None
 
-    def _burst(
+    def _hold_burst(
         self, onset: int, ratio: float, length: int, rep: StepReport, topo: Topology
     ) -> list[msgspec.Struct]:
+        """A burst that ended at step ``rep``, localised now: reported once the steps that
+        would confirm a shift followed (an earlier one held is reported now). A burst is
+        a straggler's only with a rank or host named (transfers that took longer for a
+        step are as often a busy host's collectives as its network's)."""
+        out = self._release_burst(rep)
         # the burst and the step after it (where its waits may spill): for a burst that
         # just ended, every step since its onset; for a spike that opened a shift, not
         # the shift's steps that followed
         inc = self.locate([r for r in self.ledger.since(onset) if r.step <= onset + length], topo)
-        if inc is None or (inc.rank is None and inc.culprit.kind != "node"):
-            # a burst is a straggler's: a rank or host named (transfers that took longer
-            # for a step are as often a busy host's collectives as its network's)
+        if inc is not None and (inc.rank is not None or inc.culprit.kind == "node"):
+            due = rep.step + self.shift.persistence
+            self._held = (onset, ratio, length, due, inc, self.shift.bar)
+        return out
+
+    def _release_burst(self, rep: StepReport, now: bool = True) -> list[msgspec.Struct]:
+        """The burst held, reported as of step ``rep`` if its time came (or ``now``)."""
+        held = self._held
+        if held is None or (not now and rep.step < held[3]):
             return []
+        self._held = None
+        onset, ratio, length, _, inc, bar = held
+        return self._burst(inc, onset, ratio, length, rep, bar)
+
+    def _burst_before_shift(
+        self, onset: int, ratio: float, rep: StepReport
+    ) -> tuple[int, list[msgspec.Struct]]:
+        """A shift of ``ratio`` since step ``onset`` confirmed while a burst is held: the
+        burst was its first steps (the shift's onset is the burst's), unless it towers
+        over it as the change-point detector's spikes do (a straggler, then a smaller
+        change), and is told on its own."""
+        held = self._held
+        if held is None:
+            return onset, []
+        if held[1] - 1.0 >= SPIKE_OVER_REST * max(ratio - 1.0, 0.0):
+            return onset, self._release_burst(rep)
+        self._held = None
+        return min(onset, held[0]), []
+
+    def _burst(
+        self, inc: Incident, onset: int, ratio: float, length: int, rep: StepReport, bar: float
+    ) -> list[msgspec.Struct]:
+        """A burst of ``inc``'s: a transient straggler, or intermittent if it came before."""
         bursts = self.bursts.setdefault(inc.culprit, [])
         bursts.append((onset, ratio, length))
         if len(bursts) < 2:
-            return self._transient(inc, onset, ratio, length, rep)
+            return self._transient(inc, onset, ratio, length, rep, bar)
         first = bursts[0][0]
         span = max(1, rep.step - first + 1)
         extra = sum((r - 1) * n for _, r, n in bursts)
@@ -84,12 +126,13 @@ class Stragglers:
         return [v] if v else []
 
     def _transient(
-        self, inc: Incident, onset: int, ratio: float, length: int, rep: StepReport
+        self, inc: Incident, onset: int, ratio: float, length: int, rep: StepReport, bar: float
     ) -> list[msgspec.Struct]:
         """A straggler for a step or a few, over already: reported with its culprit and the
         time it cost, and resolved at once (a second one makes it intermittent). Only one
-        that stands out: a rank or host named, and well over the noise."""
-        if ratio < 1.0 + max(self.transient_floor, 2 * self.shift.bar):
+        that stands out: a rank or host named, and well over the noise (``bar``: the
+        change-point detector's when it ended)."""
+        if ratio < 1.0 + max(self.transient_floor, 2 * bar):
             return []
         reps = [r for r in self.ledger.recent if onset <= r.step < onset + length and r.complete]
         level = self.ledger.level_before_step(onset)

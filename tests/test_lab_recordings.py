@@ -159,8 +159,9 @@ def test_a_slow_rank_is_named_once_its_first_steps_settled() -> None:
 def test_a_slowdown_right_after_a_burst_is_priced_against_the_baseline() -> None:
     """Case ddp-slow-node: node lab-n1 under a 0.25 CPU quota from step 13. Steps 16-17
     ran 3x slower, step 18 at full speed, then 3x slower again from step 19. The burst
-    is no level the slowdown adds to: nothing else was open, so the slowdown costs what
-    it added to the baseline (it was priced at a few percent against the burst's steps)."""
+    began the slowdown (its onset) and is no level it adds to: nothing else was open, so
+    the slowdown costs what it added to the baseline (it was priced at a few percent
+    against the burst's steps)."""
     with gzip.open(DATA / "lab_ddp_slow_node1.jsonl.gz") as fh:
         records = [decode(line) for line in fh if line.strip()]
     first = {}
@@ -168,7 +169,7 @@ def test_a_slowdown_right_after_a_burst_is_priced_against_the_baseline() -> None
         if isinstance(v, Verdict) and v.kind.value == "slowdown":
             first.setdefault(v.verdict_id, v)
     (slow,) = first.values()
-    assert slow.onset_step == 19
+    assert slow.onset_step == 16
     assert slow.severity >= 0.5, slow.summary
 
 
@@ -252,3 +253,13 @@ def test_a_rank_named_from_a_shifts_first_steps_gives_way_to_its_host() -> None:
         "host_cpu",
     )
     assert slow.onset_step == 13
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_quotas_first_slow_steps_begin_its_slowdown_not_a_straggler(order: str) -> None:
+    """Case ddp-slow-rank, another run (its first 28 steps): rank 1 under a 0.1 CPU quota
+    from step 13. Steps 16-17 ran 3.5x slower, step 18 at the usual pace (the quota let
+    it through), and from step 19 on all ran 3.5x slower again. The two steps were no
+    straggler of their own: they began the slowdown, reported alone and from step 16."""
+    (slow,) = _verdicts("lab_ddp_slow_rank1_run2.jsonl.gz", order)
+    assert (slow.kind.value, slow.rank, slow.onset_step) == ("slowdown", 1, 16)
