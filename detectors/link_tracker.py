@@ -250,9 +250,10 @@ class LinkTracker:
     ) -> list[msgspec.Struct]:
         """A complete step's transfer times, for a job whose sources measure no link: the
         network between nodes that degraded or came back
-        (:class:`~detectors.transfer_watch.TransferWatch`). Ranks and hosts that an open
-        slowdown names, and the networks it names (``explained_*``), are not judged;
-        ``settling``: a step-time shift is being localised, nothing opens or closes."""
+        (:class:`~detectors.transfer_watch.TransferWatch`). The ranks and hosts that open
+        slowdowns name (``explained_*``) are not judged, nor a network whose step time's
+        incident is open already; ``settling``: a step-time shift is being localised,
+        nothing opens or closes."""
         if self.seen or self.proxied or not rep.complete:
             return []
         if self.transfers is None:  # pickled before it had one

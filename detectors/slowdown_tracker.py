@@ -127,6 +127,7 @@ class SlowdownTracker(Stragglers):
         self._held_by = -1  # the rank that held the others up in the last step, or -1
         # ranks named before their shift settled -> its onset step: checked once it has
         self._unsettled = {}
+        self._held = None  # a burst waiting to be reported (see Stragglers)
 
     @property
     def shift(self) -> ShiftDetector:
