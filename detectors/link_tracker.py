@@ -215,7 +215,8 @@ class LinkTracker:
         """The open incidents at their shares of a step of ``duration`` ns (0: the job
         recovered)."""
         out = []
-        networks = [inc.culprit for inc in (getattr(self, "networks", None) or {}).values()]
+        networks = [inc.culprit for inc in (getattr(self, "networks", None) or {}).values()
+                    if inc.culprit in self.ledger.onset_at]  # fmt: skip
         for culprit in [*dict.fromkeys(self.edges.values()), *networks]:
             inc = self.incidents[culprit]
             fields = inc.fields(evidence=False)
@@ -254,8 +255,8 @@ class LinkTracker:
         slowdowns name (``explained_*``) are not judged, nor a network whose step time's
         incident is open already; ``settling``: a step-time shift is being localised,
         nothing opens or closes."""
-        if self.seen or self.proxied or not rep.complete:
-            return []
+        if self.seen or self.proxied or not rep.complete or rep.step == 0:
+            return []  # step 0 holds the job's start-up (its first connections)
         if self.transfers is None:  # pickled before it had one
             self.transfers = TransferWatch(warmup=self.warmup)
             self.networks = {}
@@ -283,10 +284,13 @@ class LinkTracker:
         inc.evidence = {"transfer_ratio": ev.ratio, "communicators": float(ev.comms)}
         self.networks[ev.link] = inc
         self.incidents[culprit] = inc
-        self.ledger.open(culprit, ev.onset_step, ev.onset_ns)
         recent = self.ledger.recent
-        shifted = self.ledger.shift.shifted and recent
-        severity = self.ledger.share(culprit, recent[-1].duration_ns) if shifted else 0.0
+        severity = 0.0
+        if self.ledger.shift.shifted and recent:  # the step time is slower: it shares that
+            self.ledger.open(culprit, ev.onset_step, ev.onset_ns)
+            severity = self.ledger.share(culprit, recent[-1].duration_ns)
+        # else it costs no step time (a pipeline's bubbles hide it), and the steps after
+        # it are no slower level another incident adds to
         summary = texts.network_summary(link=ev.link, ratio=ev.ratio, onset=ev.onset_step,
                                         comms=ev.comms)  # fmt: skip
         v = self.book.report(

@@ -8,7 +8,7 @@ every communicator crossing it transfer slower, whether or not the step time sho
 (a pipeline hides a slow point-to-point transfer in its bubbles). So the network
 between a set of nodes is degraded when every communicator spanning exactly those
 nodes takes ``slow`` times its own usual transfer time or more, as a median over
-``window`` steps; and back once they are under ``back`` times it.
+``window`` steps; and back once every one of them is under ``back`` times it.
 
 A collective's timings cannot tell a slow link from a slow member that does the
 transferring (a CPU-bound rank moving Gloo's buffers): the communicators must be two
@@ -81,7 +81,8 @@ class TransferWatch:
         vary by a third from step to step on busy hosts; a link's own counters
         (:class:`~detectors.links.LinkMonitor`) are judged far finer.
     back
-        It came back when they are all under this many times their usual.
+        It came back when they are all under this many times their usual (one of them
+        back is the noise of a slow network).
     min_comms
         Communicators across the same nodes needed to tell the network from a member.
     """
@@ -153,16 +154,17 @@ class TransferWatch:
                 continue
             if set.intersection(*(set(topo.comms[c].ranks) for c, _ in comms)):
                 continue  # one rank in all of them could be what is slow
-            level = min(float(np.median([r for _, _, r in c.recent])) for _, c in comms)
+            levels = [float(np.median([r for _, _, r in c.recent])) for _, c in comms]
             opened = self.degraded.get(link)
-            if opened is None and level >= self.slow:
+            if opened is None and min(levels) >= self.slow:  # every one of them slow
                 onset, onset_ns = _onset([c for _, c in comms], self.back)
-                ev = NetworkEvent("degraded", link, nodes, onset, onset_ns, level, len(comms))
+                ev = NetworkEvent("degraded", link, nodes, onset, onset_ns, min(levels),
+                                  len(comms))  # fmt: skip
                 self.degraded[link] = ev
                 out.append(ev)
-            elif opened is not None and level < self.back:
+            elif opened is not None and max(levels) < self.back:  # every one of them back
                 del self.degraded[link]
-                out.append(NetworkEvent("recovered", link, nodes, step, start_ns, level,
+                out.append(NetworkEvent("recovered", link, nodes, step, start_ns, max(levels),
                                         len(comms)))  # fmt: skip
         return out
 
