@@ -77,3 +77,15 @@ def test_a_noisy_healthy_job_is_not_a_slow_network():
                 for c in topo.comms}  # fmt: skip
         events += watch.update(step, step * 1000, xsum, topo)
     assert events == []
+
+
+def test_the_network_is_back_only_when_every_communicator_across_it_is():
+    topo = _topo({1: [0, 4], 2: [1, 5], 3: [2, 6]})
+    watch = TransferWatch()
+    events = []
+    for step in range(40):
+        slow = step >= 10
+        xsum = {1: int(10e6 * (3 if slow and step < 20 else 1)),  # back at step 20
+                2: int(10e6 * (3 if slow else 1)), 3: int(10e6 * (3 if slow else 1))}  # fmt: skip
+        events += watch.update(step, step * 1000, xsum, topo)
+    assert [(e.kind, e.onset_step) for e in events] == [("degraded", 10)]
