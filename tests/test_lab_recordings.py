@@ -263,3 +263,18 @@ def test_a_quotas_first_slow_steps_begin_its_slowdown_not_a_straggler(order: str
     straggler of their own: they began the slowdown, reported alone and from step 16."""
     (slow,) = _verdicts("lab_ddp_slow_rank1_run2.jsonl.gz", order)
     assert (slow.kind.value, slow.rank, slow.onset_step) == ("slowdown", 1, 16)
+
+
+def test_a_slow_link_found_from_transfer_times_is_no_level_a_noise_shift_adds_to() -> None:
+    """Case megatron-slow-link, another run (its first 40 steps): its transfers across
+    the nodes took twice their usual from step 10, the step time did not move. Steps
+    31-35 ran 1.3x slower by the noise of 2 shared cores. The link costs no step time,
+    so those steps are not a slower level it set: priced against the baseline, they
+    are nobody's slowdown (priced against the level before them, two ranks were)."""
+    (link,) = _verdicts("lab_megatron_slow_link_run2.jsonl.gz")
+    assert (link.kind.value, link.link, link.onset_step) == (
+        "link_degradation",
+        "lab-n0<->lab-n1",
+        10,
+    )
+    assert link.severity == 0.0
