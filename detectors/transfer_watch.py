@@ -60,6 +60,7 @@ class NetworkEvent:
 
 @dataclass
 class _Comm:
+    nodes: tuple[str, ...] = ()  # the nodes its members are on
     seed: list[float] = field(default_factory=list)
     baseline: float = 0.0
     #: its newest steps: (step, start of the step in ns, transfer time / baseline)
@@ -126,12 +127,13 @@ class TransferWatch:
             info = topo.comms.get(c)
             if info is None:
                 continue
-            nodes = tuple(sorted({topo.node(r) for r in info.ranks}))
+            comm = self._comms.get(c)
+            if comm is None:  # its nodes, once (a world communicator has thousands of ranks)
+                nodes = tuple(sorted({topo.node(r) for r in info.ranks}))
+                comm = self._comms[c] = _Comm(nodes, recent=deque(maxlen=self.window))
+            nodes = comm.nodes
             if len(nodes) < 2:
                 continue
-            comm = self._comms.get(c)
-            if comm is None:
-                comm = self._comms[c] = _Comm(recent=deque(maxlen=self.window))
             if not comm.baseline:
                 comm.seed.append(float(x))
                 if len(comm.seed) >= self.warmup:
