@@ -18,7 +18,6 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -36,9 +35,6 @@ def outside(job: str, topo: Topology, item: Any) -> DeadLetter | None:
     """A dead letter (reason ``out_of_layout``) for an item naming a rank outside the
     job's layout, or a communicator's member that is not one; None for a good one."""
     world = topo.job.world_size
-    top = _TOP_RANK.get(type(item))
-    if top is not None and top(item) < world:
-        return None  # the usual case, asked of every heartbeat and edge measure: at once
     ranks = ranks_of(item)
     if not ranks:
         return None
@@ -105,15 +101,6 @@ def ranks_of(item: Any) -> tuple[int, ...]:
         case NodeDigest():
             return tuple(r for ev, _ in item.links for r in (ev.src_rank, ev.dst_rank))
     return ()
-
-
-#: the highest rank a record of each kind names, where that is all there is to check
-_TOP_RANK: dict[type, Callable[[Any], int]] = {
-    Heartbeat: lambda h: h.rank,
-    EdgeThroughput: lambda e: max(e.src_rank, e.dst_rank),
-    ProxySummary: lambda p: max(p.rank, p.peer),
-    LinkSample: lambda s: max(s.rank, s.src_rank, s.dst_rank),
-}
 
 
 def _item_time(item: Any) -> int:
