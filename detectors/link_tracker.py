@@ -92,7 +92,6 @@ class LinkTracker:
         self.proxied = False  # its sources measured proxy transfers
         # the network between nodes, from its communicators' transfer times (neither)
         self.transfers = TransferWatch(warmup=self.warmup)
-        self.networks: dict[str, Incident] = {}  # link ("a<->b") -> its open incident
 
     @property
     def open(self) -> bool:
@@ -215,8 +214,9 @@ class LinkTracker:
         """The open incidents at their shares of a step of ``duration`` ns (0: the job
         recovered)."""
         out = []
-        networks = [inc.culprit for inc in (getattr(self, "networks", None) or {}).values()
-                    if inc.culprit in self.ledger.onset_at]  # fmt: skip
+        # the networks found from transfer times (its only incidents between nodes) that
+        # cost step time
+        networks = [c for c in self.incidents if c.kind == "nodes" and c in self.ledger.onset_at]
         for culprit in [*dict.fromkeys(self.edges.values()), *networks]:
             inc = self.incidents[culprit]
             fields = inc.fields(evidence=False)
@@ -259,7 +259,6 @@ class LinkTracker:
             return []  # step 0 holds the job's start-up (its first connections)
         if self.transfers is None:  # pickled before it had one
             self.transfers = TransferWatch(warmup=self.warmup)
-            self.networks = {}
         events = self.transfers.update(
             rep.step, rep.start_ns, rep.transfer_sum_ns, topo, skip_ranks=explained_ranks,
             skip_nodes=explained_nodes, hold=settling,
@@ -272,9 +271,8 @@ class LinkTracker:
     def _network(self, ev: NetworkEvent, rep: StepReport) -> list[msgspec.Struct]:
         culprit = Culprit.network(ev.link)
         if ev.kind == "recovered":
-            if self.networks.pop(ev.link, None) is None:
+            if self.incidents.pop(culprit, None) is None:
                 return []  # the step time's own incident, not this one's
-            self.incidents.pop(culprit, None)
             self.ledger.forget(culprit)
             v = self.book.resolve(_KIND.value, culprit.key, rep.end_ns)
             return [v] if v else []
@@ -282,7 +280,6 @@ class LinkTracker:
             return []  # the step time's own incident names this network already
         inc = Incident(culprit, Cause.NETWORK_LINK, link=ev.link, phase=Phase.TRANSFER)
         inc.evidence = {"transfer_ratio": ev.ratio, "communicators": float(ev.comms)}
-        self.networks[ev.link] = inc
         self.incidents[culprit] = inc
         recent = self.ledger.recent
         severity = 0.0

@@ -183,7 +183,8 @@ class SlowdownTracker(Stragglers):
             self.ledger.rename(culprit, found.culprit)
             self.open[self.open.index(culprit)] = found.culprit
             level = float(np.mean([r.duration_ns for r in reps if r.complete] or [0.0]))
-            out += self._slowdown(rep, level / (self.ledger.baseline or level or 1.0), onset, topo)
+            ratio = level / (self.ledger.baseline or level or 1.0)
+            out += self._slowdown(rep, ratio, onset, topo, located=found)
         return out
 
     def explained(self) -> tuple[set[int], set[str]]:
@@ -331,15 +332,21 @@ class SlowdownTracker(Stragglers):
         return out
 
     def _slowdown(
-        self, rep: StepReport, ratio: float, onset: int, topo: Topology
+        self,
+        rep: StepReport,
+        ratio: float,
+        onset: int,
+        topo: Topology,
+        located: Incident | None = None,
     ) -> list[msgspec.Struct]:
         """A confirmed shift of step time since step ``onset``: localise what it added.
 
         A culprit already open (its slowdown grew) keeps its incident, onset and the
-        level it began at; another culprit opens an incident of its own beside it."""
+        level it began at; another culprit opens an incident of its own beside it.
+        ``located``: its culprit, found over those steps already."""
         duration = ratio * self.ledger.baseline
         reps = self.ledger.since(onset)
-        found = self.locate(reps, topo)
+        found = located or self.locate(reps, topo)
         if found is None and self.links.open:  # the link verdict carries this slowdown
             return self._update(rep, ratio)
         inc = found or Incident(JOB, Cause.UNKNOWN)

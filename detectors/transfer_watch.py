@@ -104,7 +104,7 @@ class TransferWatch:
         self.warmup, self.window, self.slow, self.back = warmup, window, slow, back
         self.min_comms = min_comms
         self._comms: dict[int, _Comm] = {}
-        self.degraded: dict[str, NetworkEvent] = {}  # link -> the event that opened it
+        self.degraded: set[str] = set()  # the networks ("a<->b") degraded now
 
     def update(
         self,
@@ -157,15 +157,15 @@ class TransferWatch:
             if set.intersection(*(set(topo.comms[c].ranks) for c, _ in comms)):
                 continue  # one rank in all of them could be what is slow
             levels = [float(np.median([r for _, _, r in c.recent])) for _, c in comms]
-            opened = self.degraded.get(link)
-            if opened is None and min(levels) >= self.slow:  # every one of them slow
+            opened = link in self.degraded
+            if not opened and min(levels) >= self.slow:  # every one of them slow
                 onset, onset_ns = _onset([c for _, c in comms], self.back)
                 ev = NetworkEvent("degraded", link, nodes, onset, onset_ns, min(levels),
                                   len(comms))  # fmt: skip
-                self.degraded[link] = ev
+                self.degraded.add(link)
                 out.append(ev)
-            elif opened is not None and max(levels) < self.back:  # every one of them back
-                del self.degraded[link]
+            elif opened and max(levels) < self.back:  # every one of them back
+                self.degraded.discard(link)
                 out.append(NetworkEvent("recovered", link, nodes, step, start_ns, max(levels),
                                         len(comms)))  # fmt: skip
         return out
