@@ -43,6 +43,7 @@ from detectors import refusals
 from detectors.align import Instance, Passed
 from detectors.aligned_rows import aligned_record
 from detectors.changepoint import ShiftDetector
+from detectors.cpu_wait import CpuWaits
 from detectors.edges import EdgeThroughput
 from detectors.gpu_wait import GpuWaitBaseline
 from detectors.hang import HangDiagnosis
@@ -97,12 +98,13 @@ class JobAnalyzer:
         self.book = VerdictBook(self.job)
         # per sending rank: how late its sends find their data, against its own baseline
         self.gpu_wait = GpuWaitBaseline()
+        self.cpu = CpuWaits()  # per rank: how long its threads waited for a CPU
         self.links = LinkTracker(self.book, self.ledger, self.gpu_wait, st.warmup_steps,
                                  st.link_drop)  # fmt: skip
         self.slowdowns = SlowdownTracker(
             self.book, self.ledger, self.links, self.gpu_wait, warmup=st.warmup_steps,
             node_margin=st.node_margin, alpha=st.alpha, host_lead_drop=st.host_lead_drop,
-            link_wait_ms=st.link_wait_ms,
+            link_wait_ms=st.link_wait_ms, cpu=self.cpu,
         )  # fmt: skip
         self.hangs = HangWatch()
         # per node: link samples against each link's baseline (the flow sends digests made
@@ -232,6 +234,8 @@ class JobAnalyzer:
     def _heartbeat_in(self, hb: Heartbeat) -> Out:
         """Liveness and progress (see :meth:`HangWatch.heartbeat`)."""
         self.now_ns = max(self.now_ns, hb.ts_ns)
+        if hb.cpu_wait_ns is not None:
+            self.cpu.update(hb.rank, hb.ts_ns, hb.cpu_wait_ns)
         return self.hangs.heartbeat(hb, self.book)
 
     def _passed(self, p: Passed) -> Out:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from detectors.cpu_wait import CpuWaits
 from detectors.gpu_wait import GpuWaitBaseline
 from detectors.incidents import Culprit, Incident, StepTimeLedger
 from detectors.job_folders import JobFolders
@@ -41,6 +42,8 @@ def upgrade(state: dict[str, Any]) -> dict[str, Any]:
         state["gpu_wait"] = gpu_wait
     if "ledger" not in state:  # pickled before the incidents had trackers of their own
         _trackers(state)
+    if "cpu" not in state:  # pickled before heartbeats carried the ranks' CPU wait
+        state["cpu"] = state["slowdowns"].cpu = CpuWaits()
     if "own" not in state:  # the job's own folders, kept in the job itself before
         own = state["own"] = JobFolders()
         own.structure = state.pop("structure", {})

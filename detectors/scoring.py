@@ -19,6 +19,7 @@ verdicts are false positives.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -159,6 +160,18 @@ def _culprit_ok(lab: FaultLabel, v: Verdict) -> bool:
         return False  # a hang's culprit includes what stopped: the GPU or the network
     if lab.link is not None:
         return v.link == lab.link
+    if lab.kind is VerdictKind.LINK_DEGRADATION and v.link:  # the node whose link it is
+        return lab.node == v.node or lab.node in _link_nodes(v.link)
     if lab.rank is not None:  # named alone, or among the several the verdict names
         return v.rank == lab.rank or lab.rank in v.culprit_ranks
     return v.node == lab.node
+
+
+def _link_nodes(link: str) -> set[str]:
+    """The nodes at the ends of a verdict's link: a NIC's (``node/nic->node/nic``) or the
+    network between nodes (``node<->node``).
+
+    >>> sorted(_link_nodes("n0/mlx5_0->n1/mlx5_0")), sorted(_link_nodes("n0<->n1"))
+    (['n0', 'n1'], ['n0', 'n1'])
+    """
+    return {end.split("/")[0] for end in re.split(r"<->|->", link)}

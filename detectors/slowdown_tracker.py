@@ -30,6 +30,8 @@ import numpy as np
 
 from detectors import texts
 from detectors.changepoint import ShiftDetector
+from detectors.cpu_wait import CpuWaits
+from detectors.cpu_wait import findings as cpu_findings
 from detectors.gpu_wait import GpuWaitBaseline
 from detectors.incidents import JOB, Culprit, Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
@@ -65,6 +67,9 @@ class SlowdownTracker(Stragglers):
     transient_floor
         A burst is a transient straggler only this far above the baseline (and twice
         the bar a shift must clear): one that stands out of the noise.
+    cpu
+        The job's ranks' CPU wait (:class:`~detectors.cpu_wait.CpuWaits`), where its
+        heartbeats carry it: ranks or a host starved of CPU since a shift are its cause.
     held_share
         A step in which the rank that made the others wait this share of it longer than
         it used to (as the last to arrive) did so in the step before too is slower for
@@ -76,6 +81,7 @@ class SlowdownTracker(Stragglers):
     held_share: float = 0.25
     _held_by: int = -1
     _unsettled: dict[Culprit, int] | None = None
+    cpu: CpuWaits | None = None
 
     def __init__(
         self,
@@ -93,6 +99,7 @@ class SlowdownTracker(Stragglers):
         gpu_wait_confirms: float = 3.0,
         transient_floor: float = 0.5,
         held_share: float = 0.25,
+        cpu: CpuWaits | None = None,
     ) -> None:
         if settle_steps < 1 or gpu_wait_confirms <= 1 or transient_floor <= 0:
             raise ValueError(
@@ -110,6 +117,7 @@ class SlowdownTracker(Stragglers):
         self.gpu_wait_confirms = gpu_wait_confirms
         self.transient_floor = transient_floor
         self.held_share = held_share
+        self.cpu = cpu
         self._reset()
 
     def _reset(self) -> None:
@@ -267,6 +275,8 @@ class SlowdownTracker(Stragglers):
         link_ends = self.links.ends_before(reps[0].end_ns if reps else 0)
         increase = float(np.mean([r.duration_ns for r in reps])) - self.ledger.level_before(reps)
         found = self.localizer.localize(reps, topo)
+        if self.cpu is not None:  # starved of CPU: the cause, whatever the collectives show
+            found += cpu_findings(self.cpu, reps, topo)
         if not any(r.spans for r in reps) or not self.links.open:
             # last: who made the others wait (no schedule to walk, or nothing on it); and
             # if nobody did, the transfers between nodes that took longer

@@ -49,6 +49,7 @@ from typing import Any
 
 import msgspec
 
+from producers.host_cpu import process_cpu
 from schemas.enums import TORCH_OP_NAMES, CollOp, CommRole, DType
 from schemas.layout import Layout, comm_hash
 from schemas.records import (
@@ -509,6 +510,7 @@ class Collector:
 
     def heartbeat(self, now_ns: int | None = None) -> Heartbeat:
         comms = [*self._groups.values(), *self._pairs.values()]
+        cpu = process_cpu()
         return Heartbeat(
             job=self.job,
             node=self.node,
@@ -520,6 +522,8 @@ class Collector:
                 CommProgress(comm_hash=c.hash, issued_seq=c.issued, completed_seq=c.completed)
                 for c in {c.hash: c for c in comms}.values()
             ],
+            cpu_ns=cpu[0] if cpu else None,
+            cpu_wait_ns=cpu[1] if cpu else None,
         )
 
     def _loop(self) -> None:

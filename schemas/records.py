@@ -279,12 +279,21 @@ class CommProgress(Struct, frozen=True, kw_only=True):
 
 
 class Heartbeat(NodeEvent, frozen=True, kw_only=True, tag="hb"):
-    """Periodic liveness of one rank. Hangs are silence, so liveness is explicit."""
+    """Periodic liveness of one rank. Hangs are silence, so liveness is explicit.
+
+    ``cpu_ns`` and ``cpu_wait_ns``, where the source can read them, are the rank's
+    process's counters since it started, over all its threads: the time they ran on
+    a CPU, and the time they were ready to run but waited for one (a crowded run
+    queue, or a container's CPU quota spent). A rank starved of CPU does its part
+    slowly, and where its collectives run on the CPU (Gloo) it moves data slowly too.
+    """
 
     ts_ns: TimeNs
     pid: Count = 0
     step: Count | None = None
     comms: list[CommProgress] = field(default_factory=list)
+    cpu_ns: Count | None = None
+    cpu_wait_ns: Count | None = None
 
 
 class LinkSample(NodeEvent, frozen=True, kw_only=True, tag="link"):

@@ -1,0 +1,151 @@
+"""Ranks starved of CPU, from the run-queue wait their heartbeats carry.
+
+A rank's heartbeats may carry its process's CPU counters
+(:class:`~schemas.records.Heartbeat` ``cpu_wait_ns``: the time its threads were
+ready to run but waited for a CPU). Their rate, seconds waited per second, is its
+*wait share*. When a step-time shift is localised, the ranks whose share stands
+apart from the rest of the job's, and grew over their own from before the shift,
+are starved of CPU: a host oversubscribed, a container's quota spent. That is the
+cause wherever it holds, whatever the collectives look like: a starved rank does
+its part late, and where its collectives run on the CPU (Gloo) it moves their
+data slowly too, which from the collectives' timings alone looks like a slow
+network.
+
+>>> cpu = CpuWaits()
+>>> for t in range(9):  # 4 ranks, a heartbeat a second; rank 1 starved from t=5 s
+...     for r in range(4):
+...         waited = 0.3 * t if (r != 1 or t <= 5) else 1.5 + 1.8 * (t - 5)
+...         cpu.update(r, t * 10**9, int(waited * 1e9))
+>>> [round(x, 1) for x in cpu.shares(5 * 10**9, 8 * 10**9)[0]]
+[0.3, 1.8, 0.3, 0.3]
+>>> starved(cpu, 5 * 10**9, 8 * 10**9, ["n0", "n0", "n1", "n1"])
+(CpuStarved(ranks=(1,), node=None, share=1.8, usual=0.3),)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from detectors.slowdown import SlowdownFinding
+from detectors.steps import StepReport
+from detectors.topology import Topology
+from schemas.enums import Cause
+
+#: seconds waited per second by which starved ranks stand apart from the others, and
+#: by which each grew over its own share before the shift
+APART = 0.5
+#: how far back the share before the shift is taken
+BEFORE_NS = 5 * 10**9
+
+
+@dataclass(frozen=True)
+class CpuStarved:
+    """Ranks starved of CPU together: one rank, or every rank of ``node`` (its host)."""
+
+    ranks: tuple[int, ...]
+    node: str | None
+    share: float  # their least wait share since the shift (s/s)
+    usual: float  # the job's usual wait share then (the median of its lower half, s/s)
+
+
+class CpuWaits:
+    """Per rank, its heartbeats' run-queue wait counter over time (pure; bounded)."""
+
+    def __init__(self, keep: int = 512) -> None:
+        self.samples: dict[int, deque[tuple[int, int]]] = {}
+        self.keep = keep
+
+    def update(self, rank: int, ts_ns: int, wait_ns: int) -> None:
+        xs = self.samples.get(rank)
+        if xs is None:
+            xs = self.samples[rank] = deque(maxlen=self.keep)
+        if not xs or ts_ns > xs[-1][0]:
+            xs.append((ts_ns, wait_ns))
+
+    def share(self, rank: int, start_ns: int, end_ns: int) -> float | None:
+        """Seconds waited per second from the sample nearest ``start_ns`` to the last one
+        at or before ``end_ns`` (None: no interval). A thread that ended takes its counts
+        with it, so a counter that went down adds nothing."""
+        xs = self.samples.get(rank)
+        if not xs:
+            return None
+        pts = list(xs)
+        times = np.array([t for t, _ in pts])
+        a = int(np.argmin(np.abs(times - start_ns)))
+        b = int(np.searchsorted(times, end_ns, side="right")) - 1
+        if b <= a:
+            return None
+        waits = np.array([w for _, w in pts[a : b + 1]], dtype=float)
+        waited = float(np.clip(np.diff(waits), 0, None).sum())
+        return waited / float(times[b] - times[a])
+
+    def shares(self, start_ns: int, end_ns: int) -> tuple[list[float], list[float]]:
+        """Every rank's wait share from ``start_ns`` to ``end_ns``, and before it (over
+        :data:`BEFORE_NS`); NaN where unknown. Ranks are 0..the highest seen."""
+        n = max(self.samples, default=-1) + 1
+        after, before = [], []
+        for r in range(n):
+            s = self.share(r, start_ns, end_ns)
+            b = self.share(r, start_ns - BEFORE_NS, start_ns)
+            after.append(np.nan if s is None else s)
+            before.append(np.nan if b is None else b)
+        return after, before
+
+
+def starved(
+    cpu: CpuWaits, start_ns: int, end_ns: int, nodes: Sequence[str], apart: float = APART
+) -> tuple[CpuStarved, ...]:
+    """The ranks starved of CPU from ``start_ns`` to ``end_ns`` (``nodes[r]``: rank r's
+    node), most starved first: those whose wait share stands ``apart`` or more above the
+    job's usual one (the median of its lower half: at most half the job is starved), and
+    grew by ``apart`` or more over their own before (where that is known). Every rank of
+    one node (two or more) is that host; otherwise a quarter of the job at most, each a
+    rank of its own. Nothing where a share is missing for half the job or more."""
+    after, before = cpu.shares(start_ns, end_ns)
+    n = len(nodes)
+    if len(after) < n or n < 2:
+        return ()
+    s, b = np.array(after[:n]), np.array(before[:n])
+    known = np.flatnonzero(~np.isnan(s))
+    if len(known) * 2 <= n:
+        return ()
+    usual = float(np.median(np.sort(s[known])[: (len(known) + 1) // 2]))
+    top = [
+        int(r)
+        for r in known[np.argsort(-s[known], kind="stable")]
+        if s[r] - usual >= apart and (np.isnan(b[r]) or s[r] - b[r] >= apart)
+    ]
+    if not top:
+        return ()
+    least = round(float(s[top].min()), 3)
+    on = {nodes[r] for r in top}
+    if len(on) == 1 and len(top) >= 2:
+        (node,) = on
+        if sorted(top) == [r for r in range(n) if nodes[r] == node]:
+            return (CpuStarved(tuple(top), node, least, round(usual, 3)),)
+    if len(top) > max(1, n // 4):
+        return ()
+    return tuple(CpuStarved((r,), None, round(float(s[r]), 3), round(usual, 3)) for r in top)
+
+
+def findings(cpu: CpuWaits, reps: Sequence[StepReport], topo: Topology) -> list[SlowdownFinding]:
+    """The hosts and ranks starved of CPU over ``reps`` (a shift's steps so far), as
+    localised causes of the step time added."""
+    if not reps or not cpu.samples:
+        return []
+    nodes = [topo.node(r) for r in range(topo.job.world_size)]
+    out = []
+    for c in starved(cpu, reps[0].start_ns, reps[-1].end_ns, nodes):
+        ev = {"cpu_wait_share": c.share, "usual_cpu_wait_share": c.usual}
+        rank = None if c.node else c.ranks[0]
+        node = c.node or nodes[c.ranks[0]]
+        out.append(SlowdownFinding(Cause.HOST_CPU, rank, node, None, None, None,
+                                   critical=True, evidence=ev))  # fmt: skip
+    return out
+
+
+__all__ = ["APART", "BEFORE_NS", "CpuStarved", "CpuWaits", "findings", "starved"]
