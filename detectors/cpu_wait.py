@@ -104,7 +104,8 @@ def starved(
     job's usual one (the median of its lower half: at most half the job is starved), and
     grew by ``apart`` or more over their own before (where that is known). Every rank of
     one node (two or more) is that host; otherwise a quarter of the job at most, each a
-    rank of its own. Nothing where a share is missing for half the job or more."""
+    rank of its own, once its node-mates' shares are known. Nothing where a share is
+    missing for half the job or more."""
     after, before = cpu.shares(start_ns, end_ns)
     n = len(nodes)
     if len(after) < n or n < 2:
@@ -129,6 +130,9 @@ def starved(
             return (CpuStarved(tuple(top), node, least, round(usual, 3)),)
     if len(top) > max(1, n // 4):
         return ()
+    # a rank whose node-mates' shares are unknown may be its host: their heartbeats come
+    # late when their host starves them too
+    top = [r for r in top if not any(np.isnan(s[q]) for q in range(n) if nodes[q] == nodes[r])]
     return tuple(CpuStarved((r,), None, round(float(s[r]), 3), round(usual, 3)) for r in top)
 
 

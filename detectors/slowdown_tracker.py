@@ -183,10 +183,15 @@ class SlowdownTracker(Stragglers):
             found = self.locate(reps, topo) if culprit in self.open else None
             if (
                 found is None
+                or found.culprit == culprit
                 or found.culprit.kind not in ("rank", "node")
-                or found.culprit in self.open
             ):
                 continue
+            if found.culprit in self.open:  # one fault told twice: the later one goes
+                later = max(culprit, found.culprit, key=self.ledger.onset_ns)
+                out += self._fold(later, rep)
+                if later == culprit:
+                    continue
             self.book.rename(culprit.verdict_kind.value, culprit.key, found.culprit.key)
             self.ledger.rename(culprit, found.culprit)
             self.open[self.open.index(culprit)] = found.culprit
@@ -194,6 +199,15 @@ class SlowdownTracker(Stragglers):
             ratio = level / (self.ledger.baseline or level or 1.0)
             out += self._slowdown(rep, ratio, onset, topo, located=found)
         return out
+
+    def _fold(self, culprit: Culprit, rep: StepReport) -> list[msgspec.Struct]:
+        """Incident ``culprit`` was another's, told again: it is resolved (its alert
+        was sent; the other one goes on)."""
+        self.open.remove(culprit)
+        self.ledger.forget(culprit)
+        self._unsettled.pop(culprit, None)
+        v = self.book.resolve(culprit.verdict_kind.value, culprit.key, rep.end_ns)
+        return [v] if v is not None else []
 
     def explained(self) -> tuple[set[int], set[str]]:
         """The ranks and hosts its open slowdowns name (what they explain elsewhere)."""
@@ -385,7 +399,9 @@ class SlowdownTracker(Stragglers):
         phase = inc.phase.value if inc.phase else None
         summary = texts.slowdown_summary(
             kind=kind, who=_who(inc), ratio=ratio, onset=onset, severity=severity,
-            cause=inc.cause, where=texts.where(None, phase, inc.microbatch, inc.pp_stage),
+            cause=inc.cause, where=", ".join(filter(None, (
+                texts.where(None, phase, inc.microbatch, inc.pp_stage),
+                texts.cpu_wait(inc.evidence)))),
         )  # fmt: skip
         # the culprit's own sends waiting on their data confirm its GPU (decision table)
         confirmed = inc.evidence.get("send_gpu_wait_ratio", 0.0) >= self.gpu_wait_confirms

@@ -65,6 +65,19 @@ def where(
     return ", ".join(parts)
 
 
+def cpu_wait(evidence: dict[str, float]) -> str:
+    """How long a CPU-starved culprit's threads waited for a CPU ('' if not measured).
+
+    >>> cpu_wait({"cpu_wait_share": 1.84, "usual_cpu_wait_share": 0.21})
+    'waiting for a CPU 1.84 s a second (the job usually 0.21)'
+    """
+    share = evidence.get("cpu_wait_share")
+    if share is None:
+        return ""
+    usual = evidence.get("usual_cpu_wait_share", 0.0)
+    return f"waiting for a CPU {share:.2f} s a second (the job usually {usual:.2f})"
+
+
 def listed(items: list[object]) -> str:
     """Items in words.
 

@@ -1,0 +1,146 @@
+"""Ranks starved of CPU: the producer's counters (read under a real CPU quota where the
+machine allows) and the detector's reading of them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from detectors.cpu_wait import CpuWaits, starved
+from producers.host_cpu import process_cpu
+
+NODES = ["n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3"]
+S = 10**9
+
+
+def _waits(shares_before: list[float], shares_after: list[float], seed: int = 0) -> CpuWaits:
+    """Heartbeats every 0.25 s for 10 s; each rank's wait share, with noise, is
+    ``shares_before[r]`` until t=5 s and ``shares_after[r]`` from then."""
+    rng = np.random.default_rng(seed)
+    cpu = CpuWaits()
+    for r, (b, a) in enumerate(zip(shares_before, shares_after, strict=True)):
+        waited = 0.0
+        for i in range(41):
+            t = i * 0.25
+            if i:
+                level = b if t <= 5 else a
+                waited += max(0.0, level * (1 + 0.3 * rng.standard_normal())) * 0.25
+            cpu.update(r, int(t * S) + r * 1000, int(waited * S))
+    return cpu
+
+
+def test_a_rank_starved_of_cpu_is_named_not_the_peers_it_holds_up() -> None:
+    # the others wait for it blocked (in a socket or for the GPU), not for a CPU
+    cpu = _waits([0.6] * 8, [0.2, 1.8, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2])
+    (got,) = starved(cpu, 5 * S, 10 * S, NODES)
+    assert got.ranks == (1,) and got.node is None
+    assert got.share > 1.2 and got.usual < 0.4
+
+
+def test_every_rank_of_a_node_starved_is_its_host() -> None:
+    cpu = _waits([0.6] * 8, [0.3, 0.3, 0.3, 0.3, 1.6, 1.9, 0.3, 0.3])
+    (got,) = starved(cpu, 5 * S, 10 * S, NODES)
+    assert (got.node, sorted(got.ranks)) == ("n2", [4, 5])
+
+
+def test_a_slow_network_starves_nobody() -> None:
+    # every rank blocks in its transfers: their waits for a CPU drop together
+    cpu = _waits([0.6] * 8, [0.05] * 8)
+    assert starved(cpu, 5 * S, 10 * S, NODES) == ()
+
+
+def test_a_rank_starved_before_the_shift_is_not_what_changed() -> None:
+    cpu = _waits([0.3, 1.8, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3], [0.3, 1.9, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3])
+    assert starved(cpu, 5 * S, 10 * S, NODES) == ()
+
+
+def test_noise_alone_starves_nobody() -> None:
+    """Shares that wander as a crowded host's do (each rank its own level, 30% noise per
+    beat, levels moving by up to 0.3 at the shift): nothing, over 200 jobs."""
+    rng = np.random.default_rng(7)
+    named = 0
+    for seed in range(200):
+        before = rng.uniform(0.2, 1.0, 8)
+        after = np.clip(before + rng.uniform(-0.3, 0.3, 8), 0, None)
+        named += bool(starved(_waits(before.tolist(), after.tolist(), seed), 5 * S, 10 * S, NODES))
+    assert named == 0
+
+
+def test_too_many_starved_ranks_name_nobody() -> None:
+    # three ranks on three nodes: not one host, and more than a quarter of the job
+    cpu = _waits([0.4] * 8, [1.8, 0.3, 1.8, 0.3, 1.8, 0.3, 0.3, 0.3])
+    assert starved(cpu, 5 * S, 10 * S, NODES) == ()
+
+
+def test_without_the_counters_for_most_ranks_nothing_is_said() -> None:
+    cpu = _waits([0.6] * 3, [0.2, 1.8, 0.2])  # ranks 3-7 never carried them
+    assert starved(cpu, 5 * S, 10 * S, NODES) == ()
+
+
+def test_a_counter_that_goes_down_adds_nothing() -> None:
+    # a thread that ended takes its counts with it
+    cpu = CpuWaits()
+    for t, w in [(0, 0), (1, 500), (2, 100), (3, 600)]:
+        cpu.update(0, t * S, w * 10**6)
+    assert cpu.share(0, 0, 3 * S) == pytest.approx((0.5 + 0.0 + 0.5) / 3)
+
+
+def test_the_producer_sums_its_threads_and_skips_one_that_ended(tmp_path: Path) -> None:
+    for tid, text in [("1", "9000 400 7\n"), ("2", "1000 600 3\n"), ("3", None)]:
+        (tmp_path / tid).mkdir()
+        if text:
+            (tmp_path / tid / "schedstat").write_text(text)
+    assert process_cpu(str(tmp_path)) == (10000, 1000)
+    assert process_cpu(str(tmp_path / "gone")) is None
+
+
+def test_the_producer_reads_this_process() -> None:
+    got = process_cpu()
+    if got is None:
+        pytest.skip("this kernel keeps no per-thread scheduler counters")
+    assert got[0] > 0
+
+
+def test_a_cpu_quota_shows_as_waiting_for_a_cpu() -> None:
+    """A busy process held to a tenth of a CPU by a real cgroup quota waits for a CPU
+    most of the time; the same process free does not."""
+    cg = Path("/sys/fs/cgroup/cpu")
+    if os.geteuid() != 0 or not (cg / "cgroup.procs").exists() or process_cpu() is None:
+        pytest.skip("needs root, the cgroup v1 cpu controller and scheduler counters")
+    group = cg / f"mttest-{uuid.uuid4().hex[:8]}"
+    script = textwrap.dedent(
+        """
+        import os, sys, time
+        from producers.host_cpu import process_cpu
+        if len(sys.argv) > 1:
+            open(sys.argv[1] + "/cgroup.procs", "w").write(str(os.getpid()))
+        a, t = process_cpu(), time.monotonic()
+        while time.monotonic() - t < 1.0:
+            pass
+        b = process_cpu()
+        print((b[1] - a[1]) / 1e9 / (time.monotonic() - t))
+        """
+    )
+    root = str(Path(__file__).parents[1])
+
+    def share(*args: str) -> float:
+        out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                             text=True, check=True, cwd=root)  # fmt: skip
+        return float(out.stdout)
+
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text("10000")
+        held = share(str(group))
+    finally:
+        group.rmdir()
+    assert held > 0.6
+    assert share() < held - 0.4
