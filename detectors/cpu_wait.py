@@ -53,9 +53,11 @@ class CpuStarved:
 
 
 class CpuWaits:
-    """Per rank, its heartbeats' run-queue wait counter over time (pure; bounded)."""
+    """Per rank, its heartbeats' run-queue wait counter over time (pure; bounded: the
+    last ``keep`` of each rank's, half a minute at two heartbeats a second; an older
+    shift start is taken from the oldest kept)."""
 
-    def __init__(self, keep: int = 512) -> None:
+    def __init__(self, keep: int = 64) -> None:
         self.samples: dict[int, deque[tuple[int, int]]] = {}
         self.keep = keep
 

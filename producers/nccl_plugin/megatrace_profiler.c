@@ -56,6 +56,7 @@
  * counted.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -587,12 +588,44 @@ static void mt_report_stuck(void) {
   }
 }
 
+/* The process's threads' CPU time and run-queue wait (ns, summed over the live ones:
+ * /proc/self/task/<tid>/schedstat), as the heartbeats carry them; 0 where the kernel
+ * keeps none. A rank starved of CPU (a crowded host, a container's quota) launches its
+ * kernels late; its wait says so directly. */
+static int mt_process_cpu(long long *run, long long *wait) {
+  DIR *dir = opendir("/proc/self/task");
+  if (!dir) return 0;
+  long long r = 0, w = 0;
+  struct dirent *d;
+  char path[64];
+  while ((d = readdir(dir)) != NULL) {
+    if (d->d_name[0] < '0' || d->d_name[0] > '9') continue;
+    snprintf(path, sizeof path, "/proc/self/task/%.20s/schedstat", d->d_name);
+    FILE *f = fopen(path, "r");
+    if (!f) continue; /* the thread ended while we listed them */
+    long long a = 0, b = 0;
+    if (fscanf(f, "%lld %lld", &a, &b) == 2) {
+      r += a;
+      w += b;
+    }
+    fclose(f);
+  }
+  closedir(dir);
+  *run = r;
+  *wait = w;
+  return r > 0;
+}
+
 static void mt_heartbeats(void) {
   /* one liveness record per global rank of this process, with its communicators' progress */
   static char buf[60000];
   size_t len = 0;
   int lines = 0;
   int64_t now = mt_now();
+  long long cpu_run = 0, cpu_wait = 0;
+  char cpu[96] = "";
+  if (mt_process_cpu(&cpu_run, &cpu_wait))
+    snprintf(cpu, sizeof cpu, "\"cpu_ns\":%lld,\"cpu_wait_ns\":%lld,", cpu_run, cpu_wait);
   pthread_mutex_lock(&g_ctx_lock);
   for (int i = 0; i < MT_MAX_CTX; i++) {
     mt_ctx *c = g_ctxs[i];
@@ -602,9 +635,9 @@ static void mt_heartbeats(void) {
     if (seen) continue;
     int n = snprintf(buf + len, sizeof buf - len,
                      "{\"type\":\"hb\",\"v\":1,%s%s%s\"node\":\"%s\",\"rank\":%d,\"ts_ns\":%lld,"
-                     "\"pid\":%d,\"comms\":[",
+                     "\"pid\":%d,%s\"comms\":[",
                      g_job[0] ? "\"job\":\"" : "", g_job, g_job[0] ? "\"," : "", g_node,
-                     c->global_rank, (long long)now, (int)getpid());
+                     c->global_rank, (long long)now, (int)getpid(), cpu);
     if (n < 0 || (size_t)n >= sizeof buf - len - 256) break;
     len += (size_t)n;
     int first = 1;
