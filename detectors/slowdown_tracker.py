@@ -35,6 +35,7 @@ from detectors.cpu_wait import findings as cpu_findings
 from detectors.gpu_wait import GpuWaitBaseline
 from detectors.incidents import JOB, Culprit, Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
+from detectors.rechecks import Rechecks
 from detectors.slowdown import TOGETHER, SlowdownLocalizer
 from detectors.steps import StepReport
 from detectors.stragglers import Stragglers
@@ -43,7 +44,7 @@ from detectors.verdicts import VerdictBook
 from schemas.enums import Cause, Phase
 
 
-class SlowdownTracker(Stragglers):
+class SlowdownTracker(Stragglers, Rechecks):
     """Open step-time incidents of one job, other than its links'.
 
     Parameters
@@ -168,46 +169,6 @@ class SlowdownTracker(Stragglers):
         if ev is None:
             out += self._release_burst(rep, now=False)
         return out
-
-    def _recheck(self, rep: StepReport, topo: Topology) -> list[msgspec.Struct]:
-        """Ranks named from a shift's first steps, localised again once it has lasted
-        ``settle_steps``: another rank or host found then takes over the incident (in
-        the first steps, a held-up peer can look as late as the rank that holds it up)."""
-        assert self._unsettled is not None
-        out: list[msgspec.Struct] = []
-        for culprit, onset in list(self._unsettled.items()):
-            reps = self.ledger.since(onset)
-            if len(reps) < self.settle_steps:
-                continue
-            del self._unsettled[culprit]
-            found = self.locate(reps, topo) if culprit in self.open else None
-            if (
-                found is None
-                or found.culprit == culprit
-                or found.culprit.kind not in ("rank", "node")
-            ):
-                continue
-            if found.culprit in self.open:  # one fault told twice: the later one goes
-                later = max(culprit, found.culprit, key=self.ledger.onset_ns)
-                out += self._fold(later, rep)
-                if later == culprit:
-                    continue
-            self.book.rename(culprit.verdict_kind.value, culprit.key, found.culprit.key)
-            self.ledger.rename(culprit, found.culprit)
-            self.open[self.open.index(culprit)] = found.culprit
-            level = float(np.mean([r.duration_ns for r in reps if r.complete] or [0.0]))
-            ratio = level / (self.ledger.baseline or level or 1.0)
-            out += self._slowdown(rep, ratio, onset, topo, located=found)
-        return out
-
-    def _fold(self, culprit: Culprit, rep: StepReport) -> list[msgspec.Struct]:
-        """Incident ``culprit`` was another's, told again: it is resolved (its alert
-        was sent; the other one goes on)."""
-        self.open.remove(culprit)
-        self.ledger.forget(culprit)
-        self._unsettled.pop(culprit, None)
-        v = self.book.resolve(culprit.verdict_kind.value, culprit.key, rep.end_ns)
-        return [v] if v is not None else []
 
     def explained(self) -> tuple[set[int], set[str]]:
         """The ranks and hosts its open slowdowns name (what they explain elsewhere)."""
