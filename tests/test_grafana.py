@@ -129,3 +129,16 @@ def test_links_view_puts_the_degraded_link_on_top(ch: Any, story: dict) -> None:
     assert (edge["rank"], edge["peer"], edge["direction"]) == (6, 10, "send")
     series = panel(ch, story, LINKS, "link_throughput", node=["node-1"])
     assert {r["link"].split("/")[0] for r in series} == {"node-1"}
+
+
+def test_cpu_wait_panel_gives_each_rank_its_share_between_heartbeats(ch: Any, story: dict) -> None:
+    """The story's hosts are healthy: the simulator's ranks wait for a CPU 0.01-0.23 s a
+    second. Each rank's first heartbeat has nothing before it and is left out (a share
+    from zero would be the counter over the process's whole life)."""
+    series = panel(ch, story, JOB, "cpu_wait")
+    by_rank: dict[str, list[float]] = {}
+    for r in series:
+        by_rank.setdefault(r["rank"], []).append(r["cpu_wait_s_per_s"])
+    assert len(by_rank) == 16
+    assert all(0.005 < x < 0.25 for xs in by_rank.values() for x in xs)
+    assert {r["rank"] for r in panel(ch, story, JOB, "cpu_wait", rank=["5"])} == {"5"}

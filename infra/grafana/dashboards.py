@@ -247,6 +247,26 @@ ORDER BY time""",
             width=24,
         ),
         Panel(
+            "cpu_wait",
+            "CPU wait per rank (s a second)",
+            "timeseries",
+            f"""SELECT time, rank, cpu_wait_s_per_s FROM (
+  SELECT ts AS time, toString(rank) AS rank, lagInFrame(ts_ns) OVER w AS prev_ns,
+         (cpu_wait_ns - lagInFrame(cpu_wait_ns) OVER w) / (ts_ns - prev_ns) AS cpu_wait_s_per_s
+  FROM {DB}.heartbeats FINAL
+  WHERE job = '${{job}}' AND $__timeFilter(ts) AND cpu_wait_ns IS NOT NULL
+    AND $__conditionalAll(rank IN (${{rank}}), $rank)
+  WINDOW w AS (PARTITION BY rank ORDER BY ts_ns ROWS BETWEEN 1 PRECEDING AND CURRENT ROW)
+)
+WHERE prev_ns > 0 AND time > fromUnixTimestamp64Nano(prev_ns, 'UTC') AND cpu_wait_s_per_s >= 0
+ORDER BY time""",
+            format="timeseries",
+            width=24,
+            description="How long each rank's threads were ready to run but waited for a CPU "
+            "(a crowded host, a spent CPU quota), from its heartbeats. A rank or host far "
+            "above the rest since a slowdown began is starved of CPU: the slowdown's cause.",
+        ),
+        Panel(
             "alignment",
             "Collectives that did not meet cleanly, per communicator",
             "table",

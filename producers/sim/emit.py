@@ -49,6 +49,11 @@ class Emitter:
         self.nics = [sp.nic_of(r) for r in range(sp.world_size)]
         self.skew = engine.skew_ns[ranks // sp.gpus_per_node].round().astype(np.int64)
         self.comm_hash = [c.hash for c in lay.comms]
+        # each rank's process's CPU counters (ns since it started), as heartbeats carry them
+        self.cpu_run = np.zeros(sp.world_size)
+        self.cpu_wait = np.zeros(sp.world_size)
+        self.cpu_share = np.zeros(sp.world_size)
+        self.cpu_ts: np.ndarray | None = None
         self.comm_size = [len(c.ranks) for c in lay.comms]
         self.comm_stage = np.array([c.pp_stage for c in lay.comms])
         # latest issued/completed seq per (rank, slot); slot: 0 tp, 1 dp, 2 pp-below,
@@ -342,9 +347,20 @@ class Emitter:
         self._corr = getattr(self, "_corr", 1 << 32) + 1
         return self._corr
 
-    def heartbeats(self, ts_ns: np.ndarray | int, step: int) -> list[Heartbeat]:
+    def heartbeats(
+        self, ts_ns: np.ndarray | int, step: int, cpu_wait: np.ndarray | None = None
+    ) -> list[Heartbeat]:
+        """Every rank's heartbeat at ``ts_ns``; its CPU counters grow since its last one at
+        ``cpu_wait`` seconds waited a second (the last share given, where none is)."""
         sp = self.spec
         ts = np.broadcast_to(np.asarray(ts_ns, dtype=np.int64), (sp.world_size,))
+        if cpu_wait is not None:
+            self.cpu_share = cpu_wait
+        if self.cpu_ts is not None:
+            dt = np.maximum(ts - self.cpu_ts, 0)
+            self.cpu_wait += self.cpu_share * dt
+            self.cpu_run += 0.8 * dt
+        self.cpu_ts = np.maximum(ts, self.cpu_ts) if self.cpu_ts is not None else ts.copy()
         out = []
         for r in range(sp.world_size):
             comms = [
@@ -366,6 +382,8 @@ class Emitter:
                     pid=10_000 + r,
                     step=step,
                     comms=comms,
+                    cpu_ns=int(self.cpu_run[r]) + 1,
+                    cpu_wait_ns=int(self.cpu_wait[r]),
                 )
             )
         return out
@@ -383,5 +401,7 @@ class Emitter:
         hb_t = np.where(
             np.isfinite(end), end, np.nanmax(fin_end) if np.isfinite(fin_end).any() else 0
         )
-        yield from self.heartbeats(self.spec.t0_ns + hb_t.round().astype(np.int64), tr.step)
+        yield from self.heartbeats(
+            self.spec.t0_ns + hb_t.round().astype(np.int64), tr.step, tr.cpu_wait
+        )
         self.last_ns = max(self.last_ns, observe)

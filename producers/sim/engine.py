@@ -128,6 +128,7 @@ class StepTrace:
     proxies: dict[str, np.ndarray]
     kernels: dict[str, np.ndarray]
     links: dict[str, np.ndarray]
+    cpu_wait: np.ndarray | None = None  # per rank: seconds its threads waited for a CPU a second
 
     @property
     def hung(self) -> bool:
@@ -150,6 +151,10 @@ class _P2P:
         return (self.kind, self.pair, self.mb)
 
 
+#: a starved host's ranks' threads wait for a CPU longer than they run
+STARVED_CPU_WAIT = 1.2
+
+
 class Engine:
     """Simulates iterations of one job with a list of faults."""
 
@@ -165,6 +170,10 @@ class Engine:
         self.lateness = np.abs(rng.normal(0.0, s.rank_lateness_us * 1e3, shape))
         self.skew_ns = rng.normal(0.0, s.clock_skew_us * 1e3, s.num_nodes)
         self.T = np.zeros(shape)  # per-rank clock, ns since job start
+        # each rank's share of time its threads wait for a CPU (the run queue), from an rng
+        # of its own so that the timings' draws are the same with it as without
+        self._cpu_rng = np.random.default_rng([spec.seed, 0xC9])
+        self.cpu_base = self._cpu_rng.uniform(0.02, 0.15, shape)
         self.node = self.layout.ranks // s.gpus_per_node
         self._net_hang_done: set[int] = set()
         self.step_no = 0
@@ -182,6 +191,8 @@ class Engine:
         self.cf = self.speed.copy()
         self.launch = self.lateness.copy()
         self.lead = np.full(self.T.shape, s.host_lead_us * 1e3)
+        noise = 1.0 + 0.2 * self._cpu_rng.standard_normal(self.T.shape)
+        self.cpu_share = self.cpu_base * noise.clip(0.5, 1.5)
         self.hangs: dict[tuple[int, int, int], tuple] = {}
         self.bubbles: list[tuple[tuple[int, int, int], BubbleDelay]] = []
         self.link_factor: dict[tuple[int, int], float] = {}
@@ -194,6 +205,7 @@ class Engine:
                 on_node = self.node == f.node
                 self.launch[on_node] += f.launch_delay_us * 1e3
                 self.lead[on_node] = 5e3
+                self.cpu_share[on_node] = STARVED_CPU_WAIT
             elif isinstance(f, SlowLink) and f.active(step):
                 self.link_factor[(f.src_rank, f.dst_rank)] = f.factor
             elif isinstance(f, SlowNIC) and f.active(step):
@@ -829,6 +841,7 @@ class Engine:
             self.proxies.build(),
             self.kernels.build(),
             self.links.build(),
+            self.cpu_share.reshape(-1).copy(),
         )
         # rank order in the flattened (pp, dp, tp) arrays is the global rank order
         self.step_no += 1
