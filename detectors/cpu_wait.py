@@ -16,7 +16,7 @@ network.
 ...     for r in range(4):
 ...         waited = 0.3 * t if (r != 1 or t <= 5) else 1.5 + 1.8 * (t - 5)
 ...         cpu.update(r, t * 10**9, int(waited * 1e9))
->>> [round(x, 1) for x in cpu.shares(5 * 10**9, 8 * 10**9)[0]]
+>>> cpu.shares(5 * 10**9, 8 * 10**9)[0].round(1).tolist()
 [0.3, 1.8, 0.3, 0.3]
 >>> starved(cpu, 5 * 10**9, 8 * 10**9, ["n0", "n0", "n1", "n1"])
 (CpuStarved(ranks=(1,), node=None, share=1.8, usual=0.3),)
@@ -24,7 +24,6 @@ network.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,47 +54,62 @@ class CpuStarved:
 class CpuWaits:
     """Per rank, its heartbeats' run-queue wait counter over time (pure; bounded: the
     last ``keep`` of each rank's, half a minute at two heartbeats a second; an older
-    shift start is taken from the oldest kept)."""
+    shift start is taken from the oldest kept).
+
+    Kept as one row per rank, newest last, so that a shift's shares for thousands of
+    ranks are a few array operations, not a loop over ranks."""
 
     def __init__(self, keep: int = 64) -> None:
-        self.samples: dict[int, deque[tuple[int, int]]] = {}
         self.keep = keep
+        self.ts = np.zeros((0, keep), dtype=np.int64)  # ns; a row's newest in its last column
+        self.waits = np.zeros((0, keep), dtype=np.int64)
+        self.count = np.zeros(0, dtype=np.int64)  # each row's samples (right-aligned)
+
+    @property
+    def empty(self) -> bool:
+        return not self.count.any()
 
     def update(self, rank: int, ts_ns: int, wait_ns: int) -> None:
-        xs = self.samples.get(rank)
-        if xs is None:
-            xs = self.samples[rank] = deque(maxlen=self.keep)
-        if not xs or ts_ns > xs[-1][0]:
-            xs.append((ts_ns, wait_ns))
+        if rank >= len(self.count):  # room for this rank (doubling: ranks come in any order)
+            grow = max(rank + 1, 2 * len(self.count)) - len(self.count)
+            self.ts = np.vstack([self.ts, np.zeros((grow, self.keep), dtype=np.int64)])
+            self.waits = np.vstack([self.waits, np.zeros((grow, self.keep), dtype=np.int64)])
+            self.count = np.concatenate([self.count, np.zeros(grow, dtype=np.int64)])
+        if self.count[rank] and ts_ns <= self.ts[rank, -1]:
+            return
+        for row, x in ((self.ts[rank], ts_ns), (self.waits[rank], wait_ns)):
+            row[:-1] = row[1:]
+            row[-1] = x
+        self.count[rank] = min(self.count[rank] + 1, self.keep)
+
+    def rates(self, start_ns: int, end_ns: int) -> np.ndarray:
+        """Every rank's seconds waited per second from its sample nearest ``start_ns`` to
+        its last one at or before ``end_ns`` (NaN: no such interval). A thread that ended
+        takes its counts with it, so a counter that went down adds nothing."""
+        cols = np.arange(self.keep)
+        kept = cols >= (self.keep - self.count)[:, None]
+        a = np.argmin(np.where(kept, np.abs(self.ts - start_ns), np.iinfo(np.int64).max), axis=1)
+        upto = kept & (self.ts <= end_ns)
+        b = self.keep - 1 - np.argmax(upto[:, ::-1], axis=1)
+        ok = upto.any(axis=1) & (b > a)
+        grew = np.where(kept[:, 1:], np.clip(np.diff(self.waits, axis=1), 0, None), 0)
+        waited = np.concatenate([np.zeros((len(b), 1)), np.cumsum(grew, axis=1)], axis=1)
+        rows = np.arange(len(b))
+        span = (self.ts[rows, b] - self.ts[rows, a]).astype(float)
+        done = waited[rows, b] - waited[rows, a]
+        return np.where(ok, done / np.where(ok, span, 1.0), np.nan)
 
     def share(self, rank: int, start_ns: int, end_ns: int) -> float | None:
-        """Seconds waited per second from the sample nearest ``start_ns`` to the last one
-        at or before ``end_ns`` (None: no interval). A thread that ended takes its counts
-        with it, so a counter that went down adds nothing."""
-        xs = self.samples.get(rank)
-        if not xs:
-            return None
-        pts = list(xs)
-        times = np.array([t for t, _ in pts])
-        a = int(np.argmin(np.abs(times - start_ns)))
-        b = int(np.searchsorted(times, end_ns, side="right")) - 1
-        if b <= a:
-            return None
-        waits = np.array([w for _, w in pts[a : b + 1]], dtype=float)
-        waited = float(np.clip(np.diff(waits), 0, None).sum())
-        return waited / float(times[b] - times[a])
+        """Rank ``rank``'s :meth:`rates` (None: no interval)."""
+        x = self.rates(start_ns, end_ns)[rank] if rank < len(self.count) else np.nan
+        return None if np.isnan(x) else float(x)
 
-    def shares(self, start_ns: int, end_ns: int) -> tuple[list[float], list[float]]:
+    def shares(self, start_ns: int, end_ns: int) -> tuple[np.ndarray, np.ndarray]:
         """Every rank's wait share from ``start_ns`` to ``end_ns``, and before it (over
         :data:`BEFORE_NS`); NaN where unknown. Ranks are 0..the highest seen."""
-        n = max(self.samples, default=-1) + 1
-        after, before = [], []
-        for r in range(n):
-            s = self.share(r, start_ns, end_ns)
-            b = self.share(r, start_ns - BEFORE_NS, start_ns)
-            after.append(np.nan if s is None else s)
-            before.append(np.nan if b is None else b)
-        return after, before
+        n = int(np.flatnonzero(self.count).max()) + 1 if not self.empty else 0
+        after = self.rates(start_ns, end_ns)[:n]
+        return after, self.rates(start_ns - BEFORE_NS, start_ns)[:n]
 
 
 def starved(
@@ -141,7 +155,7 @@ def starved(
 def findings(cpu: CpuWaits, reps: Sequence[StepReport], topo: Topology) -> list[SlowdownFinding]:
     """The hosts and ranks starved of CPU over ``reps`` (a shift's steps so far), as
     localised causes of the step time added."""
-    if not reps or not cpu.samples:
+    if not reps or cpu.empty:
         return []
     nodes = [topo.node(r) for r in range(topo.job.world_size)]
     out = []

@@ -128,9 +128,11 @@ class TransferWatch:
             if info is None:
                 continue
             comm = self._comms.get(c)
-            if comm is None:  # its nodes, once (a world communicator has thousands of ranks)
-                nodes = tuple(sorted({topo.node(r) for r in info.ranks}))
-                comm = self._comms[c] = _Comm(nodes, recent=deque(maxlen=self.window))
+            if comm is None:
+                comm = self._comms[c] = _Comm(recent=deque(maxlen=self.window))
+            if not comm.nodes:  # its nodes, once (a world communicator has thousands of
+                # ranks); none in one pickled before it kept them
+                comm.nodes = tuple(sorted({topo.node(r) for r in info.ranks}))
             nodes = comm.nodes
             if len(nodes) < 2:
                 continue
