@@ -105,10 +105,9 @@ class CommAnalyzer:
 
         def align() -> None:  # the records so far, before a schedule changes how they fold
             self._records += len(batch)
-            for inst in self.aligner.update_many(batch):
-                r, f = self.folder.update(inst)
-                rows.extend(r)
-                forward.extend(f)
+            r, f = self.folder.update_many(self.aligner.update_many(batch))
+            rows.extend(r)
+            forward.extend(f)
             batch.clear()
 
         proxies: list[ProxySummary] = []

@@ -13,9 +13,10 @@ Which step an instance is in comes from the job (:mod:`detectors.step_clock`): i
 iteration markers, else the recurring pattern of its calls, the layout's count a hint
 that the calls must allow; where they agree with it, the layout's schedule also says
 each instance's phase and micro-batch (the critical path needs them). Instances wait
-(at most ``max_held``) until their step is known; until the communicator's schedule
-is, and for instances the job already saw as partial, they go to the job unchanged
-(folding and merging commute).
+(at most ``max_held``) until their step is known, and until the communicator's schedule
+comes (beyond either bound they go to the job unchanged: folding and merging commute).
+A partial instance goes to the job as it is, a hang's evidence; its completion is folded
+here like any other (the job's steps count it once), and the job is told it is over.
 
 >>> from detectors.align import Instance
 >>> from schemas.records import CommInfo, JobInfo
@@ -45,9 +46,10 @@ is, and for instances the job already saw as partial, they go to the job unchang
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from detectors.align import Instance, Key
+from detectors.align import Instance, Key, Passed
 from detectors.aligned_rows import instance_row
 from detectors.parts import StepPart
 from detectors.step_clock import (
@@ -196,12 +198,35 @@ class StepFolder:
     ) -> tuple[list[AlignedCollective], list[Any]]:
         """One of the job's iteration markers: step ``step`` ended at ``end_ns`` on
         ``rank`` (-1: not told)."""
-        if self.topo is None or not self.clock.mark(step, end_ns, rank):
-            return [], []
+        if not self.clock.mark(step, end_ns, rank) or self.topo is None:
+            return [], []  # known already, or kept until the schedule comes
         return self._release()
 
     def update(self, inst: Instance) -> tuple[list[AlignedCollective], list[Any]]:
         """A complete instance: (stored rows, items for the job)."""
+        return self.update_many((inst,))
+
+    def update_many(self, insts: Iterable[Instance]) -> tuple[list[AlignedCollective], list[Any]]:
+        """Complete instances, in their order: (stored rows, items for the job). The parts
+        they finish are sent once, after the last (a poll's batch, not each instance)."""
+        rows: list[AlignedCollective] = []
+        out: list[Any] = []
+        unsealed = False
+        for inst in insts:
+            if self._partial and inst.key in self._partial:  # the job saw it partial: it
+                self._partial.discard(inst.key)  # is over (folded here as any other)
+                out.append(Passed(inst.job, inst.key))
+            how = self._update(inst, rows, out)
+            if how != "held":  # "sent": releasing held ones sent the parts done so far
+                unsealed = how == "folded"
+        if unsealed:
+            out += self._done()
+        return rows, out
+
+    def _update(self, inst: Instance, rows: list[AlignedCollective], out: list[Any]) -> str:
+        """Place ``inst`` or hold it; its row and what it released go to ``rows`` and
+        ``out``: "folded" (the parts done not sent yet), "sent" (it released held ones,
+        and the parts done were sent) or "held"."""
         self._name(inst)
         arrival = inst.arrival
         ext = (min(arrival), max(arrival), max(inst.end))
@@ -209,11 +234,9 @@ class StepFolder:
             self._last_arrival = ext[1]
         if ext[2] > self._last_end:
             self._last_end = ext[2]
-        if self._partial and inst.key in self._partial:  # the job saw it partial
-            self._partial.discard(inst.key)
-            return [], [inst]
         if self.topo is None:
-            return [], self._before_schedule(inst)
+            out += self._before_schedule(inst)
+            return "held"
         seq_key = (inst.sender, inst.receiver)
         self._last_call_ns = max(self._last_call_ns, ext[0])
         hint = (
@@ -222,23 +245,25 @@ class StepFolder:
             else layout_hint(self.topo, self.comm_hash, self.role, inst)
         )
         learned = self.clock.see(seq_key, inst.seq, (inst.op, inst.size_bytes), ext[0], hint)
-        hello = []
         if not self._announced:  # told once, at its first instance: it will send parts
             self._announced = True
-            hello = [learning_note(self.job, self.comm_hash, self.role, self._last_call_ns)]
+            out.append(learning_note(self.job, self.comm_hash, self.role, self._last_call_ns))
         if not self._held:
             step = self.clock.step_of(inst, ext[0], force=False)
             if step is not None:
-                return [self._fold(inst, ext, step)], [*hello, *self._done()]
+                rows.append(self._fold(inst, ext, step))
+                return "folded"
         self._held.append((inst, ext))  # after those held before it
-        if learned or len(self._held) > self.max_held:
-            rows, out = self._release(force=not learned)
-            return rows, [*hello, *out]
         ends = self.clock.mark_ends
-        if ends and ext[0] <= ends[-1]:  # late: its mark came
-            rows, out = self._release()
-            return rows, [*hello, *out]
-        return [], hello
+        if learned or len(self._held) > self.max_held:
+            released = self._release(force=not learned)
+        elif ends and ext[0] <= ends[-1]:  # late: its mark came
+            released = self._release()
+        else:
+            return "held"
+        rows += released[0]
+        out += released[1]
+        return "sent"
 
     def expire(self, now_ns: int) -> tuple[list[AlignedCollective], list[Any]]:
         """Event time moved on to ``now_ns``: instances held longer than ``patience_ns``
@@ -258,7 +283,8 @@ class StepFolder:
         return [], []
 
     def partial(self, inst: Instance) -> list[Any]:
-        """A partial instance goes to the job as it is; so will its completion."""
+        """A partial instance goes to the job as it is (a hang's evidence); its completion
+        is folded here, and the job told that it is over."""
         self._name(inst)
         self._last_arrival = max(self._last_arrival, max(inst.arrival))
         self._partial.add(inst.key)

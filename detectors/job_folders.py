@@ -1,8 +1,9 @@
 """The job's own step folders, for communicators whose instances reach it unfolded.
 
 The flow folds each communicator's instances into step parts in that communicator's
-worker. Some reach the job unfolded all the same: a partial instance's completion, or
-the instances of a communicator whose worker had no schedule for it yet. The job folds
+worker. Some reach the job unfolded all the same: the instances of a communicator whose
+worker had no schedule for it for too long (or a partial instance's completion, from a
+worker of a version that did not fold those). The job folds
 those with a :class:`~detectors.folder.StepFolder` of its own per communicator, which
 learns what the communicator's worker would have: the layout's schedule, the job's
 iteration markers and the step structure the communicator's calls showed.

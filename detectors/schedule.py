@@ -45,6 +45,17 @@ class ScheduleBook:
     [StepMark(job='j', comm_hash=7, step=3, end_ns=50, rank=1)]
     >>> book.update(Iteration(job="j", step=3, end_ns=52, rank=0))  # the same step again
     []
+
+    The job's topics are read at their own paces: markers and communicators that came
+    before the job record go out with it.
+
+    >>> book = ScheduleBook()
+    >>> book.update(CommInfo(job="j", ts_ns=0, comm_hash=7, role=CommRole.TP, ranks=[0, 1]))
+    []
+    >>> book.update(Iteration(job="j", step=0, end_ns=50, rank=0))
+    []
+    >>> [type(x).__name__ for x in book.update(JobInfo(job="j", ts_ns=0, world_size=2, tp=2))]
+    ['CommSchedule', 'StepMark']
     """
 
     #: markers given to a communicator that comes later
@@ -57,8 +68,12 @@ class ScheduleBook:
 
     def update(self, rec: object) -> list[CommSchedule | StepMark]:
         if isinstance(rec, JobInfo):
-            self.job = rec
-            return [CommSchedule(rec, c) for c in self.comms.values()]
+            first, self.job = self.job is None, rec
+            out = [CommSchedule(rec, c) for c in self.comms.values()]
+            if first:  # markers and communicators that came before the job record
+                out += [StepMark(rec.job, h, s, *m) for h in self.comms
+                        for s, m in sorted(self.marks.items())]  # fmt: skip
+            return out
         if isinstance(rec, CommInfo):
             known = rec.comm_hash in self.comms
             self.comms[rec.comm_hash] = rec
