@@ -55,6 +55,7 @@ from detectors.parts import StepPart
 from detectors.step_clock import (
     OLD_CLOCK_STATE,
     StepClock,
+    by_role,
     layout_hint,
     learning_note,
     place,
@@ -192,6 +193,14 @@ class StepFolder:
         if step is None:
             return None
         return self._place(inst, step)
+
+    def position_at(self, ts_ns: int) -> Position | None:
+        """Where a call that began at ``ts_ns`` sits by the job's iteration markers alone
+        (its phase by the communicator's role); None without markers."""
+        step = self.clock.step_at(ts_ns)
+        if step is None or self.topo is None:
+            return None
+        return by_role(self.topo, self.comm_hash, self.role, step)
 
     def mark(
         self, step: int, end_ns: int, rank: int = -1

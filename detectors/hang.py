@@ -269,11 +269,13 @@ def diagnose_from_heartbeats(
     issued: dict[int, dict[int, int]] = {}
     waiting: set[int] = set()
     was_in: dict[int, list[tuple[int, int]]] = {}  # a silent rank's open calls (comm, seq)
+    completed: dict[int, dict[int, int]] = {}
     for rank, hb in latest.items():
         mine = issued_seqs(hb, joined.get(rank))
         for cp in hb.comms:
             seq = mine[cp.comm_hash]
             issued.setdefault(cp.comm_hash, {})[rank] = seq
+            completed.setdefault(cp.comm_hash, {})[rank] = cp.completed_seq
             if seq > cp.completed_seq:
                 if rank not in silent:
                     waiting.add(rank)
@@ -285,9 +287,14 @@ def diagnose_from_heartbeats(
         members = member_of.get(comm, tuple(by_rank))
         top = max(by_rank.values())
         at_top = tuple(r for r in members if by_rank.get(r, -1) == top)
+        # the first call the waiters could not complete (calls issued without waiting, as
+        # a data-parallel job's gradient buckets are, run ahead of it): a communicator's
+        # calls complete in order
+        done = completed.get(comm, {})
+        first = min([top, *(done[r] + 1 for r in at_top if r in waiting and r in done)])
         for r in members:
             if by_rank.get(r, -1) < top:
-                behind.append((r, comm, top, at_top))
+                behind.append((r, comm, max(by_rank.get(r, -1) + 1, first), at_top))
         stuck = [r for r in at_top if r in waiting]
         if stuck and len(at_top) == len(members):
             stuck_comms.append((comm, top, at_top))

@@ -152,6 +152,15 @@ class StepClock:
             return None  # its step's marker has not come yet
         return self.mark_step[ends[-1]] + 1
 
+    def step_at(self, ts_ns: int) -> int | None:
+        """The marked step a call made at ``ts_ns`` is in: the first that ended at or after
+        it, else the one after the newest; None without markers."""
+        ends = self.mark_ends
+        if not ends:
+            return None
+        i = bisect_left(ends, ts_ns)
+        return self.mark_step[ends[i]] if i < len(ends) else self.mark_step[ends[-1]] + 1
+
     def marked_upto(self, ts_ns: int, final: bool) -> int:
         """The newest marked step that ended before ``ts_ns`` (every one: ``final``);
         -1 for none."""
@@ -228,6 +237,12 @@ def place(
         pos = topo.place(inst.comm_hash, inst.seq, inst.op, inst.sender, inst.receiver)
         if pos is not None:
             return Position(step, pos.phase, pos.microbatch, pos.pp_stage, pos.layer)
+    return by_role(topo, comm_hash, role, step)
+
+
+def by_role(topo: Topology, comm_hash: int, role: CommRole, step: int) -> Position:
+    """A call of a communicator in step ``step``, where no schedule places it: its phase by
+    the communicator's role alone (a data-parallel one's is gradient sync)."""
     info = topo.comms.get(comm_hash)
     phase = Phase.DP_SYNC.value if role is CommRole.DP else Phase.UNKNOWN.value
     return Position(step, phase, None, info.pp_stage if info else None)
@@ -284,6 +299,7 @@ __all__ = [
     "MARKS_KEPT",
     "OLD_CLOCK_STATE",
     "StepClock",
+    "by_role",
     "layout_hint",
     "learning_note",
     "place",

@@ -21,7 +21,7 @@ comes in a :class:`JobView`.
 >>> topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=2, tp=2))
 >>> topo.add(CommInfo(job="j", ts_ns=0, comm_hash=7, role=CommRole.TP, ranks=[0, 1]))
 >>> view = JobView(topo, VerdictBook("j"), expected_ns=100e6, coll_now_ns=0,
-...                place=lambda diag, partial, op, sender_stage, receiver_stage: None)
+...                place=lambda diag, partial, op, sender_stage, receiver_stage, at: None)
 >>> watch, sec = HangWatch(), 10**9
 >>> def beat(rank, t, issued, completed):
 ...     return Heartbeat(job="j", node="n", rank=rank, ts_ns=t, comms=[
@@ -65,9 +65,11 @@ from schemas.enums import Cause, CollOp, CommRole, Phase, VerdictKind
 from schemas.records import Heartbeat, ProxySummary
 
 #: where a call sits in the schedule: (diagnosis, its partial instance or None, its op,
-#: the sender's stage, the receiver's stage) -> a position, or None where not known
+#: the sender's stage, the receiver's stage, when it began) -> a position, or None where
+#: not known
 Place = Callable[
-    [HangDiagnosis, Instance | None, CollOp | None, int | None, int | None], Position | None
+    [HangDiagnosis, Instance | None, CollOp | None, int | None, int | None, int],
+    Position | None,
 ]
 
 
@@ -237,12 +239,13 @@ class HangWatch:
         )  # fmt: skip
         if diag is not None and len(diag.alternatives) > 1:
             diag = _earliest_call(topo, diag)
-        if diag is not None and self.partials:
+        open_calls = [p for p in self.partials.values() if not self._completed(p)]
+        if diag is not None and open_calls:
             # a call open since earlier, on the same communicator, names who failed first
             # (a dead rank's peers may stop beating after it; heartbeats that stopped
             # cannot say who stopped first, the calls' own times can)
-            first = diagnose_hang(list(self.partials.values()), list(self.stuck.ops.values()),
-                                  members, self._went_past)  # fmt: skip
+            first = diagnose_hang(open_calls, list(self.stuck.ops.values()), members,
+                                  self._went_past)  # fmt: skip
             if (
                 first is not None
                 and first.culprit_rank is not None
@@ -256,6 +259,20 @@ class HangWatch:
             ):
                 diag = first
         return diag
+
+    def _completed(self, inst: Instance) -> bool:
+        """A collective's partial instance that its members' heartbeats say they completed
+        (a member's last records lost with it: a frozen or killed process sends none)."""
+        if inst.sender >= 0:
+            return False  # a transfer's sequence is its pair's, not the communicator's
+        done = [
+            cp.completed_seq
+            for r in inst.ranks
+            if (hb := self.hb_latest.get(r)) is not None
+            for cp in hb.comms
+            if cp.comm_hash == inst.comm_hash
+        ]
+        return bool(done) and min(done) >= inst.seq
 
     def _revise(self, view: JobView) -> list[msgspec.Struct]:
         """A hang judged from heartbeats that do not follow every communicator: once the
@@ -359,12 +376,12 @@ class HangWatch:
         sender_stage = topo.coords(sender)[0] if sender >= 0 else None
         to = partial.receiver if partial is not None else -1
         receiver_stage = topo.coords(to)[0] if to >= 0 else None
-        pos = view.place(diag, partial, op, sender_stage, receiver_stage)
         onset = (
             diag.first_wait_ns
             or (partial.first_arrival_ns if partial else 0)
             or (self.hb_progress_ns or self.last_progress_ns)
         )
+        pos = view.place(diag, partial, op, sender_stage, receiver_stage, onset)
         fields: dict[str, object] = {
             "comm_hash": diag.comm_hash,
             "seq": diag.seq,

@@ -25,6 +25,14 @@ _LINE = re.compile(
     r"Fun (?P<fun>\w+)\s+Data (?P<data>\d+)\s+stream (?P<stream>\S+)"
     r"(?:\s+opCount (?P<opc>\S+))?(?:\s+groupHash (?P<gh>-?\d+))?\s*$"
 )
+#: the same over a whole file's text, a line at a time (blanks never reach the next line)
+_LINES = re.compile(
+    r"^[ \t]*(?:\[save_count \d+\][ \t]+)?\[(\d+)\.(\d+)\][ \t]+\[Rank (\d+)\][ \t]+"
+    r"Fun (\w+)[ \t]+Data (\d+)[ \t]+stream ([^\s]+)"
+    r"(?:[ \t]+opCount ([^\s]+))?(?:[ \t]+groupHash (-?\d+))?[ \t\r]*$",
+    re.M,
+)
+_NOT_BLANK = re.compile(r"^[ \t\r]*\S", re.M)
 _FUNCS = {op.value: op for op in CollOp}
 
 
@@ -59,6 +67,36 @@ def parse_line(line: str) -> CallLine:
         op_count=int(m["opc"], 0) if m["opc"] is not None else None,
         group_hash=int(gh) & (2**64 - 1) if gh is not None else None,
     )
+
+
+def parse_text(text: str) -> tuple[list[CallLine], int]:
+    """Every call line of a file's text, in order, and how many of its other lines are not
+    blank (what :func:`parse_line` refuses, read in one pass: a log has hundreds of
+    thousands of lines).
+
+    >>> calls, other = parse_text("[1.5] [Rank 0] Fun AllReduce Data 8 stream 0x1\\n\\n"
+    ...                           "NCCL INFO init\\n[2.0] [Rank 0] Fun Foo Data 8 stream 1\\n")
+    >>> [(c.ts_ns, c.op.value) for c in calls], other
+    ([(1500000000, 'AllReduce')], 2)
+    """
+    out = []
+    funcs, mask = _FUNCS, 2**64 - 1
+    for sec, frac, rank, fun, data, stream, opc, gh in _LINES.findall(text):
+        op = funcs.get(fun)
+        if op is None:
+            continue
+        out.append(
+            CallLine(
+                int(sec) * 1_000_000_000 + int((frac + "000000000")[:9]),
+                int(rank),
+                op,
+                int(data),
+                int(stream, 16) if stream[:2] in ("0x", "0X") else int(stream),
+                int(opc, 0) if opc else None,
+                int(gh) & mask if gh else None,
+            )
+        )
+    return out, len(_NOT_BLANK.findall(text)) - len(out)
 
 
 def format_line(

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import msgspec
 
-from producers.megatrace_lines import CallLine, LogFormatError, parse_line
+from producers.megatrace_lines import CallLine, LogFormatError, parse_line, parse_text
 from producers.megatrace_logs import MegatraceLogReader
 from producers.megatron_config import (
     ConfigFormatError,
@@ -134,19 +134,14 @@ def sniff(path: Path) -> str:
     return "not a call log, a throughput CSV, a training log or a configuration"
 
 
-def read_call_log(path: Path, report: RunReport) -> Iterator[CallLine]:
+def read_call_log(path: Path, report: RunReport) -> list[CallLine]:
     """The call lines of one file, in its order; other lines are counted in ``report``."""
     with open(path, errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                c = parse_line(line)
-            except LogFormatError:
-                report.skipped_lines[path.name] += 1
-                continue
-            report.lines += 1
-            yield c
+        calls, other = parse_text(f.read())
+    if other:
+        report.skipped_lines[path.name] += other
+    report.lines += len(calls)
+    return calls
 
 
 def read_link_csv(path: Path, job: str, cfg: MegatronConfig) -> Iterator[LinkSample]:
@@ -254,7 +249,7 @@ def import_dir(
     log = read_training_log(files.training) if files.training else None
     cfg = _config(files, config, log, world_size, report, Path(directory))
     reader = MegatraceLogReader(cfg, job)
-    per_file = [list(read_call_log(p, report)) for p in files.calls]
+    per_file = [read_call_log(p, report) for p in files.calls]
     report.call_logs = len(per_file)
     records = reader.feed(heapq.merge(*per_file, key=lambda c: c.ts_ns))
     records += reader.finish()

@@ -366,3 +366,32 @@ def test_markers_read_before_the_job_record_still_place_the_first_steps() -> Non
     steps, verdicts = _outcome(ahead + rest)
     assert steps[:3] == [0, 1, 2] and len(steps) == len(set(steps)) >= 88
     assert verdicts == []
+
+
+@pytest.mark.parametrize("order", [*ORDERS, "calls-last", "no-calls"])
+def test_a_frozen_rank_is_named_at_the_call_it_never_issued_whatever_is_read_first(
+    order: str,
+) -> None:
+    """Case ddp-hang: a DDP job, rank 2 frozen (cgroup freezer) in its 13th step. Its
+    gradient all-reduces are issued without waiting, two a step: the others issued calls
+    25 and 26, and their heartbeats say they completed 24. Rank 2's records of calls 23
+    and 24 were still in its collector when it froze, so those look open although every
+    rank completed them. The hung call is 25, in step 13 by the job's markers: from the
+    calls, from the heartbeats alone, and with the calls' topic read behind the
+    heartbeats' (live, the step was once read off the layout's one call a step: 26)."""
+    records = _read("lab_ddp_hang_rank2.jsonl.gz")
+    if order == "calls-last":
+        records = [r for r in records if not isinstance(r, Collective)] + [
+            r for r in records if isinstance(r, Collective)
+        ]
+    elif order in ("markers-first", "no-calls"):
+        ahead = (JobInfo, RankInfo, CommInfo, Iteration)
+        records = [r for r in records if isinstance(r, ahead)] + [
+            r for r in records if not isinstance(r, ahead)
+        ]
+    if order == "no-calls":
+        records = [r for r in records if not isinstance(r, Collective)]
+    replay = Replay(poll=300 if order == "polled" else None)
+    last = {v.verdict_id: v for v in replay.run(records) if isinstance(v, Verdict)}
+    (hang,) = last.values()
+    assert (hang.kind.value, hang.rank, hang.seq, hang.step) == ("hang", 2, 25, 13)
