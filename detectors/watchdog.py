@@ -262,16 +262,18 @@ class HangWatch:
 
     def _completed(self, inst: Instance) -> bool:
         """A collective's partial instance that its members' heartbeats say they completed
-        (a member's last records lost with it: a frozen or killed process sends none)."""
+        and that went on beating well into the silence since (a member's last records
+        lost with it: a frozen or killed process sends none). A call that failed also
+        ends, as a peer's death fails it; but a rank whose call failed stops soon after."""
         if inst.sender >= 0:
             return False  # a transfer's sequence is its pair's, not the communicator's
-        done = [
-            cp.completed_seq
-            for r in inst.ranks
-            if (hb := self.hb_latest.get(r)) is not None
-            for cp in hb.comms
-            if cp.comm_hash == inst.comm_hash
-        ]
+        alive = (self.hb_progress_ns + self.hb_now_ns) // 2
+        done = []
+        for r in inst.ranks:
+            hb = self.hb_latest.get(r)
+            if hb is None or hb.ts_ns <= alive:
+                return False
+            done += [cp.completed_seq for cp in hb.comms if cp.comm_hash == inst.comm_hash]
         return bool(done) and min(done) >= inst.seq
 
     def _revise(self, view: JobView) -> list[msgspec.Struct]:

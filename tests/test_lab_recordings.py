@@ -395,3 +395,15 @@ def test_a_frozen_rank_is_named_at_the_call_it_never_issued_whatever_is_read_fir
     last = {v.verdict_id: v for v in replay.run(records) if isinstance(v, Verdict)}
     (hang,) = last.values()
     assert (hang.kind.value, hang.rank, hang.seq, hang.step) == ("hang", 2, 25, 13)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_call_that_failed_with_a_killed_peer_is_not_taken_for_completed(order: str) -> None:
+    """Case megatron-killed, a third run: rank 3 SIGKILLed. Its tensor-parallel peer,
+    rank 2, saw their all-reduce (call 146) fail at once, and its collector counted the
+    call as ended: rank 2's last heartbeat says it completed 146. A call its members
+    completed is not where a job stopped, but only from members that went on beating
+    after it: rank 2 stopped with the error, so the call is still rank 3's (taken for
+    completed, the next open call blamed rank 2)."""
+    (hang,) = _verdicts("lab_megatron_killed_rank3_run3.jsonl.gz", order)
+    assert (hang.kind.value, hang.rank) == ("hang", 3)
