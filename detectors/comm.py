@@ -59,6 +59,8 @@ class CommAnalyzer:
     stats_every_ns
         Event time between two :meth:`stats` rows while nothing unusual is counted
         (a late, out-of-order, dropped or partial one is told at once).
+    keep_rows
+        Passed to :class:`~detectors.folder.StepFolder`: each instance's stored row.
     """
 
     # the counts' starting values, also for one pickled by a version without them (a flow
@@ -68,6 +70,7 @@ class CommAnalyzer:
     _told: tuple[int, ...] = (0, 0, 0, 0, 0, 0)  # the counts in the last stats row
     _told_ns = 0  # its time
     _looked = 0  # the records counted when reported partials were last checked
+    keep_rows = True
 
     def __init__(
         self,
@@ -75,9 +78,11 @@ class CommAnalyzer:
         max_open: int = 4096,
         edge_window: int = 16,
         stats_every_ns: int = 10_000_000_000,
+        keep_rows: bool = True,
     ) -> None:
         if edge_window < 1 or stats_every_ns < 1:
             raise ValueError("edge_window and stats_every_ns must be at least 1")
+        self.keep_rows = keep_rows
         self.min_timeout_ns = min_timeout_ns
         self.max_open = max_open
         self.edge_window = edge_window
@@ -86,7 +91,7 @@ class CommAnalyzer:
 
     def _reset(self) -> None:
         self.aligner = CollectiveAligner(min_timeout_ns=self.min_timeout_ns, max_open=self.max_open)
-        self.folder = StepFolder()
+        self.folder = StepFolder(keep_rows=self.keep_rows)
         self._stuck = StuckProxies()
         self._edges: dict[tuple[int, int], list[int]] = {}  # (src, dst) -> [n, bytes, wait, t0]
         self._records = 0

@@ -82,6 +82,9 @@ class StepFolder:
     max_held
         The most instances held while their steps are not known yet; beyond it the
         calls so far decide.
+    keep_rows
+        Make each folded instance's stored row (False: an offline analysis that reads
+        only the verdicts and steps).
     """
 
     #: how long instances may be held waiting for a step to be learned (event time)
@@ -91,9 +94,15 @@ class StepFolder:
     idle_ns = 1_000_000_000
     _clock_ns = 0  # the communicator's event time (set by expire)
 
-    def __init__(self, give_up_steps: int = 2, max_open_steps: int = 8, max_held: int = 8192):
+    keep_rows = True  # (for one pickled before it could be told otherwise)
+
+    def __init__(
+        self, give_up_steps: int = 2, max_open_steps: int = 8, max_held: int = 8192,
+        keep_rows: bool = True,
+    ) -> None:  # fmt: skip
         if give_up_steps < 1 or max_open_steps < 1 or max_held < 1:
             raise ValueError("give_up_steps, max_open_steps and max_held must be at least 1")
+        self.keep_rows = keep_rows
         self.give_up_steps = give_up_steps
         self.max_open_steps = max_open_steps
         self.max_held = max_held
@@ -260,7 +269,7 @@ class StepFolder:
         if not self._held:
             step = self.clock.step_of(inst, ext[0], force=False)
             if step is not None:
-                rows.append(self._fold(inst, ext, step))
+                self._fold(inst, ext, step, rows)
                 return "folded"
         self._held.append((inst, ext))  # after those held before it
         ends = self.clock.mark_ends
@@ -336,7 +345,7 @@ class StepFolder:
             if step is None:
                 keep.append((inst, ext))
             else:
-                rows.append(self._fold(inst, ext, step))
+                self._fold(inst, ext, step, rows)
         self._held = keep
         return rows, self._done(final)
 
@@ -355,7 +364,7 @@ class StepFolder:
         agrees = self.clock.agree.get((inst.sender, inst.receiver), False)
         return place(self.topo, self.comm_hash, self.role, agrees, inst, step)
 
-    def _fold(self, inst: Instance, ext: Extent, step: int) -> AlignedCollective:
+    def _fold(self, inst: Instance, ext: Extent, step: int, rows: list[AlignedCollective]) -> None:
         topo = self.topo
         assert topo is not None
         pos = self._place(inst, step)
@@ -365,7 +374,8 @@ class StepFolder:
         part.fold(inst, pos.phase, pos.microbatch, self.role, topo, ext)
         if step > self._newest:
             self._newest = step
-        return instance_row(inst.job, topo.comms.get(inst.comm_hash), inst, pos, *ext)
+        if self.keep_rows:
+            rows.append(instance_row(inst.job, topo.comms.get(inst.comm_hash), inst, pos, *ext))
 
     def _sealed_by_counts(self) -> list[StepPart]:
         """Cycles: a part is done when it holds a step's instances, or given up on once

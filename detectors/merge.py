@@ -8,7 +8,7 @@ communicator reached (the merger and the job's assembler wait on it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import NamedTuple
 
 from detectors.parts import StepPart
@@ -57,6 +57,10 @@ class StepWatermark:
             return min(self._at)
         high = self.high()
         return min(s for s in self._at if s >= high - within)
+
+    def steps_held(self) -> Collection[int]:
+        """The steps some communicator has as its newest."""
+        return self._at.keys()
 
     def high(self) -> int:
         """The highest step a communicator reached."""

@@ -18,6 +18,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -38,8 +39,8 @@ def outside(job: str, topo: Topology, item: Any) -> DeadLetter | None:
     ranks = ranks_of(item)
     if not ranks:
         return None
-    bad = next((r for r in ranks if r >= world), None)
-    if bad is not None:
+    if max(ranks) >= world:
+        bad = next(r for r in ranks if r >= world)
         why = f"rank {bad} is outside job {job}'s {world} ranks"
     elif not isinstance(item, Instance):
         return None
@@ -87,20 +88,20 @@ def _letter(item: Any, reason: DeadLetterReason, error: str, fld: str | None = N
 
 def ranks_of(item: Any) -> tuple[int, ...]:
     """The ranks an item speaks of (checked against the layout)."""
-    match item:
-        case Instance():
-            return item.ranks
-        case Heartbeat():
-            return (item.rank,)
-        case ProxySummary():
-            return (item.rank, item.peer)
-        case LinkSample():
-            return (item.rank, item.src_rank, item.dst_rank)
-        case EdgeThroughput():
-            return (item.src_rank, item.dst_rank)
-        case NodeDigest():
-            return tuple(r for ev, _ in item.links for r in (ev.src_rank, ev.dst_rank))
-    return ()
+    speaks = _RANKS.get(type(item))
+    return speaks(item) if speaks is not None else ()
+
+
+#: per kind of item, the ranks it speaks of (looked up by its type: a job's worker
+#: checks every item it takes)
+_RANKS: dict[type, Callable[[Any], tuple[int, ...]]] = {
+    Instance: lambda i: i.ranks,
+    Heartbeat: lambda h: (h.rank,),
+    ProxySummary: lambda p: (p.rank, p.peer),
+    LinkSample: lambda s: (s.rank, s.src_rank, s.dst_rank),
+    EdgeThroughput: lambda e: (e.src_rank, e.dst_rank),
+    NodeDigest: lambda d: tuple(r for ev, _ in d.links for r in (ev.src_rank, ev.dst_rank)),
+}
 
 
 def _item_time(item: Any) -> int:

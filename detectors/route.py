@@ -124,6 +124,9 @@ class Route:
         timers run between polls.
     hook
         Told each stage's time on each key's batch (see :data:`Hook`).
+    rows
+        The communicators' stored rows of each instance come out too (False: an
+        analysis that reads only the verdicts and steps, at less cost).
     """
 
     def __init__(
@@ -132,8 +135,10 @@ class Route:
         tick_ns: int = 50_000_000,
         poll: int | None = None,
         hook: Hook | None = None,
+        rows: bool = True,
     ) -> None:
         self.settings = settings or DetectSettings()
+        self.rows = rows
         self.tick_ns = tick_ns
         self.poll = poll
         self.hook = hook
@@ -151,7 +156,7 @@ class Route:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         defaults = {"poll": None, "hook": None, "nodes": {}, "_pending": {}, "_seen": 0,
-                    "_poll_ns": 0, "_flush_at": 0}  # fmt: skip
+                    "_poll_ns": 0, "_flush_at": 0, "rows": True}  # fmt: skip
         self.__dict__.update({**defaults, **state})  # one pickled before these existed
 
     def __getstate__(self) -> dict[str, Any]:
@@ -244,7 +249,7 @@ class Route:
         comm = self.comms.get(key)
         if comm is None:
             timeout_ns = int(self.settings.partial_timeout_ms * 1e6)
-            comm = self.comms[key] = CommAnalyzer(min_timeout_ns=timeout_ns)
+            comm = self.comms[key] = CommAnalyzer(min_timeout_ns=timeout_ns, keep_rows=self.rows)
         rows, forward = self._timed("comm", comm.update, items)
         return [*rows, *self._forward(key[0], forward)]
 

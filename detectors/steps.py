@@ -11,6 +11,7 @@ layout's count of instances came), or when later steps show it never will, as a
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -148,13 +149,13 @@ class StepAssembler:
         got = self._reported.get(step)
         if not got or self._learning:
             return False
-        return all(c in got for c in self._waited(step))
+        return got.issuperset(self._waited(step))
 
     #: a communicator whose newest part ended this long (event time) before the newest
     #: any communicator's did is not waited for: it went quiet (at least this many steps)
     quiet_ns, quiet_steps = 30_000_000_000, 16
 
-    def _waited(self, step: int) -> list[int]:
+    def _waited(self, step: int) -> Collection[int]:
         """The communicators a step waits for: those that reported lately (in event time:
         a topic's partitions are read at different paces, so a communicator many steps
         behind may only be read later), those learning their steps, and those not heard
@@ -164,6 +165,8 @@ class StepAssembler:
         newest_end = max(ends.values(), default=0)
         typical = self._prev_end and self._typical_ns
         cut = newest_end - max(self.quiet_ns, self.quiet_steps * (typical or 0))
+        if -1 not in self._seen.steps_held() and min(ends.values(), default=cut) >= cut:
+            return self._seen.newest.keys()  # every one heard from, none quiet (the usual)
         return [
             c
             for c, s in self._seen.newest.items()
@@ -199,7 +202,7 @@ class StepAssembler:
             return []
         newest = self._seen.newest
         waited = self._waited(self._seen.high())
-        watermark = min((newest[c] for c in waited), default=-1) - 2
+        watermark = min(map(newest.__getitem__, waited), default=-1) - 2
         if watermark > self._closed_upto:
             return self._close_through(watermark)
         return []

@@ -32,7 +32,7 @@ def analyze(path: str, as_json: bool) -> None:
 
     p = Path(path)
     log = IncidentLog()
-    replay = Replay(poll=POLL)  # batched as the flow batches its polls
+    replay = Replay(poll=POLL, rows=False)  # batched as the flow batches its polls
     try:
         if p.is_dir() and not (p / "records.jsonl").exists():
             from producers.megatrace_run import import_dir
