@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -58,35 +57,19 @@ class CpuWaits:
     shift start is taken from the oldest kept).
 
     Kept as one row per rank, newest last, so that a shift's shares for thousands of
-    ranks are a few array operations, not a loop over ranks; a heartbeat is put in its
-    row only when the shares are read (a job's worker takes thousands a second)."""
+    ranks are a few array operations, not a loop over ranks."""
 
     def __init__(self, keep: int = 64) -> None:
         self.keep = keep
         self.ts = np.zeros((0, keep), dtype=np.int64)  # ns; a row's newest in its last column
         self.waits = np.zeros((0, keep), dtype=np.int64)
         self.count = np.zeros(0, dtype=np.int64)  # each row's samples (right-aligned)
-        self.news: list[tuple[int, int, int]] = []  # (rank, ts, wait) not in the rows yet
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"news": [], **state})  # one pickled before it existed
 
     @property
     def empty(self) -> bool:
-        return not self.news and not self.count.any()
+        return not self.count.any()
 
     def update(self, rank: int, ts_ns: int, wait_ns: int) -> None:
-        news = self.news
-        news.append((rank, ts_ns, wait_ns))
-        if len(news) >= max(1024, 2 * len(self.count)):  # bounded, whatever is read
-            self._apply()
-
-    def _apply(self) -> None:
-        news, self.news = self.news, []
-        for rank, ts_ns, wait_ns in news:
-            self._put(rank, ts_ns, wait_ns)
-
-    def _put(self, rank: int, ts_ns: int, wait_ns: int) -> None:
         if rank >= len(self.count):  # room for this rank (doubling: ranks come in any order)
             grow = max(rank + 1, 2 * len(self.count)) - len(self.count)
             self.ts = np.vstack([self.ts, np.zeros((grow, self.keep), dtype=np.int64)])
@@ -103,8 +86,6 @@ class CpuWaits:
         """Every rank's seconds waited per second from its sample nearest ``start_ns`` to
         its last one at or before ``end_ns`` (NaN: no such interval). A thread that ended
         takes its counts with it, so a counter that went down adds nothing."""
-        if self.news:
-            self._apply()
         cols = np.arange(self.keep)
         kept = cols >= (self.keep - self.count)[:, None]
         a = np.argmin(np.where(kept, np.abs(self.ts - start_ns), np.iinfo(np.int64).max), axis=1)
@@ -120,16 +101,12 @@ class CpuWaits:
 
     def share(self, rank: int, start_ns: int, end_ns: int) -> float | None:
         """Rank ``rank``'s :meth:`rates` (None: no interval)."""
-        if self.news:
-            self._apply()
         x = self.rates(start_ns, end_ns)[rank] if rank < len(self.count) else np.nan
         return None if np.isnan(x) else float(x)
 
     def shares(self, start_ns: int, end_ns: int) -> tuple[np.ndarray, np.ndarray]:
         """Every rank's wait share from ``start_ns`` to ``end_ns``, and before it (over
         :data:`BEFORE_NS`); NaN where unknown. Ranks are 0..the highest seen."""
-        if self.news:
-            self._apply()
         n = int(np.flatnonzero(self.count).max()) + 1 if not self.empty else 0
         after = self.rates(start_ns, end_ns)[:n]
         return after, self.rates(start_ns - BEFORE_NS, start_ns)[:n]
