@@ -361,26 +361,9 @@ class JobAnalyzer:
         receiver_stage: int | None,
         at_ns: int,
     ) -> Position | None:
-        """Where a hung call that began at ``at_ns`` sits: where its folder places it, else
-        the layout's schedule where the calls follow it. Where nothing said yet whether
-        they do (the calls' topic read behind the heartbeats'), the job's iteration
-        markers say which step it began in, and the layout's place is kept only if it
-        says the same step."""
+        """Where a hung call sits (see :meth:`JobFolders.hung_at`)."""
         assert self.topo is not None
-        folder = self.own.folder(diag.comm_hash, self.topo)
-        note = self.own.note_of(diag.comm_hash)
-        if partial is not None and folder is not None:
-            return folder.position(partial, now=True)
-        if note is not None and not note.agrees:
-            return None
-        pos = self.topo.position(
-            diag.comm_hash, diag.seq, op or CollOp.ALL_REDUCE, sender_stage, receiver_stage
-        )
-        if note is None and folder is not None and at_ns:
-            marked = folder.position_at(at_ns)
-            if marked is not None and (pos is None or pos.step != marked.step):
-                return marked
-        return pos
+        return self.own.hung_at(self.topo, diag, partial, op, (sender_stage, receiver_stage), at_ns)
 
     def finish(self) -> Out:
         """End of input: a hang it ended in (see :meth:`tick`), the steps still open

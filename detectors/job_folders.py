@@ -8,7 +8,7 @@ those with a :class:`~detectors.folder.StepFolder` of its own per communicator, 
 learns what the communicator's worker would have: the layout's schedule, the job's
 iteration markers and the step structure the communicator's calls showed.
 
->>> from detectors.topology import Topology
+>>> from detectors.topology import Position, Topology
 >>> from schemas.records import CommInfo, Iteration, JobInfo
 >>> topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=2, dp=2))
 >>> topo.add(CommInfo(job="j", ts_ns=0, comm_hash=7, ranks=[0, 1], role="dp"))
@@ -25,9 +25,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from detectors.align import Instance
 from detectors.folder import StepFolder
+from detectors.hang import HangDiagnosis
 from detectors.schedule import CommSchedule, ScheduleBook
-from detectors.topology import Topology
+from detectors.topology import Position, Topology
+from schemas.enums import CollOp
 from schemas.records import AlignedCollective, CommStructure, Iteration
 
 Folded = tuple[list[AlignedCollective], list[Any]]
@@ -71,6 +74,33 @@ class JobFolders:
 
     def note_of(self, comm_hash: int) -> CommStructure | None:
         return next((n for (h, _, _), n in self.structure.items() if h == comm_hash), None)
+
+    def hung_at(
+        self,
+        topo: Topology,
+        diag: HangDiagnosis,
+        partial: Instance | None,
+        op: CollOp | None,
+        stages: tuple[int | None, int | None],
+        at_ns: int,
+    ) -> Position | None:
+        """Where a hung call that began at ``at_ns`` sits (``stages``: its sender's and
+        receiver's): where its folder places its partial instance, else the layout's
+        schedule where the calls follow it. Where nothing said yet whether they do (the
+        calls' topic read behind the heartbeats'), the job's iteration markers say which
+        step it began in, and the layout's place is kept only if it says the same step."""
+        folder = self.folder(diag.comm_hash, topo)
+        note = self.note_of(diag.comm_hash)
+        if partial is not None and folder is not None:
+            return folder.position(partial, now=True)
+        if note is not None and not note.agrees:
+            return None
+        pos = topo.position(diag.comm_hash, diag.seq, op or CollOp.ALL_REDUCE, *stages)
+        if note is None and folder is not None and at_ns:
+            marked = folder.position_at(at_ns)
+            if marked is not None and (pos is None or pos.step != marked.step):
+                return marked
+        return pos
 
     def mark(self, it: Iteration) -> Iterator[Folded]:
         """One of the job's iteration markers, to each folder in turn (what one gives is
