@@ -203,6 +203,20 @@ class NetLab:
         (CGROUP_ROOT / "cpu" / group / "cpu.cfs_period_us").write_text(str(_PERIOD_US))
         (CGROUP_ROOT / "cpu" / group / "cpu.cfs_quota_us").write_text(value)
 
+    @staticmethod
+    def throttled_ns(group: str) -> int | None:
+        """How long ``group`` was held back by its CPU quota so far (the kernel's own
+        account, cpu.stat's throttled_time); None where it is not kept."""
+        try:
+            text = (CGROUP_ROOT / "cpu" / group / "cpu.stat").read_text()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == "throttled_time":
+                return int(value)
+        return None
+
     def freeze(self, group: str, frozen: bool = True) -> None:
         (CGROUP_ROOT / "freezer" / group / "freezer.state").write_text(
             "FROZEN" if frozen else "THAWED"

@@ -119,6 +119,8 @@ class Injected:
     fault: Fault
     onset_ns: int
     ended_ns: int | None = None
+    #: a CPU quota's: how long the kernel held its ranks back, and until when it was read
+    throttled: tuple[int, int] | None = None
 
 
 @dataclass
@@ -266,10 +268,10 @@ def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
             lab.quota(group, f.cpus)
             if f.kind == "transient":  # a step or two of rank 0 under the quota
                 ranks.wait_step(f.at_step + f.lasts_steps, timeout_s=120)
-                lab.quota(group, None)
+                _lift(lab, group, inj)
                 inj.ended_ns = time.time_ns()
             else:
-                ends.append(lambda group=group: lab.quota(group, None))
+                ends.append(lambda group=group, inj=inj: _lift(lab, group, inj))
         elif f.kind == "hang":
             NetLab.signal(ranks.pids([f.target])[0], signal.SIGSTOP)
             stopped.add(f.target)
@@ -284,6 +286,14 @@ def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
     ranks.wait(timeout_s=60 + 4 * case.steps)
     for end in ends:
         end()
+
+
+def _lift(lab: NetLab, group: str, inj: Injected) -> None:
+    """A CPU quota's end: how long it held its ranks back is read first."""
+    held = NetLab.throttled_ns(group)
+    if held is not None:
+        inj.throttled = (held, time.time_ns())
+    lab.quota(group, None)
 
 
 # --------------------------------------------------------------------------- labels
@@ -331,14 +341,21 @@ def labels_of(run: CaseRun, nodes: list[Node]) -> list[FaultLabel]:
 
 
 def _cost(marks: list[Iteration], inj: Injected) -> float:
-    """The throughput the fault cost: 1 - the step time before it / the step time during it."""
+    """The throughput the fault cost: 1 - the step time before it / the step time during it.
+    A CPU quota cost at most the share of the time the kernel held its ranks back: a job
+    slowed by another fault at once (a slow link) may leave a quota nothing to hold back,
+    and the step time it lost is that fault's."""
     durations = [(m.end_ns, m.duration_ns) for m in marks if m.duration_ns]
     before = [d for t, d in durations if t < inj.onset_ns][-10:]
     end = inj.ended_ns or (1 << 62)
     during = [d for t, d in durations if inj.onset_ns < t <= end + 10**9]
     if not before or not during:
         return 0.0
-    return float(max(0.0, 1 - np.median(before) / np.median(during)))
+    cost = float(max(0.0, 1 - np.median(before) / np.median(during)))
+    if inj.throttled is not None and inj.throttled[1] > inj.onset_ns:
+        held, read_ns = inj.throttled
+        cost = min(cost, held / (read_ns - inj.onset_ns))
+    return cost
 
 
 def step_ns(marks: list[Iteration]) -> float:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from detectors.cpu_wait import CpuWaits, starved
+from infra.netlab import NetLab
 from producers.host_cpu import process_cpu
 
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3"]
@@ -140,7 +141,39 @@ def test_a_cpu_quota_shows_as_waiting_for_a_cpu() -> None:
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text("10000")
         held = share(str(group))
+        throttled = NetLab.throttled_ns(group.name)  # the kernel's own account of it
     finally:
         group.rmdir()
     assert held > 0.6
+    assert throttled is not None and throttled > 0.6e9
     assert share() < held - 0.4
+
+
+def test_a_quota_another_fault_left_nothing_to_hold_back_is_labelled_at_what_it_held() -> None:
+    """The lab labels a fault with the throughput it cost. A rank's CPU quota during a
+    slow link: every step 17x as long, but the kernel held the rank back 4% of the time,
+    so the quota cost at most that (the link's label carries the loss); a quota alone that
+    held its rank back most of the time is labelled at the step time it added."""
+    from megatrace.lab import Fault, Injected, _cost
+    from schemas.records import Iteration
+
+    def marks(before_ms: float, during_ms: float) -> list[Iteration]:
+        out, t = [], 0
+        for step in range(40):
+            d = int((before_ms if step < 20 else during_ms) * 1e6)
+            t += d
+            out.append(Iteration(job="j", step=step, end_ns=t, duration_ns=d, rank=0))
+        return out
+
+    slow = marks(24, 410)
+    onset = slow[19].end_ns + 1
+    masked = Injected(
+        Fault("slow_rank", 3, 20), onset, throttled=(int(0.04 * 8.2e9), onset + int(8.2e9))
+    )
+    assert _cost(slow, masked) == pytest.approx(0.04)
+    alone = marks(24, 96)
+    onset = alone[19].end_ns + 1
+    binding = Injected(
+        Fault("slow_rank", 1, 20), onset, throttled=(int(1.6e9), onset + int(1.92e9))
+    )
+    assert _cost(alone, binding) == pytest.approx(0.75)
