@@ -147,9 +147,9 @@ def test_the_lab_writes_labels_from_what_it_did_and_keeps_recordings(runs, tmp_p
     (label,) = slow.labels
     assert (label.kind.value, label.rank, label.node) == ("slowdown", 1, "lab-n0")
     assert label.onset_ns == slow.injected[0].onset_ns and label.throughput_cost > 0.3
-    # the kernel held the slow rank back a good share of the time: what the quota cost
+    # the kernel held the slow rank back a good share of the time (what a quota can cost)
     held, read_ns = slow.injected[0].throttled
-    assert held / (read_ns - label.onset_ns) > label.throughput_cost - 0.1
+    assert held / (read_ns - label.onset_ns) > 0.3
     from megatrace.lab_run import save
 
     save(slow, tmp_path / "rec")
