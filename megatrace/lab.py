@@ -347,8 +347,10 @@ def _cost(marks: list[Iteration], inj: Injected) -> float:
     and the step time it lost is that fault's."""
     durations = [(m.end_ns, m.duration_ns) for m in marks if m.duration_ns]
     before = [d for t, d in durations if t < inj.onset_ns][-10:]
-    end = inj.ended_ns or (1 << 62)
-    during = [d for t, d in durations if inj.onset_ns < t <= end + 10**9]
+    end = 1 << 62
+    if inj.ended_ns is not None:  # the steps it lasted: up to the first to end after it
+        end = next((t for t, _ in durations if t >= inj.ended_ns), inj.ended_ns)
+    during = [d for t, d in durations if inj.onset_ns < t <= end]
     if not before or not during:
         return 0.0
     cost = float(max(0.0, 1 - np.median(before) / np.median(during)))

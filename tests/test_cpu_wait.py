@@ -177,3 +177,18 @@ def test_a_quota_another_fault_left_nothing_to_hold_back_is_labelled_at_what_it_
         Fault("slow_rank", 1, 20), onset, throttled=(int(1.6e9), onset + int(1.92e9))
     )
     assert _cost(alone, binding) == pytest.approx(0.75)
+
+
+def test_a_quota_for_a_step_is_labelled_at_the_steps_it_lasted() -> None:
+    """A transient quota's label: the step time it added while it lasted (steps 20-21 at
+    2x), not diluted by the normal steps after it."""
+    from megatrace.lab import Fault, Injected, _cost
+    from schemas.records import Iteration
+
+    out, t = [], 0
+    for step in range(60):
+        d = int((50 if step in (20, 21) else 25) * 1e6)
+        t += d
+        out.append(Iteration(job="j", step=step, end_ns=t, duration_ns=d, rank=0))
+    onset, ended = out[19].end_ns + 1, out[21].end_ns - 1
+    assert _cost(out, Injected(Fault("transient", 1, 20), onset, ended_ns=ended)) == 0.5
