@@ -130,15 +130,9 @@ class JobAnalyzer:
     def update(self, item: Any) -> Out:
         handle = _HANDLERS.get(type(item))
         if handle is not None and self.topo is not None and not self._early:
-            # the usual case: the job is known, nothing held back, the ranks in its layout
-            ranks = refusals.ranks_of(item)
-            if (
-                ranks
-                and (max(ranks) >= self.topo.job.world_size or type(item) is Instance)
-                and (refused := self._outside(item)) is not None
-            ):
+            if (refused := self._outside(item)) is not None:
                 return [refused]
-            return handle(self, item)
+            return handle(self, item)  # the usual case: the job is known, nothing held back
         if self.topo is None and not isinstance(item, JobInfo):
             if isinstance(item, RankInfo | CommInfo):
                 self._pending_meta.append(item)

@@ -261,20 +261,18 @@ class HangWatch:
         return diag
 
     def _completed(self, inst: Instance) -> bool:
-        """A collective's partial instance that its members' heartbeats say they completed
-        and that went on beating well into the silence since (a member's last records
-        lost with it: a frozen or killed process sends none). A call that failed also
-        ends, as a peer's death fails it; but a rank whose call failed stops soon after."""
-        if inst.sender >= 0:
-            return False  # a transfer's sequence is its pair's, not the communicator's
+        """A partial instance every present member's heartbeats say it completed
+        (:meth:`_went_past`), from members that went on beating well into the silence
+        since (a member's last records lost with it: a frozen or killed process sends
+        none). A call that failed also ends, as a peer's death fails it; but a rank whose
+        call failed stops soon after."""
         alive = (self.hb_progress_ns + self.hb_now_ns) // 2
-        done = []
-        for r in inst.ranks:
-            hb = self.hb_latest.get(r)
-            if hb is None or hb.ts_ns <= alive:
-                return False
-            done += [cp.completed_seq for cp in hb.comms if cp.comm_hash == inst.comm_hash]
-        return bool(done) and min(done) >= inst.seq
+        return bool(inst.ranks) and all(
+            (hb := self.hb_latest.get(r)) is not None
+            and hb.ts_ns > alive
+            and self._went_past(r, inst)
+            for r in inst.ranks
+        )
 
     def _revise(self, view: JobView) -> list[msgspec.Struct]:
         """A hang judged from heartbeats that do not follow every communicator: once the

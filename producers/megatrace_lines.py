@@ -20,13 +20,8 @@ class LogFormatError(ConfigFormatError):
     """A line or file that is not in the MEGATRACE format (with the file and line)."""
 
 
+#: one call line; over a whole file's text, a line at a time (blanks never reach the next)
 _LINE = re.compile(
-    r"^(?:\[save_count \d+\]\s+)?\[(?P<sec>\d+)\.(?P<frac>\d+)\]\s+\[Rank (?P<rank>\d+)\]\s+"
-    r"Fun (?P<fun>\w+)\s+Data (?P<data>\d+)\s+stream (?P<stream>\S+)"
-    r"(?:\s+opCount (?P<opc>\S+))?(?:\s+groupHash (?P<gh>-?\d+))?\s*$"
-)
-#: the same over a whole file's text, a line at a time (blanks never reach the next line)
-_LINES = re.compile(
     r"^[ \t]*(?:\[save_count \d+\][ \t]+)?\[(\d+)\.(\d+)\][ \t]+\[Rank (\d+)\][ \t]+"
     r"Fun (\w+)[ \t]+Data (\d+)[ \t]+stream ([^\s]+)"
     r"(?:[ \t]+opCount ([^\s]+))?(?:[ \t]+groupHash (-?\d+))?[ \t\r]*$",
@@ -52,21 +47,10 @@ def parse_line(line: str) -> CallLine:
     m = _LINE.match(line.strip())
     if m is None:
         raise LogFormatError(f"not a MEGATRACE call line: {line.strip()[:120]!r}")
-    fun = m["fun"]
-    if fun not in _FUNCS:
-        raise LogFormatError(f"unknown NCCL function {fun!r} (known: {', '.join(_FUNCS)})")
-    frac = (m["frac"] + "000000000")[:9]
-    stream = m["stream"]
-    gh = m["gh"]
-    return CallLine(
-        ts_ns=int(m["sec"]) * 1_000_000_000 + int(frac),
-        rank=int(m["rank"]),
-        op=_FUNCS[fun],
-        count=int(m["data"]),
-        stream=int(stream, 16) if stream.lower().startswith("0x") else int(stream),
-        op_count=int(m["opc"], 0) if m["opc"] is not None else None,
-        group_hash=int(gh) & (2**64 - 1) if gh is not None else None,
-    )
+    call = _call(*m.groups())
+    if call is None:
+        raise LogFormatError(f"unknown NCCL function {m[4]!r} (known: {', '.join(_FUNCS)})")
+    return call
 
 
 def parse_text(text: str) -> tuple[list[CallLine], int]:
@@ -79,24 +63,27 @@ def parse_text(text: str) -> tuple[list[CallLine], int]:
     >>> [(c.ts_ns, c.op.value) for c in calls], other
     ([(1500000000, 'AllReduce')], 2)
     """
-    out = []
-    funcs, mask = _FUNCS, 2**64 - 1
-    for sec, frac, rank, fun, data, stream, opc, gh in _LINES.findall(text):
-        op = funcs.get(fun)
-        if op is None:
-            continue
-        out.append(
-            CallLine(
-                int(sec) * 1_000_000_000 + int((frac + "000000000")[:9]),
-                int(rank),
-                op,
-                int(data),
-                int(stream, 16) if stream[:2] in ("0x", "0X") else int(stream),
-                int(opc, 0) if opc else None,
-                int(gh) & mask if gh else None,
-            )
-        )
+    out = [c for groups in _LINE.findall(text) if (c := _call(*groups)) is not None]
     return out, len(_NOT_BLANK.findall(text)) - len(out)
+
+
+def _call(
+    sec: str, frac: str, rank: str, fun: str, data: str, stream: str, opc: str | None,
+    gh: str | None,
+) -> CallLine | None:  # fmt: skip
+    """A call line's fields, read (None: a function NCCL does not have)."""
+    op = _FUNCS.get(fun)
+    if op is None:
+        return None
+    return CallLine(
+        int(sec) * 1_000_000_000 + int((frac + "000000000")[:9]),
+        int(rank),
+        op,
+        int(data),
+        int(stream, 16) if stream[:2] in ("0x", "0X") else int(stream),
+        int(opc, 0) if opc else None,
+        int(gh) & (2**64 - 1) if gh else None,
+    )
 
 
 def format_line(
