@@ -8,14 +8,16 @@ progress for ``hang_factor`` x its expected step time (at least ``min_hang_ms``;
 recording's end is silence that goes on), and localises it with
 :mod:`detectors.hang`: the member missing from the earliest call the others wait in
 (several, if several never joined it), or, where every member joined, the edge whose
-proxy operations never completed and whether the network or a GPU stopped. Its text
-comes from :func:`detectors.texts.hang_summary`. Progress after the call resolves it.
+proxy operations never completed and whether the network or a GPU stopped. The verdict
+is written by :func:`detectors.hang_report.report_hang`. Progress after the call
+resolves it.
 
 It is pure: the job's clock comes in the records and in :meth:`tick`'s argument, what
 it needs of the job (its layout, where a call sits in the schedule, the verdict book)
 comes in a :class:`JobView`.
 
 >>> from detectors.verdicts import VerdictBook
+>>> from schemas.enums import CommRole
 >>> from schemas.records import CommInfo, CommProgress, Heartbeat, JobInfo
 >>> from detectors.topology import Topology
 >>> topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=2, tp=2))
@@ -42,13 +44,8 @@ comes in a :class:`JobView`.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import NamedTuple
-
 import msgspec
 
-from detectors import texts
 from detectors.align import Instance, Key
 from detectors.edges import StuckProxies
 from detectors.hang import (
@@ -58,30 +55,11 @@ from detectors.hang import (
     held_up_by,
     issued_seqs,
 )
-from detectors.topology import Position, Topology
+from detectors.hang_report import JobView, earliest_call, report_hang
+from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
-from schemas.config import DetectSettings
-from schemas.enums import Cause, CollOp, CommRole, Phase, VerdictKind
+from schemas.enums import Cause, VerdictKind
 from schemas.records import Heartbeat, ProxySummary
-
-#: where a call sits in the schedule: (diagnosis, its partial instance or None, its op,
-#: the sender's stage, the receiver's stage, when it began) -> a position, or None where
-#: not known
-Place = Callable[
-    [HangDiagnosis, Instance | None, CollOp | None, int | None, int | None, int],
-    Position | None,
-]
-
-
-class JobView(NamedTuple):
-    """What the watchdog reads of its job when it judges."""
-
-    topo: Topology
-    book: VerdictBook
-    expected_ns: float  # the job's expected step time (0: not known yet)
-    coll_now_ns: int  # the newest time the collective records showed
-    place: Place
-    settings: DetectSettings = DetectSettings()
 
 
 class HangWatch:
@@ -238,7 +216,7 @@ class HangWatch:
             joined=self.joined,
         )  # fmt: skip
         if diag is not None and len(diag.alternatives) > 1:
-            diag = _earliest_call(topo, diag)
+            diag = earliest_call(topo, diag)
         open_calls = [p for p in self.partials.values() if not self._completed(p)]
         if diag is not None and open_calls:
             # a call open since earlier, on the same communicator, names who failed first
@@ -360,114 +338,19 @@ class HangWatch:
     def _verdict(
         self, diag: HangDiagnosis, silent: int, detected: int, view: JobView
     ) -> list[msgspec.Struct]:
-        topo = view.topo
-        role = topo.role(diag.comm_hash)
-        rank, op, sender = diag.culprit_rank, diag.op, diag.sender
-        members = tuple(topo.comms[diag.comm_hash].ranks) if diag.comm_hash in topo.comms else ()
-        if role is CommRole.PP and sender < 0:
-            # which end sends: the partial instance knows; else the lower stage (forward)
-            found = [s for s in members if self._partial(diag.comm_hash, s, diag.seq)]
-            sender = found[0] if found else (diag.link[0] if diag.link else members[0])
-        partial = self._partial(diag.comm_hash, sender, diag.seq)
-        if op is None and partial is not None:
-            op = partial.op
-        if role is CommRole.PP:
-            op = CollOp.SEND if rank is not None and rank == sender else CollOp.RECV
-        sender_stage = topo.coords(sender)[0] if sender >= 0 else None
-        to = partial.receiver if partial is not None else -1
-        receiver_stage = topo.coords(to)[0] if to >= 0 else None
-        onset = (
-            diag.first_wait_ns
-            or (partial.first_arrival_ns if partial else 0)
-            or (self.hb_progress_ns or self.last_progress_ns)
-        )
-        pos = view.place(diag, partial, op, sender_stage, receiver_stage, onset)
-        fields: dict[str, object] = {
-            "comm_hash": diag.comm_hash,
-            "seq": diag.seq,
-            "op": op,
-            "step": pos.step if pos else None,
-            "microbatch": pos.microbatch if pos else None,
-            "phase": Phase(pos.phase) if pos else None,
-        }
-        if rank is not None:
-            fields.update(
-                rank=rank, node=topo.node(rank), gpu=topo.gpu(rank), pp_stage=topo.coords(rank)[0]
-            )
-        several = [r for r in diag.missing if r is not None]
-        if len(several) > 1 and diag.cause == Cause.COMPUTE:
-            fields["culprit_ranks"] = several
-        if diag.link:
-            fields.update(
-                link=topo.link_name(*diag.link), src_rank=diag.link[0], dst_rank=diag.link[1]
-            )
-        on_link = diag.link is not None and diag.cause != Cause.COMPUTE
-        culprit = f"link:{diag.link[0]}->{diag.link[1]}" if on_link else f"rank:{rank}"
-        if self.open:
-            view.book.rename(VerdictKind.HANG.value, self.open, culprit)
-        phase = fields["phase"]
-        where = texts.where(pos.step if pos else None, phase.value if phase else None,
-                            pos.microbatch if pos else None, fields.get("pp_stage"))  # fmt: skip
-        summary = texts.hang_summary(
-            cause=diag.cause,
-            call=op.value if op else "its next collective",
-            role=role.value,
-            seq=diag.seq,
-            where=where or "an unknown position",
-            rank=rank,
-            gpu=topo.gpu(rank) if rank is not None else None,
-            node=topo.node(rank) if rank is not None else None,
-            several=(several, sorted({topo.node(r) for r in several})),
-            waiting=len(diag.waiting),
-            link=topo.link_name(*diag.link) if diag.link else None,
-            producing=diag.link is not None and rank == diag.link[0],
+        out, culprit = report_hang(
+            diag,
+            silent=silent,
+            detected=detected,
+            view=view,
+            partial_of=self._partial,
+            progress_ns=self.hb_progress_ns or self.last_progress_ns,
+            reported=self.open,
             ended=self.final,
-        )
-        ev = {**diag.evidence, "silent_ns": float(silent), "expected_step_ns": view.expected_ns}
-        if self.final:
-            ev["recording_ended"] = 1.0
-        v = view.book.report(
-            VerdictKind.HANG,
-            diag.cause,
-            culprit,
-            onset_step=pos.step if pos else None,
-            onset_ns=onset,
-            detected_ns=detected,
-            severity=1.0,
-            confidence=0.95,
-            summary=summary,
-            evidence=ev,
-            **fields,
         )
         self.open = culprit
         self.detected_ns = detected
-        return [v] if v else []
-
-
-def _earliest_call(topo: Topology, diag: HangDiagnosis) -> HangDiagnosis:
-    """Of the calls the culprit never joined, the one earliest in its stage's schedule."""
-    assert diag.culprit_rank is not None
-    stage = topo.coords(diag.culprit_rank)[0]
-    order = {node: i for i, node in enumerate(topo.stage_order(stage))}
-
-    def when(alt: tuple[int, int]) -> tuple[int, int, int]:
-        comm, seq = alt
-        info = topo.comms.get(comm)
-        sender_stage = info.pp_stage if info is not None else None
-        pos = topo.position(comm, seq, CollOp.SEND, sender_stage)
-        if pos is None:
-            return (1 << 30, 1 << 30, 9)
-        idx = order.get((pos.phase, pos.microbatch), len(order))
-        # inside a node: a forward receives from upstream before it computes and sends;
-        # a backward receives from downstream first
-        sub = 0
-        if info is not None and info.role.value == "pp":
-            upper = diag.culprit_rank == info.ranks[-1]
-            sub = -1 if upper == (pos.phase == Phase.FORWARD.value) else 1
-        return (pos.step, idx, sub)
-
-    comm, seq = min(diag.alternatives, key=when)
-    return dataclasses.replace(diag, comm_hash=comm, seq=seq, sender=-1, op=None)
+        return out
 
 
 __all__ = ["HangWatch", "JobView"]
