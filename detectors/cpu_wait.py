@@ -11,6 +11,14 @@ its part late, and where its collectives run on the CPU (Gloo) it moves their
 data slowly too, which from the collectives' timings alone looks like a slow
 network.
 
+Heartbeats may also carry the kernel's account of the rank's CPU quota
+(``cpu_throttled_ns``: how long its cgroups were throttled). Its rate, the
+*throttled share*, names a rank held back by its container's limit where the wait
+share cannot: a rank that mostly sleeps in its transfers behind a slow link waits
+little for a CPU, yet its quota holds back what it does compute. It stands apart
+from a tenth of the time (:data:`THROTTLED_APART`): at that, the quota cost at
+most a tenth of the time, the least slowdown worth a verdict.
+
 >>> cpu = CpuWaits()
 >>> for t in range(9):  # 4 ranks, a heartbeat a second; rank 1 starved from t=5 s
 ...     for r in range(4):
@@ -19,7 +27,19 @@ network.
 >>> cpu.shares(5 * 10**9, 8 * 10**9)[0].round(1).tolist()
 [0.3, 1.8, 0.3, 0.3]
 >>> starved(cpu, 5 * 10**9, 8 * 10**9, ["n0", "n0", "n1", "n1"])
-(CpuStarved(ranks=(1,), node=None, share=1.8, usual=0.3),)
+(CpuStarved(ranks=(1,), node=None, share=1.8, usual=0.3, throttled=None, usual_throttled=None),)
+
+Rank 3 mostly asleep in its transfers, its quota holding it back 0.3 s a second from
+t=5 s (its wait share like the others'):
+
+>>> cpu = CpuWaits()
+>>> for t in range(9):
+...     for r in range(4):
+...         held = 0.3 * max(0, t - 5) if r == 3 else 0.0
+...         cpu.update(r, t * 10**9, int(0.05 * t * 1e9), int(held * 1e9))
+>>> (got,) = starved(cpu, 5 * 10**9, 8 * 10**9, ["n0", "n0", "n1", "n1"])
+>>> got.ranks, got.share, got.throttled
+((3,), 0.05, 0.3)
 """
 
 from __future__ import annotations
@@ -37,6 +57,9 @@ from schemas.enums import Cause
 #: seconds waited per second by which starved ranks stand apart from the others, and
 #: by which each grew over its own share before the shift
 APART = 0.5
+#: seconds throttled per second by which ranks held back by their CPU quota stand apart
+#: from the others, and by which each grew over its own before
+THROTTLED_APART = 0.1
 #: how far back the share before the shift is taken
 BEFORE_NS = 5 * 10**9
 
@@ -49,10 +72,12 @@ class CpuStarved:
     node: str | None
     share: float  # their least wait share since the shift (s/s)
     usual: float  # the job's usual wait share then (the median of its lower half, s/s)
+    throttled: float | None = None  # their least throttled share, where a quota held them
+    usual_throttled: float | None = None  # the job's usual throttled share then
 
 
 class CpuWaits:
-    """Per rank, its heartbeats' run-queue wait counter over time (pure; bounded: the
+    """Per rank, its heartbeats' run-queue wait and throttled counters over time (pure; bounded: the
     last ``keep`` of each rank's, half a minute at two heartbeats a second; an older
     shift start is taken from the oldest kept).
 
@@ -63,36 +88,54 @@ class CpuWaits:
         self.keep = keep
         self.ts = np.zeros((0, keep), dtype=np.int64)  # ns; a row's newest in its last column
         self.waits = np.zeros((0, keep), dtype=np.int64)
+        self.throttled = np.zeros((0, keep), dtype=np.int64)
         self.count = np.zeros(0, dtype=np.int64)  # each row's samples (right-aligned)
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        if "throttled" not in state:  # pickled before heartbeats carried it
+            self.throttled = np.zeros_like(self.waits)
 
     @property
     def empty(self) -> bool:
         return not self.count.any()
 
-    def update(self, rank: int, ts_ns: int, wait_ns: int) -> None:
+    def update(self, rank: int, ts_ns: int, wait_ns: int, throttled_ns: int | None = None) -> None:
+        """A heartbeat's counters. One without the throttled counter (not readable this
+        time) keeps the rank's last: a gap is not a quota that held it back."""
         if rank >= len(self.count):  # room for this rank (doubling: ranks come in any order)
             grow = max(rank + 1, 2 * len(self.count)) - len(self.count)
-            self.ts = np.vstack([self.ts, np.zeros((grow, self.keep), dtype=np.int64)])
-            self.waits = np.vstack([self.waits, np.zeros((grow, self.keep), dtype=np.int64)])
+            pad = np.zeros((grow, self.keep), dtype=np.int64)
+            self.ts = np.vstack([self.ts, pad])
+            self.waits = np.vstack([self.waits, pad])
+            self.throttled = np.vstack([self.throttled, pad])
             self.count = np.concatenate([self.count, np.zeros(grow, dtype=np.int64)])
         if self.count[rank] and ts_ns <= self.ts[rank, -1]:
             return
-        for row, x in ((self.ts[rank], ts_ns), (self.waits[rank], wait_ns)):
+        if throttled_ns is None:
+            throttled_ns = int(self.throttled[rank, -1])
+        for row, x in (
+            (self.ts[rank], ts_ns),
+            (self.waits[rank], wait_ns),
+            (self.throttled[rank], throttled_ns),
+        ):
             row[:-1] = row[1:]
             row[-1] = x
         self.count[rank] = min(self.count[rank] + 1, self.keep)
 
-    def rates(self, start_ns: int, end_ns: int) -> np.ndarray:
-        """Every rank's seconds waited per second from its sample nearest ``start_ns`` to
-        its last one at or before ``end_ns`` (NaN: no such interval). A thread that ended
-        takes its counts with it, so a counter that went down adds nothing."""
+    def rates(self, start_ns: int, end_ns: int, throttled: bool = False) -> np.ndarray:
+        """Every rank's seconds waited (or ``throttled``) per second from its sample
+        nearest ``start_ns`` to its last one at or before ``end_ns`` (NaN: no such
+        interval). A thread that ended takes its counts with it, and a process moved to
+        another cgroup takes up that group's, so a counter that went down adds nothing."""
+        counter = self.throttled if throttled else self.waits
         cols = np.arange(self.keep)
         kept = cols >= (self.keep - self.count)[:, None]
         a = np.argmin(np.where(kept, np.abs(self.ts - start_ns), np.iinfo(np.int64).max), axis=1)
         upto = kept & (self.ts <= end_ns)
         b = self.keep - 1 - np.argmax(upto[:, ::-1], axis=1)
         ok = upto.any(axis=1) & (b > a)
-        grew = np.where(kept[:, 1:], np.clip(np.diff(self.waits, axis=1), 0, None), 0)
+        grew = np.where(kept[:, 1:], np.clip(np.diff(counter, axis=1), 0, None), 0)
         waited = np.concatenate([np.zeros((len(b), 1)), np.cumsum(grew, axis=1)], axis=1)
         rows = np.arange(len(b))
         span = (self.ts[rows, b] - self.ts[rows, a]).astype(float)
@@ -104,12 +147,27 @@ class CpuWaits:
         x = self.rates(start_ns, end_ns)[rank] if rank < len(self.count) else np.nan
         return None if np.isnan(x) else float(x)
 
-    def shares(self, start_ns: int, end_ns: int) -> tuple[np.ndarray, np.ndarray]:
-        """Every rank's wait share from ``start_ns`` to ``end_ns``, and before it (over
-        :data:`BEFORE_NS`); NaN where unknown. Ranks are 0..the highest seen."""
+    def shares(
+        self, start_ns: int, end_ns: int, throttled: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's wait (or ``throttled``) share from ``start_ns`` to ``end_ns``, and
+        before it (over :data:`BEFORE_NS`); NaN where unknown. Ranks are 0..the highest
+        seen."""
         n = int(np.flatnonzero(self.count).max()) + 1 if not self.empty else 0
-        after = self.rates(start_ns, end_ns)[:n]
-        return after, self.rates(start_ns - BEFORE_NS, start_ns)[:n]
+        after = self.rates(start_ns, end_ns, throttled)[:n]
+        return after, self.rates(start_ns - BEFORE_NS, start_ns, throttled)[:n]
+
+
+def _standing(
+    s: np.ndarray, b: np.ndarray, known: np.ndarray, apart: float
+) -> tuple[np.ndarray, float]:
+    """Each rank's share above the job's usual one (the median of its lower half: at most
+    half the job stands apart), in units of ``apart`` where it also grew by ``apart``
+    over its own before (where that is known), else -inf; and the usual share."""
+    usual = float(np.median(np.sort(s[known])[: (len(known) + 1) // 2]))
+    with np.errstate(invalid="ignore"):
+        grew = np.isnan(b) | (s - b >= apart)
+        return np.where(grew & ~np.isnan(s), (s - usual) / apart, -np.inf), usual
 
 
 def starved(
@@ -118,10 +176,11 @@ def starved(
     """The ranks starved of CPU from ``start_ns`` to ``end_ns`` (``nodes[r]``: rank r's
     node), most starved first: those whose wait share stands ``apart`` or more above the
     job's usual one (the median of its lower half: at most half the job is starved), and
-    grew by ``apart`` or more over their own before (where that is known). Every rank of
-    one node (two or more) is that host; otherwise a quarter of the job at most, each a
-    rank of its own, once its node-mates' shares are known. Nothing where a share is
-    missing for half the job or more."""
+    grew by ``apart`` or more over their own before (where that is known); or whose
+    throttled share does so by :data:`THROTTLED_APART`. Every rank of one node (two or
+    more) is that host; otherwise a quarter of the job at most, each a rank of its own,
+    once its node-mates' shares are known. Nothing where a share is missing for half the
+    job or more."""
     after, before = cpu.shares(start_ns, end_ns)
     n = len(nodes)
     if len(after) < n or n < 2:
@@ -130,26 +189,34 @@ def starved(
     known = np.flatnonzero(~np.isnan(s))
     if len(known) * 2 <= n:
         return ()
-    usual = float(np.median(np.sort(s[known])[: (len(known) + 1) // 2]))
-    top = [
-        int(r)
-        for r in known[np.argsort(-s[known], kind="stable")]
-        if s[r] - usual >= apart and (np.isnan(b[r]) or s[r] - b[r] >= apart)
-    ]
+    waiting, usual = _standing(s, b, known, apart)
+    t_after, t_before = cpu.shares(start_ns, end_ns, throttled=True)
+    t = np.array(t_after[:n])
+    held, usual_t = _standing(t, np.array(t_before[:n]), known, THROTTLED_APART)
+    score = np.maximum(waiting, held)
+    top = [int(r) for r in known[np.argsort(-score[known], kind="stable")] if score[r] >= 1]
     if not top:
         return ()
-    least = round(float(s[top].min()), 3)
+
+    def found(ranks: list[int], node: str | None) -> CpuStarved:
+        quota = any(held[r] >= 1 for r in ranks)
+        return CpuStarved(
+            tuple(ranks), node, round(float(s[ranks].min()), 3), round(usual, 3),
+            round(float(t[ranks].min()), 3) if quota else None,
+            round(usual_t, 3) if quota else None,
+        )  # fmt: skip
+
     on = {nodes[r] for r in top}
     if len(on) == 1 and len(top) >= 2:
         (node,) = on
         if sorted(top) == [r for r in range(n) if nodes[r] == node]:
-            return (CpuStarved(tuple(top), node, least, round(usual, 3)),)
+            return (found(top, node),)
     if len(top) > max(1, n // 4):
         return ()
     # a rank whose node-mates' shares are unknown may be its host: their heartbeats come
     # late when their host starves them too
     top = [r for r in top if not any(np.isnan(s[q]) for q in range(n) if nodes[q] == nodes[r])]
-    return tuple(CpuStarved((r,), None, round(float(s[r]), 3), round(usual, 3)) for r in top)
+    return tuple(found([r], None) for r in top)
 
 
 def findings(cpu: CpuWaits, reps: Sequence[StepReport], topo: Topology) -> list[SlowdownFinding]:
@@ -161,6 +228,8 @@ def findings(cpu: CpuWaits, reps: Sequence[StepReport], topo: Topology) -> list[
     out = []
     for c in starved(cpu, reps[0].start_ns, reps[-1].end_ns, nodes):
         ev = {"cpu_wait_share": c.share, "usual_cpu_wait_share": c.usual}
+        if c.throttled is not None and c.usual_throttled is not None:
+            ev.update(cpu_throttled_share=c.throttled, usual_cpu_throttled_share=c.usual_throttled)
         rank = None if c.node else c.ranks[0]
         node = c.node or nodes[c.ranks[0]]
         out.append(SlowdownFinding(Cause.HOST_CPU, rank, node, None, None, None,
@@ -168,4 +237,4 @@ def findings(cpu: CpuWaits, reps: Sequence[StepReport], topo: Topology) -> list[
     return out
 
 
-__all__ = ["APART", "BEFORE_NS", "CpuStarved", "CpuWaits", "findings", "starved"]
+__all__ = ["APART", "BEFORE_NS", "THROTTLED_APART", "CpuStarved", "CpuWaits", "findings", "starved"]

@@ -235,7 +235,7 @@ class JobAnalyzer:
         """Liveness and progress (see :meth:`HangWatch.heartbeat`)."""
         self.now_ns = max(self.now_ns, hb.ts_ns)
         if hb.cpu_wait_ns is not None:
-            self.cpu.update(hb.rank, hb.ts_ns, hb.cpu_wait_ns)
+            self.cpu.update(hb.rank, hb.ts_ns, hb.cpu_wait_ns, hb.cpu_throttled_ns)
         return self.hangs.heartbeat(hb, self.book)
 
     def _passed(self, p: Passed) -> Out:

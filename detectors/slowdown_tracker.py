@@ -264,8 +264,8 @@ class SlowdownTracker(Stragglers, Rechecks):
         growths = sorted((g for f in found if (g := f.evidence.get("rank_lateness_growth_ns"))
                           is not None), reverse=True)  # fmt: skip
         for f in found:
-            if f.rank is not None and f.rank in link_ends:
-                continue
+            if f.rank is not None and f.rank in link_ends and f.cause is not Cause.HOST_CPU:
+                continue  # (a slow link makes nobody wait for a CPU, nor spends a quota)
             growth = f.evidence.get("rank_lateness_growth_ns")
             if (
                 growth is not None

@@ -70,7 +70,14 @@ def cpu_wait(evidence: dict[str, float]) -> str:
 
     >>> cpu_wait({"cpu_wait_share": 1.84, "usual_cpu_wait_share": 0.21})
     'waiting for a CPU 1.84 s a second (the job usually 0.21)'
+    >>> cpu_wait({"cpu_wait_share": 0.12, "usual_cpu_wait_share": 0.05,
+    ...           "cpu_throttled_share": 0.21, "usual_cpu_throttled_share": 0.0})
+    'held back by its CPU quota 21% of the time (the job usually 0%)'
     """
+    held = evidence.get("cpu_throttled_share")
+    if held is not None:
+        usual = evidence.get("usual_cpu_throttled_share", 0.0)
+        return f"held back by its CPU quota {held:.0%} of the time (the job usually {usual:.0%})"
     share = evidence.get("cpu_wait_share")
     if share is None:
         return ""

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from producers.host_cpu import throttled_in
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _PERIOD_US = 100_000
 
@@ -69,8 +71,20 @@ class Node:
     switch_dev: str  # its other end, on the bridge
 
     def exec(self, *argv: str) -> list[str]:
-        """``argv`` run inside the node."""
-        return ["ip", "netns", "exec", self.ns, *argv]
+        """``argv`` run inside the node, seeing its CPU cgroups as a container does.
+
+        ``ip netns exec`` mounts a fresh ``/sys`` without the host's cgroup trees, so its
+        ranks could not read their cgroup's throttled time (the heartbeats'
+        ``cpu_throttled_ns``) as a pod's ranks do; the CPU hierarchy is mounted back at
+        ``/sys/fs/cgroup/cpu`` (cgroup v1) or ``/sys/fs/cgroup`` (v2) in the node's own
+        mount namespace, which goes with its processes."""
+        mount = (
+            "mount -t tmpfs cgroup /sys/fs/cgroup && mkdir /sys/fs/cgroup/cpu && "
+            "mount -t cgroup -o cpu cgroup /sys/fs/cgroup/cpu "
+            "|| mount -t cgroup2 cgroup2 /sys/fs/cgroup"
+        )
+        script = f'({mount}) 2>/dev/null; exec "$@"'
+        return ["ip", "netns", "exec", self.ns, "sh", "-c", script, "sh", *argv]
 
 
 @dataclass
@@ -208,14 +222,9 @@ class NetLab:
         """How long ``group`` was held back by its CPU quota so far (the kernel's own
         account, cpu.stat's throttled_time); None where it is not kept."""
         try:
-            text = (CGROUP_ROOT / "cpu" / group / "cpu.stat").read_text()
+            return throttled_in((CGROUP_ROOT / "cpu" / group / "cpu.stat").read_text())
         except OSError:
             return None
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name == "throttled_time":
-                return int(value)
-        return None
 
     def freeze(self, group: str, frozen: bool = True) -> None:
         (CGROUP_ROOT / "freezer" / group / "freezer.state").write_text(

@@ -49,7 +49,7 @@ from typing import Any
 
 import msgspec
 
-from producers.host_cpu import process_cpu
+from producers.host_cpu import cgroup_throttled, process_cpu
 from schemas.enums import TORCH_OP_NAMES, CollOp, CommRole, DType
 from schemas.layout import Layout, comm_hash
 from schemas.records import (
@@ -524,6 +524,7 @@ class Collector:
             ],
             cpu_ns=cpu[0] if cpu else None,
             cpu_wait_ns=cpu[1] if cpu else None,
+            cpu_throttled_ns=cgroup_throttled(),
         )
 
     def _loop(self) -> None:

@@ -286,6 +286,8 @@ class Heartbeat(NodeEvent, frozen=True, kw_only=True, tag="hb"):
     a CPU, and the time they were ready to run but waited for one (a crowded run
     queue, or a container's CPU quota spent). A rank starved of CPU does its part
     slowly, and where its collectives run on the CPU (Gloo) it moves data slowly too.
+    ``cpu_throttled_ns`` is the kernel's account of the rank's CPU cgroups (its
+    container's, its pod's): how long their CPU quota held them back, so far.
     """
 
     ts_ns: TimeNs
@@ -294,6 +296,7 @@ class Heartbeat(NodeEvent, frozen=True, kw_only=True, tag="hb"):
     comms: list[CommProgress] = field(default_factory=list)
     cpu_ns: Count | None = None
     cpu_wait_ns: Count | None = None
+    cpu_throttled_ns: Count | None = None
 
 
 class LinkSample(NodeEvent, frozen=True, kw_only=True, tag="link"):

@@ -16,7 +16,7 @@ CREATE TABLE IF NOT EXISTS mt.heartbeats (
   v Int64, job String, node String, rank Int64, clock LowCardinality(String), ts_ns Int64,
   pid Int64, step Nullable(Int64),
   comms Array(Tuple(comm_hash UInt64, issued_seq Int64, completed_seq Int64)),
-  cpu_ns Nullable(Int64), cpu_wait_ns Nullable(Int64),
+  cpu_ns Nullable(Int64), cpu_wait_ns Nullable(Int64), cpu_throttled_ns Nullable(Int64),
   ts DateTime64(9, 'UTC') MATERIALIZED fromUnixTimestamp64Nano(ts_ns, 'UTC')
 ) ENGINE = ReplacingMergeTree
 PARTITION BY toYYYYMMDD(ts)

@@ -15,7 +15,7 @@ import pytest
 
 from detectors.cpu_wait import CpuWaits, starved
 from infra.netlab import NetLab
-from producers.host_cpu import process_cpu
+from producers.host_cpu import cgroup_throttled, process_cpu
 
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3"]
 S = 10**9
@@ -74,6 +74,70 @@ def test_noise_alone_starves_nobody() -> None:
     assert named == 0
 
 
+def _held(waits: list[float], before: list[float], after: list[float], seed: int = 0) -> CpuWaits:
+    """Heartbeats every 0.25 s for 10 s: each rank's wait share ``waits[r]`` all along, and
+    its throttled share (with noise) ``before[r]`` until t=5 s and ``after[r]`` from then."""
+    rng = np.random.default_rng(seed)
+    cpu = CpuWaits()
+    for r, (w, b, a) in enumerate(zip(waits, before, after, strict=True)):
+        waited = held = 0.0
+        for i in range(41):
+            t = i * 0.25
+            if i:
+                waited += max(0.0, w * (1 + 0.3 * rng.standard_normal())) * 0.25
+                level = b if t <= 5 else a
+                held += max(0.0, level * (1 + 0.3 * rng.standard_normal())) * 0.25
+            cpu.update(r, int(t * S) + r * 1000, int(waited * S), int(held * S))
+    return cpu
+
+
+def test_a_rank_its_quota_holds_back_beside_a_slow_link_is_named() -> None:
+    """Behind a slow link every rank sleeps in its transfers and waits little for a CPU;
+    the rank whose container quota holds it back a fifth of the time is named by the
+    kernel's own account of it, its wait share no higher than a peer's."""
+    waits = [0.05, 0.13, 0.04, 0.12, 0.05, 0.06, 0.05, 0.04]
+    cpu = _held(waits, [0.0] * 8, [0, 0, 0, 0.21, 0, 0, 0, 0])
+    (got,) = starved(cpu, 5 * S, 10 * S, NODES)
+    assert got.ranks == (3,) and got.node is None
+    assert got.throttled is not None and 0.15 < got.throttled < 0.3
+    assert got.share < 0.3
+
+
+def test_a_node_held_to_a_quota_is_its_host() -> None:
+    # a quota on the node's group: both its ranks read the same throttled counter
+    cpu = _held([0.1] * 8, [0.0] * 8, [0, 0, 0.4, 0.4, 0, 0, 0, 0])
+    (got,) = starved(cpu, 5 * S, 10 * S, NODES)
+    assert (got.node, sorted(got.ranks)) == ("n1", [2, 3])
+
+
+def test_a_quota_that_always_held_a_rank_back_is_not_what_changed() -> None:
+    # a container limit every step already met: its throttling is the job's normal
+    cpu = _held([0.1] * 8, [0, 0.3, 0, 0, 0, 0, 0, 0], [0, 0.32, 0, 0, 0, 0, 0, 0])
+    assert starved(cpu, 5 * S, 10 * S, NODES) == ()
+
+
+def test_quotas_that_throttle_a_little_everywhere_name_nobody() -> None:
+    """Every rank under a limit it sometimes meets (throttled 0 to 8% of the time, moving
+    by up to 5 points at the shift, 30% noise per beat): nothing, over 200 jobs."""
+    rng = np.random.default_rng(11)
+    named = 0
+    for seed in range(200):
+        before = rng.uniform(0.0, 0.08, 8)
+        after = np.clip(before + rng.uniform(-0.05, 0.05, 8), 0, None)
+        cpu = _held(rng.uniform(0.2, 1.0, 8).tolist(), before.tolist(), after.tolist(), seed)
+        named += bool(starved(cpu, 5 * S, 10 * S, NODES))
+    assert named == 0
+
+
+def test_a_heartbeat_without_the_throttled_counter_is_not_a_quota() -> None:
+    # a read that failed once keeps the last value: no jump when it comes back
+    cpu = CpuWaits()
+    for t, held in [(0, 0), (1, 100), (2, None), (3, 200)]:
+        cpu.update(0, t * S, 0, None if held is None else held * 10**6)
+    got = cpu.rates(0, 3 * S, throttled=True)[0]
+    assert got == pytest.approx(0.2 / 3)
+
+
 def test_too_many_starved_ranks_name_nobody() -> None:
     # three ranks on three nodes: not one host, and more than a quarter of the job
     cpu = _waits([0.4] * 8, [1.8, 0.3, 1.8, 0.3, 1.8, 0.3, 0.3, 0.3])
@@ -102,6 +166,54 @@ def test_the_producer_sums_its_threads_and_skips_one_that_ended(tmp_path: Path) 
     assert process_cpu(str(tmp_path / "gone")) is None
 
 
+def _cgroup_tree(tmp_path: Path, cgroup: str, mountinfo: str, stats: dict[str, str]) -> str:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    (proc / "mountinfo").write_text(mountinfo.replace("ROOT", str(tmp_path)))
+    for where, text in stats.items():
+        (tmp_path / where).mkdir(parents=True, exist_ok=True)
+        (tmp_path / where / "cpu.stat").write_text(text)
+    return str(proc)
+
+
+def test_the_producer_sums_the_throttling_of_its_cgroup_and_those_above(tmp_path: Path) -> None:
+    # cgroup v1 (a pod's limit and its container's), hybrid: the cpu controller is on v1
+    proc = _cgroup_tree(
+        tmp_path,
+        "12:cpu,cpuacct:/kubepods/pod1/ctr\n0::/kubepods/pod1/ctr\n",
+        "31 23 0:29 / ROOT/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+        "40 23 0:40 / ROOT/unified rw - cgroup2 cgroup2 rw\n",
+        {
+            "cpu,cpuacct": "nr_periods 0\nthrottled_time 0\n",
+            "cpu,cpuacct/kubepods/pod1": "nr_throttled 3\nthrottled_time 5000\n",
+            "cpu,cpuacct/kubepods/pod1/ctr": "nr_throttled 9\nthrottled_time 70000\n",
+        },
+    )
+    assert cgroup_throttled(proc) == 75000
+
+
+def test_the_producer_reads_cgroup_v2_in_a_container(tmp_path: Path) -> None:
+    # the container's own group mounted as its cgroup tree: the group is the mount's root
+    proc = _cgroup_tree(
+        tmp_path,
+        "0::/kubepods/pod2/ctr\n",
+        "40 23 0:40 /kubepods/pod2/ctr ROOT/cg rw - cgroup2 cgroup2 rw\n",
+        {"cg": "usage_usec 900\nnr_throttled 4\nthrottled_usec 250\n"},
+    )
+    assert cgroup_throttled(proc) == 250_000
+
+
+def test_the_producer_says_nothing_without_a_cpu_cgroup(tmp_path: Path) -> None:
+    # cgroup v2 without the cpu controller: cpu.stat has no throttled time
+    proc = _cgroup_tree(
+        tmp_path, "0::/job\n", "40 23 0:40 / ROOT/cg rw - cgroup2 cgroup2 rw\n",
+        {"cg": "usage_usec 900\n", "cg/job": "usage_usec 400\n"},
+    )  # fmt: skip
+    assert cgroup_throttled(proc) is None
+    assert cgroup_throttled(str(tmp_path / "no-proc")) is None
+
+
 def test_the_producer_reads_this_process() -> None:
     got = process_cpu()
     if got is None:
@@ -122,31 +234,37 @@ def test_a_cpu_quota_shows_as_waiting_for_a_cpu() -> None:
         from producers.host_cpu import process_cpu
         if len(sys.argv) > 1:
             open(sys.argv[1] + "/cgroup.procs", "w").write(str(os.getpid()))
-        a, t = process_cpu(), time.monotonic()
+        from producers.host_cpu import cgroup_throttled
+        a, t, ta = process_cpu(), time.monotonic(), cgroup_throttled()
         while time.monotonic() - t < 1.0:
             pass
-        b = process_cpu()
-        print((b[1] - a[1]) / 1e9 / (time.monotonic() - t))
+        b, tb = process_cpu(), cgroup_throttled()
+        span = time.monotonic() - t
+        print((b[1] - a[1]) / 1e9 / span, (tb - ta) / 1e9 / span)
         """
     )
     root = str(Path(__file__).parents[1])
 
-    def share(*args: str) -> float:
+    def shares(*args: str) -> tuple[float, float]:
         out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
                              text=True, check=True, cwd=root)  # fmt: skip
-        return float(out.stdout)
+        wait, held = out.stdout.split()
+        return float(wait), float(held)
 
     group.mkdir()
     try:
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text("10000")
-        held = share(str(group))
+        waited, held = shares(str(group))
         throttled = NetLab.throttled_ns(group.name)  # the kernel's own account of it
     finally:
         group.rmdir()
-    assert held > 0.6
+    assert waited > 0.6
     assert throttled is not None and throttled > 0.6e9
-    assert share() < held - 0.4
+    # the heartbeats' counter, read by the process itself from its cgroup
+    assert held > 0.6
+    free_wait, free_held = shares()
+    assert free_wait < waited - 0.4 and free_held < 0.1
 
 
 def test_a_quota_another_fault_left_nothing_to_hold_back_is_labelled_at_what_it_held() -> None:

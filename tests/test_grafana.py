@@ -142,3 +142,31 @@ def test_cpu_wait_panel_gives_each_rank_its_share_between_heartbeats(ch: Any, st
     assert len(by_rank) == 16
     assert all(0.005 < x < 0.25 for xs in by_rank.values() for x in xs)
     assert {r["rank"] for r in panel(ch, story, JOB, "cpu_wait", rank=["5"])} == {"5"}
+
+
+def test_cpu_wait_panel_shows_the_quota_throttling_where_heartbeats_carry_it(ch: Any) -> None:
+    """Rank 0's cgroup throttled 0.3 s a second from its third heartbeat; rank 1's source
+    reads no throttled time (its series stays empty, not 0); rank 0's counter restarting
+    in another cgroup adds nothing."""
+    import time
+
+    from infra.clickhouse import init_db, insert_records
+    from schemas.records import Heartbeat
+
+    db, job, t0 = f"throttle_{time.time_ns() % 10**9}", "quota-job", time.time_ns()
+    init_db(ch, db, retention_days=0)
+    held = [0, 0, 0.3, 0.6, 0.9, 0.1]  # s throttled so far; the last after a move
+    beats = [
+        Heartbeat(job=job, node="n0", rank=r, ts_ns=t0 + i * 10**9, cpu_ns=i * 10**9,
+                  cpu_wait_ns=i * 10**8, cpu_throttled_ns=int(h * 1e9) if r == 0 else None)
+        for i, h in enumerate(held) for r in (0, 1)
+    ]  # fmt: skip
+    insert_records(ch, db, beats)
+    now = t0 // 10**9
+    got = panel(ch, {"db": db, "job": job, "range": (now - 60, now + 60)}, JOB, "cpu_wait")
+    by_rank: dict[str, list[Any]] = {}
+    for r in got:
+        by_rank.setdefault(r["rank"], []).append(r["cpu_throttled_s_per_s"])
+    assert by_rank["0"] == pytest.approx([0.0, 0.3, 0.3, 0.3, 0.0])
+    assert by_rank["1"] == [None] * 5
+    assert all(r["cpu_wait_s_per_s"] == pytest.approx(0.1) for r in got)

@@ -104,6 +104,27 @@ def test_a_cpu_quota_makes_the_rank_late_for_its_collectives(runs) -> None:
     assert all(mean["after"][1] > 1.5 * mean["after"][r] for r in (0, 2, 3)), mean
 
 
+def test_the_throttled_ranks_heartbeats_carry_the_time_its_quota_held_it_back(runs) -> None:
+    """Each rank reads its own cgroup's throttled time, as a pod's rank does: the rank under
+    the quota shows it growing while the quota lasts, the others none."""
+    from schemas.records import Heartbeat
+
+    run = runs["ddp-slow-rank"]
+    onset = run.injected[0].onset_ns
+    _, lifted = run.injected[0].throttled
+    beats: dict[int, list[Heartbeat]] = defaultdict(list)
+    for r in run.records:
+        if isinstance(r, Heartbeat) and onset + 500_000_000 < r.ts_ns < lifted:
+            beats[r.rank].append(r)
+    held = {}
+    for rank, hbs in beats.items():
+        a, b = hbs[0], hbs[-1]
+        assert a.cpu_throttled_ns is not None and b.cpu_throttled_ns is not None
+        held[rank] = (b.cpu_throttled_ns - a.cpu_throttled_ns) / (b.ts_ns - a.ts_ns)
+    assert held[1] > 0.3, held
+    assert all(held[r] < 0.02 for r in (0, 2, 3)), held
+
+
 def test_a_stopped_rank_goes_silent_while_the_others_go_on(runs) -> None:
     """SIGSTOP and SIGKILL: nothing from the rank from soon after the fault until the lab
     ends the job (a stopped rank is continued just before it is killed). The others of a
