@@ -16,8 +16,9 @@ Heartbeats may also carry the kernel's account of the rank's CPU quota
 *throttled share*, names a rank held back by its container's limit where the wait
 share cannot: a rank that mostly sleeps in its transfers behind a slow link waits
 little for a CPU, yet its quota holds back what it does compute. It stands apart
-from a tenth of the time (:data:`THROTTLED_APART`): at that, the quota cost at
-most a tenth of the time, the least slowdown worth a verdict.
+from a tenth of a second a second (:data:`THROTTLED_APART`; the kernel counts each
+CPU the quota held back, so a busy rank on several CPUs can pass 1): below that the
+quota cost less than the least slowdown worth a verdict.
 
 >>> cpu = CpuWaits()
 >>> for t in range(9):  # 4 ranks, a heartbeat a second; rank 1 starved from t=5 s

@@ -72,12 +72,12 @@ def cpu_wait(evidence: dict[str, float]) -> str:
     'waiting for a CPU 1.84 s a second (the job usually 0.21)'
     >>> cpu_wait({"cpu_wait_share": 0.12, "usual_cpu_wait_share": 0.05,
     ...           "cpu_throttled_share": 0.21, "usual_cpu_throttled_share": 0.0})
-    'held back by its CPU quota 21% of the time (the job usually 0%)'
+    'throttled by its CPU quota 0.21 s a second (the job usually 0.00)'
     """
     held = evidence.get("cpu_throttled_share")
-    if held is not None:
+    if held is not None:  # the kernel's throttled time counts each CPU the quota held back
         usual = evidence.get("usual_cpu_throttled_share", 0.0)
-        return f"held back by its CPU quota {held:.0%} of the time (the job usually {usual:.0%})"
+        return f"throttled by its CPU quota {held:.2f} s a second (the job usually {usual:.2f})"
     share = evidence.get("cpu_wait_share")
     if share is None:
         return ""

@@ -283,9 +283,13 @@ def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
         time.sleep(max(0.0, HANG_S - (time.monotonic() - hang_at)))
         ranks.dump_flight_recorders(stopped)  # as the watchdogs would, at their timeout
         ranks.kill()
-    ranks.wait(timeout_s=60 + 4 * case.steps)
+    else:
+        # faults last to the end of training, not through the processes' exit: a quota
+        # held through it would count the seconds their teardown was throttled
+        ranks.wait_step(case.steps - 1, timeout_s=60 + 4 * case.steps)
     for end in ends:
         end()
+    ranks.wait(timeout_s=60 + 4 * case.steps)
 
 
 def _lift(lab: NetLab, group: str, inj: Injected) -> None:

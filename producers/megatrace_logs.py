@@ -96,6 +96,7 @@ class MegatraceLogReader:
         self._ranks: dict[int, _RankState] = {}
         self._announced: set[int] = set()
         self._groups: dict[tuple[int, CommRole], tuple[int, tuple[int, ...]]] = {}
+        self._orders: dict[tuple[int, bool], list[int]] = {}
         self._group_members: dict[int, set[int]] = {}
         self._pending_groups: dict[int, list[Collective]] = {}
         self._comm_sizes: dict[int, tuple[int, dict[int, int]]] = {}
@@ -162,7 +163,15 @@ class MegatraceLogReader:
 
     # ------------------------------------------------------------------ p2p
     def _p2p_order(self, stage: int, sending: bool) -> list[int]:
-        """Directions (+1 down, -1 up) of one step's sends or receives on a stage."""
+        """Directions (+1 down, -1 up) of one step's sends or receives on a stage (walked
+        once per stage and direction: every transfer a log has asks)."""
+        key = (stage, sending)
+        found = self._orders.get(key)
+        if found is None:
+            found = self._orders[key] = self._walk_p2p_order(stage, sending)
+        return found
+
+    def _walk_p2p_order(self, stage: int, sending: bool) -> list[int]:
         last = self.cfg.pp - 1
         out = []
         for phase, _ in one_f_one_b(stage, self.cfg.pp, self.cfg.num_microbatches):

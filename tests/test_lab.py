@@ -171,6 +171,8 @@ def test_the_lab_writes_labels_from_what_it_did_and_keeps_recordings(runs, tmp_p
     # the kernel held the slow rank back a good share of the time (what a quota can cost)
     held, read_ns = slow.injected[0].throttled
     assert held / (read_ns - label.onset_ns) > 0.3
+    # read when training ended, not after the processes' exit (throttled too, not training)
+    assert 0 <= read_ns - max(m.end_ns for m in slow.marks) < 1e9
     from megatrace.lab_run import save
 
     save(slow, tmp_path / "rec")

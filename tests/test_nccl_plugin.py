@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from infra.kafka import producer_config
 from megatrace.cli import cli
 from producers.agent import AgentClient, NodeAgent
-from producers.host_cpu import process_cpu
+from producers.host_cpu import cgroup_throttled, process_cpu
 from producers.nccl_plugin import P2P, Plugin
 from schemas.codec import decode, write_jsonl
 from schemas.config import Settings
@@ -101,6 +101,13 @@ def test_a_multi_rank_collective_arrives_whole(
     # the process's CPU counters, where the kernel keeps them (read here as the plugin does)
     if process_cpu() is not None:
         assert all(b.cpu_ns and b.cpu_wait_ns is not None for b in beats)
+    # its CPU cgroups' throttled time, where readable (the plugin's C reading and the
+    # Python one find the same groups: both absent, or the plugin's none newer)
+    held = cgroup_throttled()
+    if held is None:
+        assert all(b.cpu_throttled_ns is None for b in beats)
+    else:
+        assert all(b.cpu_throttled_ns is not None and b.cpu_throttled_ns <= held for b in beats)
     for comm in comms:
         plugin.finalize(comm)
     events, sent, dropped = plugin.stats()

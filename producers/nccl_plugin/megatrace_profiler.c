@@ -616,16 +616,114 @@ static int mt_process_cpu(long long *run, long long *wait) {
   return r > 0;
 }
 
+/* Whether the comma-separated list `opts` names `word`. */
+static int mt_has_opt(const char *opts, const char *word) {
+  size_t n = strlen(word);
+  for (const char *p = opts; p != NULL;) {
+    if (strncmp(p, word, n) == 0 && (p[n] == ',' || p[n] == '\0')) return 1;
+    p = strchr(p, ',');
+    if (p) p++;
+  }
+  return 0;
+}
+
+/* The throttled time (ns) the cpu.stat in directory `dir` gives (cgroup v1's
+ * throttled_time, v2's throttled_usec); -1 where it has none. */
+static long long mt_stat_throttled(const char *dir) {
+  char path[1100], name[64];
+  long long value = 0, got = -1;
+  snprintf(path, sizeof path, "%s/cpu.stat", dir);
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  while (got < 0 && fscanf(f, "%63s %lld", name, &value) == 2) {
+    if (!strcmp(name, "throttled_time")) got = value;
+    if (!strcmp(name, "throttled_usec")) got = value * 1000;
+  }
+  fclose(f);
+  return got;
+}
+
+/* How long the process's CPU cgroup and those above it (to its mount's root: a pod's
+ * limit and its container's) were throttled, summed (ns); -1 where none is readable.
+ * The cgroup comes from /proc/self/cgroup (a v1 hierarchy with the cpu controller, else
+ * v2) and where it is mounted from mountinfo, read anew each time: a process can be
+ * moved. The same reading as producers/host_cpu.py's cgroup_throttled. */
+static long long mt_cgroup_throttled(void) {
+  char line[4096], cg[2][512] = {"", ""}, root[2][512], point[2][512];
+  int have[2] = {0, 0}, mounted[2] = {0, 0}; /* [0]: v1 with cpu, [1]: v2 */
+  FILE *f = fopen("/proc/self/cgroup", "r");
+  if (!f) return -1;
+  while (fgets(line, sizeof line, f)) {
+    line[strcspn(line, "\n")] = '\0';
+    char *ctrls = strchr(line, ':');
+    char *path = ctrls ? strchr(ctrls + 1, ':') : NULL;
+    if (!path) continue;
+    *path++ = '\0';
+    ctrls++;
+    int v2 = !strcmp(line, "0") && *ctrls == '\0';
+    if (v2 ? !have[1] : mt_has_opt(ctrls, "cpu")) {
+      snprintf(cg[v2], sizeof cg[v2], "%s", path);
+      have[v2] = 1;
+    }
+  }
+  fclose(f);
+  if (!(f = fopen("/proc/self/mountinfo", "r"))) return -1;
+  while (fgets(line, sizeof line, f)) {
+    char r[512], p[512], type[64], opts[512];
+    char *dash = strstr(line, " - ");
+    if (!dash || sscanf(line, "%*s %*s %*s %511s %511s", r, p) != 2 ||
+        sscanf(dash + 3, "%63s %*s %511s", type, opts) != 2)
+      continue;
+    int v2 = !strcmp(type, "cgroup2");
+    if ((!v2 && !(!strcmp(type, "cgroup") && mt_has_opt(opts, "cpu"))) || mounted[v2]) continue;
+    snprintf(root[v2], sizeof root[v2], "%s", r);
+    snprintf(point[v2], sizeof point[v2], "%s", p);
+    mounted[v2] = 1;
+  }
+  fclose(f);
+  for (int v2 = 0; v2 < 2; v2++) { /* v1's cpu hierarchy first (a hybrid host) */
+    if (!have[v2] || !mounted[v2]) continue;
+    const char *path = cg[v2];
+    size_t n = strlen(root[v2]);
+    if (strcmp(root[v2], "/") != 0) {
+      if (strncmp(path, root[v2], n) != 0 || (path[n] != '\0' && path[n] != '/')) continue;
+      path += n;
+    }
+    char dir[1100];
+    size_t base = strlen(point[v2]);
+    snprintf(dir, sizeof dir, "%s%s", point[v2], path);
+    while (strlen(dir) > base && dir[strlen(dir) - 1] == '/') dir[strlen(dir) - 1] = '\0';
+    long long total = 0;
+    int seen = 0;
+    for (;;) {
+      long long got = mt_stat_throttled(dir);
+      if (got >= 0) {
+        total += got;
+        seen = 1;
+      }
+      char *slash = strrchr(dir, '/');
+      if (strlen(dir) <= base || !slash || (size_t)(slash - dir) < base) break;
+      *slash = '\0';
+    }
+    if (seen) return total;
+  }
+  return -1;
+}
+
 static void mt_heartbeats(void) {
   /* one liveness record per global rank of this process, with its communicators' progress */
   static char buf[60000];
   size_t len = 0;
   int lines = 0;
   int64_t now = mt_now();
-  long long cpu_run = 0, cpu_wait = 0;
-  char cpu[96] = "";
+  long long cpu_run = 0, cpu_wait = 0, throttled = mt_cgroup_throttled();
+  char cpu[160] = "";
+  size_t at = 0;
   if (mt_process_cpu(&cpu_run, &cpu_wait))
-    snprintf(cpu, sizeof cpu, "\"cpu_ns\":%lld,\"cpu_wait_ns\":%lld,", cpu_run, cpu_wait);
+    at = (size_t)snprintf(cpu, sizeof cpu, "\"cpu_ns\":%lld,\"cpu_wait_ns\":%lld,", cpu_run,
+                          cpu_wait);
+  if (throttled >= 0 && at < sizeof cpu)
+    snprintf(cpu + at, sizeof cpu - at, "\"cpu_throttled_ns\":%lld,", throttled);
   pthread_mutex_lock(&g_ctx_lock);
   for (int i = 0; i < MT_MAX_CTX; i++) {
     mt_ctx *c = g_ctxs[i];
