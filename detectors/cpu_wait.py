@@ -78,28 +78,37 @@ class CpuStarved:
 
 
 class CpuWaits:
-    """Per rank, its heartbeats' run-queue wait and throttled counters over time (pure; bounded: the
-    last ``keep`` of each rank's, half a minute at two heartbeats a second; an older
-    shift start is taken from the oldest kept).
+    """Per rank, its heartbeats' run-queue wait and throttled counters over time (pure;
+    bounded: the last ``keep`` of each rank's, half a minute at two heartbeats a second;
+    an older shift start is taken from the oldest kept).
 
-    Kept as one row per rank, newest last, so that a shift's shares for thousands of
-    ranks are a few array operations, not a loop over ranks."""
+    Kept as one row per rank, a ring of ``keep`` columns each (a heartbeat writes three
+    numbers in place; thousands of ranks beat every step), read in time order only when
+    a shift's shares are asked for: a few array operations, not a loop over ranks."""
 
     def __init__(self, keep: int = 64) -> None:
         self.keep = keep
-        self.ts = np.zeros((0, keep), dtype=np.int64)  # ns; a row's newest in its last column
+        self.ts = np.zeros((0, keep), dtype=np.int64)  # ns
         self.waits = np.zeros((0, keep), dtype=np.int64)
         self.throttled = np.zeros((0, keep), dtype=np.int64)
-        self.count = np.zeros(0, dtype=np.int64)  # each row's samples (right-aligned)
+        self.count: list[int] = []  # each row's samples
+        self.head: list[int] = []  # each row's next column to write (its oldest, once full)
+
+    def __getstate__(self) -> dict[str, object]:
+        return {k: v for k, v in self.__dict__.items() if k != "_ordered"}  # a cache
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
-        if "throttled" not in state:  # pickled before heartbeats carried it
+        # pickled before: rows newest last (a ring whose next column is 0), no throttled
+        if "throttled" not in state:
             self.throttled = np.zeros_like(self.waits)
+        self.count = [int(n) for n in self.count]
+        if "head" not in state:
+            self.head = [0] * len(self.count)
 
     @property
     def empty(self) -> bool:
-        return not self.count.any()
+        return not any(self.count)
 
     def update(self, rank: int, ts_ns: int, wait_ns: int, throttled_ns: int | None = None) -> None:
         """A heartbeat's counters. One without the throttled counter (not readable this
@@ -110,36 +119,48 @@ class CpuWaits:
             self.ts = np.vstack([self.ts, pad])
             self.waits = np.vstack([self.waits, pad])
             self.throttled = np.vstack([self.throttled, pad])
-            self.count = np.concatenate([self.count, np.zeros(grow, dtype=np.int64)])
-        if self.count[rank] and ts_ns <= self.ts[rank, -1]:
+            self.count += [0] * grow
+            self.head += [0] * grow
+        n, col = self.count[rank], self.head[rank]
+        last = (col or self.keep) - 1
+        if n and ts_ns <= self.ts[rank, last]:
             return
         if throttled_ns is None:
-            throttled_ns = int(self.throttled[rank, -1])
-        for row, x in (
-            (self.ts[rank], ts_ns),
-            (self.waits[rank], wait_ns),
-            (self.throttled[rank], throttled_ns),
-        ):
-            row[:-1] = row[1:]
-            row[-1] = x
-        self.count[rank] = min(self.count[rank] + 1, self.keep)
+            throttled_ns = int(self.throttled[rank, last]) if n else 0
+        self.ts[rank, col] = ts_ns
+        self.waits[rank, col] = wait_ns
+        self.throttled[rank, col] = throttled_ns
+        self.head[rank] = col + 1 if col + 1 < self.keep else 0
+        if n < self.keep:
+            self.count[rank] = n + 1
+
+    def _in_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rings (times, waits, throttled) oldest to newest, the newest in the last
+        column; kept until the next heartbeat (a shift's shares ask several times)."""
+        key = (tuple(self.head), tuple(self.count))
+        if getattr(self, "_ordered", (None,))[0] != key:
+            order = (np.asarray(self.head)[:, None] + np.arange(self.keep)) % self.keep
+            rings = (self.ts, self.waits, self.throttled)
+            self._ordered = (key, tuple(np.take_along_axis(x, order, axis=1) for x in rings))
+        return self._ordered[1]
 
     def rates(self, start_ns: int, end_ns: int, throttled: bool = False) -> np.ndarray:
         """Every rank's seconds waited (or ``throttled``) per second from its sample
         nearest ``start_ns`` to its last one at or before ``end_ns`` (NaN: no such
         interval). A thread that ended takes its counts with it, and a process moved to
         another cgroup takes up that group's, so a counter that went down adds nothing."""
-        counter = self.throttled if throttled else self.waits
+        ts, waits, held = self._in_order()
+        counter = held if throttled else waits
         cols = np.arange(self.keep)
-        kept = cols >= (self.keep - self.count)[:, None]
-        a = np.argmin(np.where(kept, np.abs(self.ts - start_ns), np.iinfo(np.int64).max), axis=1)
-        upto = kept & (self.ts <= end_ns)
+        kept = cols >= (self.keep - np.asarray(self.count, dtype=np.int64))[:, None]
+        a = np.argmin(np.where(kept, np.abs(ts - start_ns), np.iinfo(np.int64).max), axis=1)
+        upto = kept & (ts <= end_ns)
         b = self.keep - 1 - np.argmax(upto[:, ::-1], axis=1)
         ok = upto.any(axis=1) & (b > a)
         grew = np.where(kept[:, 1:], np.clip(np.diff(counter, axis=1), 0, None), 0)
         waited = np.concatenate([np.zeros((len(b), 1)), np.cumsum(grew, axis=1)], axis=1)
         rows = np.arange(len(b))
-        span = (self.ts[rows, b] - self.ts[rows, a]).astype(float)
+        span = (ts[rows, b] - ts[rows, a]).astype(float)
         done = waited[rows, b] - waited[rows, a]
         return np.where(ok, done / np.where(ok, span, 1.0), np.nan)
 
@@ -154,7 +175,7 @@ class CpuWaits:
         """Every rank's wait (or ``throttled``) share from ``start_ns`` to ``end_ns``, and
         before it (over :data:`BEFORE_NS`); NaN where unknown. Ranks are 0..the highest
         seen."""
-        n = int(np.flatnonzero(self.count).max()) + 1 if not self.empty else 0
+        n = int(np.flatnonzero(self.count).max()) + 1 if not self.empty else 0  # ranks heard
         after = self.rates(start_ns, end_ns, throttled)[:n]
         return after, self.rates(start_ns - BEFORE_NS, start_ns, throttled)[:n]
 

@@ -310,3 +310,17 @@ def test_a_quota_for_a_step_is_labelled_at_the_steps_it_lasted() -> None:
         out.append(Iteration(job="j", step=step, end_ns=t, duration_ns=d, rank=0))
     onset, ended = out[19].end_ns + 1, out[21].end_ns - 1
     assert _cost(out, Injected(Fault("transient", 1, 20), onset, ended_ns=ended)) == 0.5
+
+
+def test_a_snapshot_from_before_the_rings_reads_the_same() -> None:
+    """A worker's snapshot kept each rank's samples newest last, without the throttled
+    counter: restored, it gives the same shares and takes new heartbeats after them."""
+    keep = 4
+    old = CpuWaits.__new__(CpuWaits)
+    ts = np.array([[0, 1, 2, 3], [0, 0, 2, 3]]) * S
+    waits = np.array([[0, 100, 200, 300], [0, 0, 500, 900]]) * 10**6
+    old.__setstate__({"keep": keep, "ts": ts, "waits": waits, "count": np.array([4, 2])})
+    assert old.rates(0, 3 * S).tolist() == pytest.approx([0.1, 0.4])
+    old.update(0, 4 * S, 700 * 10**6)
+    assert old.rates(1 * S, 4 * S).tolist()[0] == pytest.approx(0.2)
+    assert old.rates(0, 4 * S, throttled=True).tolist() == [0.0, 0.0]
