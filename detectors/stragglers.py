@@ -3,7 +3,9 @@ steps, time lost); the same culprit bursting again is intermittent.
 
 A burst is judged once as many steps as confirm a shift have followed it: slow steps
 that come back within them and stay are the first of a slowdown (a CPU quota lets a
-fast step through now and then), reported as that slowdown alone.
+fast step through now and then), reported as that slowdown alone; another burst within
+them, of the same culprit, its host or one of its host's ranks (or none named), is the
+same episode, judged as one once the steps after it passed.
 
 :class:`Stragglers` is the part of :class:`~detectors.slowdown_tracker.SlowdownTracker`
 that judges the change-point detector's bursts; it uses the tracker's verdict book,
@@ -52,13 +54,22 @@ class Stragglers:
         would confirm a shift followed (an earlier one held is reported now). A burst is
         a straggler's only with a rank or host named (transfers that took longer for a
         step are as often a busy host's collectives as its network's)."""
-        out = self._release_burst(rep)
         # the burst and the step after it (where its waits may spill): for a burst that
         # just ended, every step since its onset; for a spike that opened a shift, not
         # the shift's steps that followed
         inc = self.locate([r for r in self.ledger.since(onset) if r.step <= onset + length], topo)
-        if inc is not None and (inc.rank is not None or inc.culprit.kind == "node"):
-            due = rep.step + self.shift.persistence
+        named = inc is not None and (inc.rank is not None or inc.culprit.kind == "node")
+        held, due = self._held, rep.step + self.shift.persistence
+        if held is not None and rep.step <= held[3] and (not named or _one(inc, held[4])):
+            # another burst before the held one was due, of its culprit (or its host's,
+            # or one of its host's ranks) or of none named: one episode (a CPU quota lets
+            # a fast step through), held as one
+            first, top, _, _, found, bar = held
+            self._held = (first, max(top, ratio), onset + length - first, due, found, bar)
+            return []
+        out = self._release_burst(rep)
+        if named:
+            assert inc is not None
             self._held = (onset, ratio, length, due, inc, self.shift.bar)
         return out
 
@@ -168,6 +179,14 @@ class Stragglers:
         )
         done = self.book.resolve(kind.value, key, end)
         return [x for x in (v, done) if x is not None]
+
+
+def _one(a: Incident | None, b: Incident) -> bool:
+    """Whether ``a`` names what ``b`` does: the same culprit, or a host and one of its
+    ranks."""
+    if a is None or a.culprit == b.culprit:
+        return True
+    return {a.culprit.kind, b.culprit.kind} == {"node", "rank"} and a.node == b.node is not None
 
 
 __all__ = ["Stragglers"]

@@ -90,3 +90,17 @@ def test_who_waits_splits_at_the_break_below_not_at_one_rank_that_waited_far_lon
     blame[5] = 101.0
     (found,) = loc.who_waits([_report(3, wait, blame, 300.0)], topo, 100e6)
     assert (found.rank, found.cause.value) == (5, "compute")
+
+
+def test_slow_steps_with_fast_ones_between_then_for_good_are_one_slowdown() -> None:
+    """A GPU 3x slower at steps 12, 14 and 16 (a CPU quota lets a fast step through now
+    and then), then from step 18 on: one slowdown of that rank from step 12, not a
+    transient straggler before it."""
+    from producers.sim.faults import TransientGPU
+
+    faults: list[SlowGPU] = [
+        TransientGPU(onset_step=s, end_step=s + 1, rank=1, factor=3.0) for s in (12, 14, 16)
+    ]
+    faults.append(SlowGPU(onset_step=18, rank=1, factor=3.0))
+    found = _incidents(faults)
+    assert [(v.kind, v.rank, v.onset_step) for v in found] == [(VerdictKind.SLOWDOWN, 1, 12)]
