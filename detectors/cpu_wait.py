@@ -181,14 +181,15 @@ class CpuWaits:
 
 
 def _standing(
-    s: np.ndarray, b: np.ndarray, known: np.ndarray, apart: float
+    s: np.ndarray, b: np.ndarray, known: np.ndarray, apart: float, doubled: bool = False
 ) -> tuple[np.ndarray, float]:
     """Each rank's share above the job's usual one (the median of its lower half: at most
     half the job stands apart), in units of ``apart`` where it also grew by ``apart``
-    over its own before (where that is known), else -inf; and the usual share."""
+    over its own before (where that is known; and at least ``doubled`` it), else -inf;
+    and the usual share."""
     usual = float(np.median(np.sort(s[known])[: (len(known) + 1) // 2]))
     with np.errstate(invalid="ignore"):
-        grew = np.isnan(b) | (s - b >= apart)
+        grew = np.isnan(b) | ((s - b >= apart) & (not doubled or s >= 2 * b))
         return np.where(grew & ~np.isnan(s), (s - usual) / apart, -np.inf), usual
 
 
@@ -214,7 +215,9 @@ def starved(
     waiting, usual = _standing(s, b, known, apart)
     t_after, t_before = cpu.shares(start_ns, end_ns, throttled=True)
     t = np.array(t_after[:n])
-    held, usual_t = _standing(t, np.array(t_before[:n]), known, THROTTLED_APART)
+    # a quota already holding a rank back varies with what it runs: it began at the
+    # shift only where it at least doubled
+    held, usual_t = _standing(t, np.array(t_before[:n]), known, THROTTLED_APART, doubled=True)
     score = np.maximum(waiting, held)
     top = [int(r) for r in known[np.argsort(-score[known], kind="stable")] if score[r] >= 1]
     if not top:

@@ -116,6 +116,14 @@ def test_a_quota_that_always_held_a_rank_back_is_not_what_changed() -> None:
     assert starved(cpu, 5 * S, 10 * S, NODES) == ()
 
 
+def test_a_quota_holding_on_through_a_second_shift_is_not_what_changed_again() -> None:
+    """A host held back 1.1 s a second by its quota since the first shift: at a second
+    shift its ranks' throttled shares move as what they run does (one 1.25, one 1.2),
+    which is not a new quota on one of its ranks."""
+    cpu = _held([0.2] * 8, [0, 0, 0, 0, 0, 0, 1.1, 1.1], [0, 0, 0, 0, 0, 0, 1.25, 1.2])
+    assert starved(cpu, 5 * S, 10 * S, NODES) == ()
+
+
 def test_quotas_that_throttle_a_little_everywhere_name_nobody() -> None:
     """Every rank under a limit it sometimes meets (throttled 0 to 8% of the time, moving
     by up to 5 points at the shift, 30% noise per beat): nothing, over 200 jobs."""
