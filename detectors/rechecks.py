@@ -5,6 +5,8 @@ so a rank named then is reported at once and localised again once the shift has
 lasted ``settle_steps``: another rank or host found then takes over the incident (the
 same verdict, revised). Where that culprit is another open incident's already, the
 two told one fault twice: the later of them is closed, the earlier takes the culprit.
+A later shift whose culprit is not open has such ranks checked again before it opens
+an incident, so that a fault seen first on a peer stays one incident.
 
 :class:`Rechecks` is the part of :class:`~detectors.slowdown_tracker.SlowdownTracker`
 that does this; it uses the tracker's verdict book, ledger and localisation.

@@ -336,6 +336,9 @@ class SlowdownTracker(Stragglers, Rechecks):
             return self._update(rep, ratio)
         inc = found or Incident(JOB, Cause.UNKNOWN)
         culprit = inc.culprit
+        # a rank named from a shift's first steps may have been this culprit seen early:
+        # checked again first, so that one fault stays one incident
+        out = self._recheck(rep, topo) if culprit not in self.open and self._unsettled else []
         grew = culprit in self.open  # its slowdown grew: it keeps its onset
         if grew and (known := self.ledger.onset_step(culprit)) is not None:
             onset = known
@@ -349,7 +352,7 @@ class SlowdownTracker(Stragglers, Rechecks):
                     self._unsettled = {}
                 self._unsettled[culprit] = onset
         severity = self.ledger.share(culprit, duration)
-        out = self.links.severities(duration, rep)
+        out += self.links.severities(duration, rep)
         kind = culprit.verdict_kind
         inc.evidence = {
             **inc.evidence,

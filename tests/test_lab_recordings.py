@@ -407,3 +407,20 @@ def test_a_call_that_failed_with_a_killed_peer_is_not_taken_for_completed(order:
     completed, the next open call blamed rank 2)."""
     (hang,) = _verdicts("lab_megatron_killed_rank3_run3.jsonl.gz", order)
     assert (hang.kind.value, hang.rank) == ("hang", 3)
+
+
+@pytest.mark.parametrize("order", ["as-read", "polled"])
+def test_a_host_first_taken_for_one_of_its_peers_is_one_incident(order: str) -> None:
+    """Case ddp-slow-node (a run whose heartbeats carry the quota's throttled time): node
+    lab-n1 under a 0.25 CPU quota from step 13. The shift's first steps named rank 0 of
+    the other node; a second shift (3x) named the host. That host took over the first
+    incident: one slowdown of lab-n1 from step 13 held back by its quota, not a second
+    one told after it and closed."""
+    (slow,) = _verdicts("lab_ddp_slow_node1_run3.jsonl.gz", order)
+    assert (slow.kind.value, slow.node, slow.rank, slow.onset_step) == (
+        "slowdown",
+        "lab-n1",
+        None,
+        13,
+    )
+    assert slow.cause.value == "host_cpu" and slow.evidence["cpu_throttled_share"] > 0.3
