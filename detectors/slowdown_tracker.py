@@ -23,8 +23,6 @@ A job's tracker, after a simulated GPU slowed down (rank 7 from step 15):
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 import numpy as np
 
@@ -32,16 +30,17 @@ from detectors import texts
 from detectors.changepoint import ShiftDetector
 from detectors.cpu_wait import CpuWaits
 from detectors.cpu_wait import findings as cpu_findings
+from detectors.culprits import first_culprit
 from detectors.gpu_wait import GpuWaitBaseline
 from detectors.incidents import JOB, Culprit, Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
 from detectors.rechecks import Rechecks
-from detectors.slowdown import TOGETHER, SlowdownLocalizer
+from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepReport
 from detectors.stragglers import Stragglers
 from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
-from schemas.enums import Cause, Phase
+from schemas.enums import Cause
 
 
 class SlowdownTracker(Stragglers, Rechecks):
@@ -258,33 +257,7 @@ class SlowdownTracker(Stragglers, Rechecks):
             found += self.localizer.who_waits(reps, topo, increase)
             if not self.links.open:
                 found += self.localizer.slow_transfers(reps, topo, increase)
-        # a host first (as MEGATRACE checks it first): every rank on it slowed, and the
-        # one of them the critical path shows latest is only the most visible
-        found.sort(key=lambda f: f.cause is not Cause.HOST_CPU)
-        growths = sorted((g for f in found if (g := f.evidence.get("rank_lateness_growth_ns"))
-                          is not None), reverse=True)  # fmt: skip
-        for f in found:
-            if f.rank is not None and f.rank in link_ends and f.cause is not Cause.HOST_CPU:
-                continue  # (a slow link makes nobody wait for a CPU, nor spends a quota)
-            growth = f.evidence.get("rank_lateness_growth_ns")
-            if (
-                growth is not None
-                and growth < 0.25 * increase
-                and not _dominant(growth, growths, increase)
-            ):
-                continue  # too little of the lost time is this rank's own lateness
-            where: dict[str, Any] = dict(pp_stage=f.stage, microbatch=f.microbatch, node=f.node,
-                                         phase=Phase(f.phase) if f.phase else None,
-                                         evidence=dict(f.evidence))  # fmt: skip
-            if f.rank is not None:
-                ranks = _together(f, found, link_ends, 0.25 * increase)
-                return Incident(Culprit.rank(f.rank), f.cause, rank=f.rank,
-                                gpu=topo.gpu(f.rank), ranks=ranks, **where)  # fmt: skip
-            if f.link is not None:  # the network between nodes
-                where["phase"] = Phase.TRANSFER
-                return Incident(Culprit.network(f.link), f.cause, link=f.link, **where)
-            return Incident(Culprit.node(str(f.node)), f.cause, **where)
-        return None
+        return first_culprit(found, link_ends, increase, topo)
 
     # ------------------------------------------------------------------ incidents
     def _update(self, rep: StepReport, ratio: float) -> list[msgspec.Struct]:
@@ -384,41 +357,6 @@ class SlowdownTracker(Stragglers, Rechecks):
         )
         out += self._reprice(duration, rep, skip=culprit)  # the others' shares moved too
         return [*out, v] if v else out
-
-
-def _together(first: Any, found: list[Any], link_ends: set[int], least: float) -> tuple[int, ...]:
-    """The culprits of one incident: the ``first`` rank found and every other rank found
-    whose own lateness grew ``least`` or more and nearly as much as its (two ranks
-    slowed together); () where it is alone."""
-    growth = first.evidence.get("rank_lateness_growth_ns")
-    if growth is None or growth <= 0:
-        return ()
-    more = sorted({
-        f.rank for f in found
-        if f.rank is not None and f.rank != first.rank and f.rank not in link_ends
-        and (g := f.evidence.get("rank_lateness_growth_ns")) is not None
-        and g >= max(least, TOGETHER * growth)
-    })  # fmt: skip
-    return (first.rank, *more) if more else ()
-
-
-def _dominant(growth: float, growths: list[float], increase: float) -> bool:
-    """Whether a rank's lateness grew most, ``_DOMINANT`` times more than the next
-    candidate's, and by a tenth of the step time added: who made the others wait,
-    though waits that spread along a pipeline (each stage waits on the one before) make
-    the step lose more than the rank's own lateness (``growths``: every candidate's,
-    largest first)."""
-    runner_up = growths[1] if len(growths) > 1 else 0.0
-    return (
-        growth > 0
-        and growth == growths[0]
-        and growth >= _DOMINANT * max(runner_up, 0.0)
-        and growth >= 0.1 * increase
-    )
-
-
-#: a rank whose lateness grew this many times more than any other's is the culprit
-_DOMINANT = 3.0
 
 
 def _who(inc: Incident) -> str:
