@@ -646,11 +646,15 @@ static long long mt_stat_throttled(const char *dir) {
 /* How long the process's CPU cgroup and those above it (to its mount's root: a pod's
  * limit and its container's) were throttled, summed (ns); -1 where none is readable.
  * The cgroup comes from /proc/self/cgroup (a v1 hierarchy with the cpu controller, else
- * v2) and where it is mounted from mountinfo, read anew each time: a process can be
- * moved. The same reading as producers/host_cpu.py's cgroup_throttled. */
+ * v2), read anew each time since a process can be moved, and where it is mounted from
+ * mountinfo, read once. The same reading as producers/host_cpu.py's cgroup_throttled. */
 static long long mt_cgroup_throttled(void) {
-  char line[4096], cg[2][512] = {"", ""}, root[2][512], point[2][512];
-  int have[2] = {0, 0}, mounted[2] = {0, 0}; /* [0]: v1 with cpu, [1]: v2 */
+  /* where the hierarchies are mounted is read once (the heartbeat thread alone calls
+   * this); which group the process is in, every time */
+  static char root[2][512], point[2][512];
+  static int mounted[2] = {0, 0}, mounts_read = 0; /* [0]: v1 with cpu, [1]: v2 */
+  char line[4096], cg[2][512] = {"", ""};
+  int have[2] = {0, 0};
   FILE *f = fopen("/proc/self/cgroup", "r");
   if (!f) return -1;
   while (fgets(line, sizeof line, f)) {
@@ -667,8 +671,13 @@ static long long mt_cgroup_throttled(void) {
     }
   }
   fclose(f);
-  if (!(f = fopen("/proc/self/mountinfo", "r"))) return -1;
-  while (fgets(line, sizeof line, f)) {
+  if (!mounts_read) {
+    if (!(f = fopen("/proc/self/mountinfo", "r"))) return -1;
+    mounts_read = 1;
+  } else {
+    f = NULL;
+  }
+  while (f && fgets(line, sizeof line, f)) {
     char r[512], p[512], type[64], opts[512];
     char *dash = strstr(line, " - ");
     if (!dash || sscanf(line, "%*s %*s %*s %511s %511s", r, p) != 2 ||
@@ -680,7 +689,7 @@ static long long mt_cgroup_throttled(void) {
     snprintf(point[v2], sizeof point[v2], "%s", p);
     mounted[v2] = 1;
   }
-  fclose(f);
+  if (f) fclose(f);
   for (int v2 = 0; v2 < 2; v2++) { /* v1's cpu hierarchy first (a hybrid host) */
     if (!have[v2] || !mounted[v2]) continue;
     const char *path = cg[v2];
