@@ -56,7 +56,7 @@ class ShiftDetector:
     warmup
         Values used to seed the baseline (median).
     min_shift
-        Minimum relative increase that counts (0.07 = 7% slower).
+        Minimum relative increase that counts (0.05 = 5% slower).
     persistence
         Consecutive values over ``1 + min_shift`` needed for a shift; shorter
         excursions are bursts.
@@ -71,7 +71,7 @@ class ShiftDetector:
     def __init__(
         self,
         warmup: int = 5,
-        min_shift: float = 0.07,
+        min_shift: float = 0.05,
         persistence: int = 3,
         threshold: float = 0.1,
         delta: float = 0.02,

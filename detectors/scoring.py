@@ -71,7 +71,7 @@ class Score:
         verdicts: Sequence[Verdict],
         steps: int,
         step_ns: float,
-        required_cost: float = 0.10,
+        required_cost: float = 0.05,
     ) -> None:
         latest: dict[str, Verdict] = {}
         for v in verdicts:

@@ -97,7 +97,7 @@ class SlowdownTracker(Stragglers, Rechecks):
         settle_steps: int = 8,
         link_wait_ms: float = 1000.0,
         gpu_wait_confirms: float = 3.0,
-        transient_floor: float = 0.5,
+        transient_floor: float = 0.3,
         held_share: float = 0.25,
         cpu: CpuWaits | None = None,
     ) -> None:

@@ -100,7 +100,11 @@ class Stragglers:
     def _burst(
         self, inc: Incident, onset: int, ratio: float, length: int, rep: StepReport, bar: float
     ) -> list[msgspec.Struct]:
-        """A burst of ``inc``'s: a transient straggler, or intermittent if it came before."""
+        """A burst of ``inc``'s: a transient straggler, or intermittent if it came before.
+        Only one well clear of the noise (twice ``bar``, as a lone slow value must be)
+        counts: a step a few percent slow, explained or not, repeats no straggler."""
+        if ratio < 1.0 + 2 * bar:
+            return []
         bursts = self.bursts.setdefault(inc.culprit, [])
         bursts.append((onset, ratio, length))
         if len(bursts) < 2:

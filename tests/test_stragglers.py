@@ -104,3 +104,45 @@ def test_slow_steps_with_fast_ones_between_then_for_good_are_one_slowdown() -> N
     faults.append(SlowGPU(onset_step=18, rank=1, factor=3.0))
     found = _incidents(faults)
     assert [(v.kind, v.rank, v.onset_step) for v in found] == [(VerdictKind.SLOWDOWN, 1, 12)]
+
+
+def test_a_rank_of_64_computing_a_tenth_slower_is_named() -> None:
+    """One rank of a 64-rank data-parallel job computing 10% slower from step 15 makes
+    every gradient all-reduce wait for it: about 6% of the step, a slowdown of that rank
+    (the least step-time increase called one is 5%)."""
+    spec = scale_spec("small", job="dp64", seed=3, tp=1, pp=1, dp=64, global_batch_size=256,
+                      fwd_ms_per_layer=4.0)  # fmt: skip
+    run = Run("dp64", spec, [SlowGPU(onset_step=15, rank=28, factor=1.10)], steps=30)
+    found = [v for v in Replay().run(run.records()) if isinstance(v, Verdict)]
+    (label,) = run.labels
+    assert 0.05 < label.throughput_cost < 0.08
+    assert {(v.kind, v.rank, v.onset_step) for v in found} == {(VerdictKind.SLOWDOWN, 28, 15)}
+
+
+def test_a_small_burst_after_a_transient_straggler_does_not_make_it_intermittent() -> None:
+    """A GPU 3x slower for one step, then 1.15x for two (its steps 8% slower,
+    within twice the noise): one transient straggler, not an intermittent one."""
+    from producers.sim.faults import TransientGPU
+
+    faults: list[SlowGPU] = [
+        TransientGPU(onset_step=10, end_step=11, rank=1, factor=3.0),
+        TransientGPU(onset_step=20, end_step=22, rank=1, factor=1.15),
+    ]
+    found = _incidents(faults)
+    assert [(v.kind, v.rank, v.onset_step) for v in found] == [
+        (VerdictKind.TRANSIENT_STRAGGLER, 1, 10)
+    ]
+
+
+def test_a_gpu_twice_as_slow_for_one_step_is_a_transient_straggler() -> None:
+    """A GPU 2x slower for one step of a pipeline makes its step well under 1.5x (the
+    other stages' work is not slower): a transient straggler of that rank, the time it
+    lost with it."""
+    from producers.sim.faults import TransientGPU
+
+    found = _incidents([TransientGPU(onset_step=14, end_step=15, rank=6, factor=2.0)])
+    assert [(v.kind, v.rank, v.onset_step) for v in found] == [
+        (VerdictKind.TRANSIENT_STRAGGLER, 6, 14)
+    ]
+    (v,) = found
+    assert 1.2 < v.evidence["step_time_ratio"] < 1.5 and v.evidence["time_lost_ns"] > 0

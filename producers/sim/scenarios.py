@@ -194,6 +194,16 @@ def _slow_gpu(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault
     ]
 
 
+def _mild_gpu(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+    return [
+        SlowGPU(
+            onset_step=_onset(spec, rng, steps),
+            rank=_stage_rank(spec, rng),
+            factor=float(rng.choice([1.10, 1.12, 1.15])),
+        )
+    ]
+
+
 def _intermittent(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
     return [
         IntermittentGPU(
@@ -336,11 +346,19 @@ class ScenarioDef:
     description: str
     faults: Callable[[JobSpec, np.random.Generator, int], list[Fault]]
     steps: int = 40
+    #: the job's spec where the scenario needs one of its own (a scale's otherwise)
+    spec: dict[str, object] = field(default_factory=dict)
 
 
 SCENARIOS: dict[str, ScenarioDef] = {
     "healthy": ScenarioDef("noise only: jitter, persistent per-rank offsets, clock skew", _healthy),
     "slow-gpu": ScenarioDef("one GPU computes 1.3-2x slower from a random step", _slow_gpu),
+    "mild-gpu": ScenarioDef(
+        "one GPU computes 1.10-1.15x slower from a random step, in a compute-bound job "
+        "(4 ms a layer's forward)",
+        _mild_gpu,
+        spec={"fwd_ms_per_layer": 4.0},
+    ),
     "intermittent-gpu": ScenarioDef(
         "one GPU slows 2x for 2-step bursts, periodically", _intermittent, steps=60
     ),
@@ -386,7 +404,7 @@ def build(
         job=str(spec_over.pop("job", f"{name}-{scale}-s{seed}")),
         seed=seed,
         t0_ns=time.time_ns() if spec_over.pop("now", False) else JobSpec.t0_ns,
-        **spec_over,
+        **{**sdef.spec, **spec_over},
     )
     n = steps or sdef.steps
     rng = np.random.default_rng([seed, 7919])
