@@ -101,8 +101,14 @@ class Stragglers:
         self, inc: Incident, onset: int, ratio: float, length: int, rep: StepReport, bar: float
     ) -> list[msgspec.Struct]:
         """A burst of ``inc``'s: a transient straggler, or intermittent if it came before.
+        Its steps are judged by their own times against the level before them (what is
+        reported; the detector's ratio is clipped, and over a noisy job's baseline).
         Only one well clear of the noise (twice ``bar``, as a lone slow value must be)
         counts: a step a few percent slow, explained or not, repeats no straggler."""
+        reps = [r for r in self.ledger.recent if onset <= r.step < onset + length and r.complete]
+        level = self.ledger.level_before_step(onset)
+        if reps and level > 0:
+            ratio = float(np.mean([r.duration_ns for r in reps])) / level
         if ratio < 1.0 + 2 * bar:
             return []
         bursts = self.bursts.setdefault(inc.culprit, [])
@@ -152,8 +158,6 @@ class Stragglers:
         reps = [r for r in self.ledger.recent if onset <= r.step < onset + length and r.complete]
         level = self.ledger.level_before_step(onset)
         lost = sum(max(0.0, r.duration_ns - level) for r in reps)
-        if reps and level > 0:  # the steps' own ratio (the detector's is clipped)
-            ratio = float(np.mean([r.duration_ns for r in reps])) / level
         inc.evidence = {
             **inc.evidence,
             "time_lost_ns": float(lost),
