@@ -63,8 +63,33 @@ def parse_text(text: str) -> tuple[list[CallLine], int]:
     >>> [(c.ts_ns, c.op.value) for c in calls], other
     ([(1500000000, 'AllReduce')], 2)
     """
-    out = [c for groups in _LINE.findall(text) if (c := _call(*groups)) is not None]
+    # _call's work inlined, with a file's few ranks and streams converted once each: a
+    # log has hundreds of thousands of lines
+    out: list[CallLine] = []
+    append, new, funcs = out.append, tuple.__new__, _FUNCS
+    ranks: dict[str, int] = {}
+    streams: dict[str, int] = {}
+    for sec, frac, rank, fun, data, stream, opc, gh in _LINE.findall(text):
+        op = funcs.get(fun)
+        if op is None:
+            continue
+        r = ranks.get(rank)
+        if r is None:
+            r = ranks[rank] = int(rank)
+        s = streams.get(stream)
+        if s is None:
+            s = streams[stream] = _stream(stream)
+        ts = int(sec + frac if len(frac) == 9 else sec + (frac + "000000000")[:9])
+        ids = (int(opc, 0) if opc else None, int(gh) & _U64 if gh else None)
+        append(new(CallLine, (ts, r, op, int(data), s, *ids)))
     return out, len(_NOT_BLANK.findall(text)) - len(out)
+
+
+_U64 = 2**64 - 1
+
+
+def _stream(stream: str) -> int:
+    return int(stream, 16) if stream[:2] in ("0x", "0X") else int(stream)
 
 
 def _call(
@@ -80,9 +105,9 @@ def _call(
         int(rank),
         op,
         int(data),
-        int(stream, 16) if stream[:2] in ("0x", "0X") else int(stream),
+        _stream(stream),
         int(opc, 0) if opc else None,
-        int(gh) & (2**64 - 1) if gh else None,
+        int(gh) & _U64 if gh else None,
     )
 
 

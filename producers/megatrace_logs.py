@@ -70,6 +70,9 @@ class _RankState:
     #: stream -> how it begins (its communicator's members are the ranks beginning alike)
     signatures: dict[int, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     tp_count: int | None = None  # one stream for all collectives: the TP group's size
+    #: stream -> (communicator, its size, the rank's place in it, what was inferred) once
+    #: its communicator is known (a log has hundreds of thousands of its calls)
+    routes: dict[int, tuple[int, int, int, str]] = field(default_factory=dict)
 
 
 class MegatraceLogReader:
@@ -90,6 +93,8 @@ class MegatraceLogReader:
             config.world_size, config.tp, config.pp, config.dp, 1, config.gpus_per_node
         )
         self.layout = self._layout.groups()
+        self._nodes = [self._layout.node(r) for r in range(config.world_size)]
+        self._dtype_bytes = DTYPE_BYTES[config.dtype]
         self.inferred: Counter[str] = Counter()
         #: calls of ranks outside the configured world (left out), per rank
         self.outside: dict[int, int] = {}
@@ -145,7 +150,7 @@ class MegatraceLogReader:
     def _record(self, c: CallLine, h: int, size: int, rank_in: int, seq: int, peer=None):
         return Collective(
             job=self.job,
-            node=self.node(c.rank),
+            node=self._nodes[c.rank],
             rank=c.rank,
             comm_hash=h,
             comm_size=size,
@@ -153,7 +158,7 @@ class MegatraceLogReader:
             op=c.op,
             seq=seq,
             count=c.count,
-            size_bytes=c.count * DTYPE_BYTES[self.cfg.dtype],
+            size_bytes=c.count * self._dtype_bytes,
             dtype=self.cfg.dtype,
             enqueue_ns=c.ts_ns,
             end_ns=c.ts_ns,
@@ -225,15 +230,22 @@ class MegatraceLogReader:
         return found
 
     def _inferred_collective(self, c: CallLine, st: _RankState) -> list[msgspec.Struct]:
+        known = st.routes.get(c.stream)
+        if known is not None:
+            h, size, rank_in, why = known
+            self.inferred[why] += 1
+            seq = st.seq.get(h, 0)
+            st.seq[h] = seq + 1
+            return [self._record(c, h, size, rank_in, seq)]
         cfg = self.cfg
         role = st.roles.get(c.stream) if st.roles else None
+        by_stream = role is not None
         if role is CommRole.OTHER:
             if not self._others_settled:
                 self._held.append(c)
                 return []
             h, role, members = self._others[st.signatures[c.stream]]
-            how = "the ranks whose streams begin alike"
-            self.inferred[f"{role.value} communicator from {how}"] += 1
+            why = f"{role.value} communicator from the ranks whose streams begin alike"
         else:
             if role is None and cfg.tp > 1 and cfg.dp > 1:
                 role = CommRole.TP if c.count == st.tp_count else CommRole.DP
@@ -241,7 +253,10 @@ class MegatraceLogReader:
                 role = CommRole.TP if cfg.tp > 1 else CommRole.DP if cfg.dp > 1 else CommRole.WORLD
             h, members = self._group(c.rank, role)
             how = "its stream" if st.roles else "the rank layout and call sizes"
-            self.inferred[f"{role.value} communicator from {how}"] += 1
+            why = f"{role.value} communicator from {how}"
+        self.inferred[why] += 1
+        if by_stream:
+            st.routes[c.stream] = (h, len(members), members.index(c.rank), why)
         seq = st.seq.get(h, 0)
         st.seq[h] = seq + 1
         rec = self._record(c, h, len(members), members.index(c.rank), seq)

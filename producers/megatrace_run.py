@@ -262,8 +262,9 @@ def import_dir(
         records += marks
         report.training_log, report.iterations = files.training.name, len(marks)  # type: ignore[union-attr]
     layout = (JobInfo, RankInfo, CommInfo)
-    records.sort(key=lambda r: (not isinstance(r, layout), _time(r)))
-    return records, report
+    first = [r for r in records if isinstance(r, layout)]
+    rest = [r for r in records if not isinstance(r, layout)]
+    return sorted(first, key=_time) + sorted(rest, key=_time), report
 
 
 def follow_dir(
