@@ -56,6 +56,7 @@ from schemas.records import Collective, CommInfo
 LEARN_CALLS = 512
 #: the calls that make a stream's signature (ranks whose streams begin alike share it)
 _SIGNATURE_CALLS = 8
+_P2P = frozenset((CollOp.SEND, CollOp.RECV))
 
 
 @dataclass
@@ -348,7 +349,7 @@ class MegatraceLogReader:
             if not self._meta_done:
                 out += self._meta(c.ts_ns)
             st = self._ranks.get(c.rank) or self._ranks.setdefault(c.rank, _RankState())
-            if c.op.is_p2p:
+            if c.op in _P2P:
                 out += self._p2p(c, st)
             elif c.group_hash is not None and c.op_count is not None:
                 out += self._hashed_collective(c)
