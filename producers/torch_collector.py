@@ -536,7 +536,9 @@ class Collector:
                 next_hb = time.monotonic() + self.heartbeat_s
             if out:
                 self.sink(out)
-        self.sink(self.drain())
+        # the last word, also when the process exits: a rank whose call failed because a
+        # peer died is seen to have got as far as the others (a killed rank says nothing)
+        self.sink([*self.drain(), self.heartbeat()])
 
     # ------------------------------------------------------------------ control
     def install(self) -> Collector:
@@ -562,6 +564,8 @@ class Collector:
                     setattr(module, name, wrap)
         self._thread = threading.Thread(target=self._loop, name="megatrace-collector", daemon=True)
         self._thread.start()
+        # after the sink's own exit handler (they run last first): ours still has its sink
+        atexit.register(self._stop_thread)
         return self
 
     def _start_kernels(self) -> None:
@@ -583,6 +587,12 @@ class Collector:
         if self._cupti is not None:
             self._cupti.stop()
             self._cupti, self._mark = None, contextlib.nullcontext
+        atexit.unregister(self._stop_thread)
+        self._stop_thread()
+
+    def _stop_thread(self) -> None:
+        """The collector's thread ends with what it still holds and a last heartbeat (at
+        uninstall, and when the process exits: training over, or failed)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
@@ -608,19 +618,30 @@ class _Work:
 
     def is_completed(self) -> bool:
         done = bool(self._work.is_completed())
-        if done:
+        if done and _succeeded(self._work.get_future()):
             self._done()
         return done
 
     def get_future(self) -> Any:
-        """The work's future; its completion stamps the calls (DDP's communication hooks
+        """The work's future; its success stamps the calls (DDP's communication hooks
         chain on it and never wait)."""
         fut = self._work.get_future()
-        fut.add_done_callback(lambda _: self._done())
+        fut.add_done_callback(lambda f: self._done() if _succeeded(f) else None)
         return fut
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
+
+
+def _succeeded(fut: Any) -> bool:
+    """Whether a finished future succeeded. A call that failed (its peer died, and Gloo
+    says so at once) is not completed: it stays unfinished, as the peer's call does, and
+    the rank is seen waiting in it."""
+    try:
+        fut.value()
+    except Exception:
+        return False
+    return True
 
 
 def _returned(entry: list[Any], gpu: GpuTimer | None) -> None:

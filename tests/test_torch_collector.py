@@ -221,3 +221,67 @@ def test_a_cuda_call_the_gpu_never_finishes_stays_unfinished(pg: None) -> None:
         col.uninstall()
     assert partial.start_ns is not None and partial.end_ns is None
     assert col.heartbeat().comms[0].completed_seq == -1
+
+
+_FAILS = """
+import socket, sys, time
+import torch, torch.distributed as dist
+from producers import torch_collector
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+torch_collector.enable("j", heartbeat_s=3600)
+time.sleep(0.3)  # the first heartbeat goes out before any call
+dist.all_reduce(torch.ones(4))
+raise RuntimeError("Connection closed by peer")  # as Gloo fails a call whose peer died
+"""
+
+
+def test_a_process_that_fails_sends_what_it_holds_and_a_last_heartbeat(tmp_path) -> None:
+    """Training that ends in an error (a peer gone) still tells how far the rank got: its
+    calls and a heartbeat, sent as the process exits."""
+    import os
+    import subprocess
+
+    from schemas.codec import read_jsonl
+
+    out = tmp_path / "records.jsonl"
+    env = {**os.environ, "MEGATRACE_COLLECT_FILE": str(out)}
+    p = subprocess.run([sys.executable, "-c", _FAILS], env=env, capture_output=True, timeout=120)
+    assert p.returncode == 1 and b"Connection closed by peer" in p.stderr
+    records = list(read_jsonl(out))
+    (call,) = [r for r in records if isinstance(r, Collective)]
+    beats = [r for r in records if isinstance(r, Heartbeat)]
+    assert len(beats) == 2 and not beats[0].comms  # before the call, then at exit
+    assert beats[-1].comms[0].completed_seq == 0 and beats[-1].ts_ns >= call.end_ns
+
+
+class _FinishedWork:
+    """A finished torch ``Work`` whose future holds a result or an error."""
+
+    def __init__(self, error: Exception | None) -> None:
+        self.fut = torch.futures.Future()
+        if error is None:
+            self.fut.set_result([torch.ones(1)])
+        else:
+            self.fut.set_exception(error)
+
+    def get_future(self) -> Any:
+        return self.fut
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("how", ["future", "is_completed"])
+def test_a_call_that_failed_is_not_completed(how: str) -> None:
+    """Gloo fails a call at once when its peer dies: the call stays unfinished (the rank
+    waits in it, as its peers do), where one that succeeded is stamped done."""
+    entries = {ok: [None] * 12 for ok in (True, False)}
+    for ok, entry in entries.items():
+        work = torch_collector._Work(_FinishedWork(None if ok else RuntimeError("peer gone")),
+                                     [entry])  # fmt: skip
+        if how == "future":
+            work.get_future()
+        else:
+            assert work.is_completed()
+    assert entries[True][6] is not None and entries[False][6] is None
