@@ -114,7 +114,7 @@ class Stragglers:
         bursts = self.bursts.setdefault(inc.culprit, [])
         bursts.append((onset, ratio, length))
         if len(bursts) < 2:
-            return self._transient(inc, onset, ratio, length, rep, bar)
+            return self._transient(inc, onset, ratio, length, rep, bar, reps, level)
         first = bursts[0][0]
         span = max(1, rep.step - first + 1)
         extra = sum((r - 1) * n for _, r, n in bursts)
@@ -147,7 +147,15 @@ class Stragglers:
         return [v] if v else []
 
     def _transient(
-        self, inc: Incident, onset: int, ratio: float, length: int, rep: StepReport, bar: float
+        self,
+        inc: Incident,
+        onset: int,
+        ratio: float,
+        length: int,
+        rep: StepReport,
+        bar: float,
+        reps: list[StepReport],
+        level: float,
     ) -> list[msgspec.Struct]:
         """A straggler for a step or a few, over already: reported with its culprit and the
         time it cost, and resolved at once (a second one makes it intermittent). Only one
@@ -155,8 +163,6 @@ class Stragglers:
         change-point detector's when it ended)."""
         if ratio < 1.0 + max(self.transient_floor, 2 * bar):
             return []
-        reps = [r for r in self.ledger.recent if onset <= r.step < onset + length and r.complete]
-        level = self.ledger.level_before_step(onset)
         lost = sum(max(0.0, r.duration_ns - level) for r in reps)
         inc.evidence = {
             **inc.evidence,

@@ -618,9 +618,16 @@ class _Work:
 
     def is_completed(self) -> bool:
         done = bool(self._work.is_completed())
-        if done and _succeeded(self._work.get_future()):
+        if done and self._succeeded():
             self._done()
         return done
+
+    def _succeeded(self) -> bool:
+        try:
+            fut = self._work.get_future()
+        except Exception:  # a backend without futures: completed is all it says
+            return True
+        return _succeeded(fut)
 
     def get_future(self) -> Any:
         """The work's future; its success stamps the calls (DDP's communication hooks
@@ -634,9 +641,12 @@ class _Work:
 
 
 def _succeeded(fut: Any) -> bool:
-    """Whether a finished future succeeded. A call that failed (its peer died, and Gloo
-    says so at once) is not completed: it stays unfinished, as the peer's call does, and
-    the rank is seen waiting in it."""
+    """Whether a work's future says it succeeded. A call that failed (its peer died, and
+    Gloo says so at once) is not completed: it stays unfinished, as the peer's call does,
+    and the rank is seen waiting in it. A future not done yet (NCCL's is set after its
+    events completed) does not say otherwise."""
+    if not fut.done():
+        return True
     try:
         fut.value()
     except Exception:

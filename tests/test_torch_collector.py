@@ -272,6 +272,26 @@ class _FinishedWork:
         return True
 
 
+class _FuturelessWork(_FinishedWork):
+    """A finished ``Work`` of a backend without futures, or whose future is not set yet."""
+
+    def __init__(self, unset: bool) -> None:
+        self.unset = unset
+        self.fut = torch.futures.Future()
+
+    def get_future(self) -> Any:
+        if self.unset:
+            return self.fut
+        raise RuntimeError("this backend has no futures")
+
+
+@pytest.mark.parametrize("unset", [True, False], ids=["future-not-set-yet", "no-futures"])
+def test_a_completed_call_whose_future_says_nothing_is_completed(unset: bool) -> None:
+    entry: list[Any] = [None] * 12
+    assert torch_collector._Work(_FuturelessWork(unset), [entry]).is_completed()
+    assert entry[6] is not None
+
+
 @pytest.mark.parametrize("how", ["future", "is_completed"])
 def test_a_call_that_failed_is_not_completed(how: str) -> None:
     """Gloo fails a call at once when its peer dies: the call stays unfinished (the rank
