@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -184,22 +185,17 @@ def _healthy(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]
     return []
 
 
-def _slow_gpu(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
+def _slow_gpu(
+    spec: JobSpec,
+    rng: np.random.Generator,
+    steps: int,
+    factors: tuple[float, ...] = (1.3, 1.5, 2.0),
+) -> list[Fault]:
     return [
         SlowGPU(
             onset_step=_onset(spec, rng, steps),
             rank=_stage_rank(spec, rng),
-            factor=float(rng.choice([1.3, 1.5, 2.0])),
-        )
-    ]
-
-
-def _mild_gpu(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    return [
-        SlowGPU(
-            onset_step=_onset(spec, rng, steps),
-            rank=_stage_rank(spec, rng),
-            factor=float(rng.choice([1.10, 1.12, 1.15])),
+            factor=float(rng.choice(factors)),
         )
     ]
 
@@ -356,7 +352,7 @@ SCENARIOS: dict[str, ScenarioDef] = {
     "mild-gpu": ScenarioDef(
         "one GPU computes 1.10-1.15x slower from a random step, in a compute-bound job "
         "(4 ms a layer's forward)",
-        _mild_gpu,
+        functools.partial(_slow_gpu, factors=(1.10, 1.12, 1.15)),
         spec={"fwd_ms_per_layer": 4.0},
     ),
     "intermittent-gpu": ScenarioDef(
