@@ -126,10 +126,8 @@ class SlowdownLocalizer:
                 self.base_blame = np.median(np.array(self._blame), axis=0)
                 self.base_wait = np.median(np.array(self._wait), axis=0)
                 self._wait = []
-                comms = {c for x in self._xsum for c in x}
-                self.base_xsum = {
-                    c: float(np.median([x.get(c, 0) for x in self._xsum])) for c in comms
-                }
+                comms = dict.fromkeys(c for x in self._xsum for c in x)
+                self.base_xsum = _medians({c: [x.get(c, 0) for x in self._xsum] for c in comms})
                 self.expected = _medians(self._seed_nodes)
                 self._late, self._lead, self._blame, self._seed_nodes = [], [], [], {}
                 self._xsum = []

@@ -121,13 +121,36 @@ class StepAssembler:
         self._parts.setdefault(part.step, []).append(part)
         comms = part.comms or (part.comm_hash,)
         self._reported.setdefault(part.step, set()).update(comms)
-        ends = self.__dict__.setdefault("_comm_end", {})
+        ends, end = self.__dict__.setdefault("_comm_end", {}), part.end
+        low, high = self._end_bounds()
         for c in comms:
-            if part.end > ends.get(c, 0):
-                ends[c] = part.end
+            was = ends.get(c, 0)
+            if end > was:
+                ends[c] = end
+                high = max(high, end)
+                if not was:  # a communicator's first: the lowest may be lower now
+                    low = end if low is None else min(low, end)
+        self._ends_seen = (low, high)
         if self._learning:
-            self._learning = self._learning - set(comms)
+            if isinstance(self._learning, frozenset):
+                self._learning = set(self._learning)
+            self._learning.difference_update(comms)
         return self._after(acc, comms, by_count=False)
+
+    #: (at most the lowest, the highest) of the communicators' newest part ends: a
+    #: communicator's only grows, so the highest is kept exactly and the lowest read
+    #: again only when it would matter (thousands of communicators, a part at a time)
+    _ends_seen: tuple[int | None, int] | None = None
+
+    def _end_bounds(self, exact: bool = False) -> tuple[int | None, int]:
+        """(the lowest, or at most it; the highest) of the communicators' newest part ends
+        (None, 0 before any part): the lowest exactly with ``exact``."""
+        seen = self._ends_seen
+        if seen is None or exact:
+            ends = self.__dict__.setdefault("_comm_end", {})
+            low, high = min(ends.values(), default=None), max(ends.values(), default=0)
+            seen = self._ends_seen = (low, high)
+        return seen
 
     #: for one pickled by a version without them
     _learning: frozenset[int] | set[int] = frozenset()
@@ -149,24 +172,32 @@ class StepAssembler:
         got = self._reported.get(step)
         if not got or self._learning:
             return False
-        return got.issuperset(self._waited(step))
+        waited = self._waited(step)
+        if waited is None:  # every one heard from
+            waited = self._seen.newest
+            return len(got) >= len(waited) and got.issuperset(waited)
+        return got.issuperset(waited)
 
     #: a communicator whose newest part ended this long (event time) before the newest
     #: any communicator's did is not waited for: it went quiet (at least this many steps)
     quiet_ns, quiet_steps = 30_000_000_000, 16
 
-    def _waited(self, step: int) -> Collection[int]:
+    def _waited(self, step: int) -> Collection[int] | None:
         """The communicators a step waits for: those that reported lately (in event time:
         a topic's partitions are read at different paces, so a communicator many steps
         behind may only be read later), those learning their steps, and those not heard
-        from whose layout gives them instances every step."""
+        from whose layout gives them instances every step. None: every one heard from
+        (the usual)."""
         topo, learning = self.topo, self._learning
         ends = self.__dict__.setdefault("_comm_end", {})
-        newest_end = max(ends.values(), default=0)
+        low, newest_end = self._end_bounds()
         typical = self._prev_end and self._typical_ns
         cut = newest_end - max(self.quiet_ns, self.quiet_steps * (typical or 0))
-        if -1 not in self._seen.steps_held() and min(ends.values(), default=cut) >= cut:
-            return self._seen.newest.keys()  # every one heard from, none quiet (the usual)
+        if -1 not in self._seen.steps_held():
+            if low is not None and low < cut:  # a lower bound: the exact one may be above
+                low = self._end_bounds(exact=True)[0]
+            if low is None or low >= cut:
+                return None  # every one heard from, none quiet
         return [
             c
             for c, s in self._seen.newest.items()
@@ -184,25 +215,28 @@ class StepAssembler:
         self._advance_only(comms, acc.step)
         if (by_count and acc.n >= self.expected_instances()) or self._all_reported(acc.step):
             out += self._close_through(acc.step)
-        out += self._advance(comms, acc.step)
+        out += self._advance()
         if len(self._acc) > self.max_open_steps:  # bounded state, whatever is missing
             out += self._close_through(min(self._acc))
         return out
 
-    def _advance(self, comms: tuple[int, ...], step: int) -> list[StepReport]:
-        """Per-communicator watermark over *every* communicator of the job.
+    def _advance(self) -> list[StepReport]:
+        """Per-communicator watermark over *every* communicator of the job (the newest
+        communicators' steps noted already, by :meth:`_advance_only`).
 
         A step is given up on (closed incomplete) only when all communicators have
         moved two steps past it: partitions of a topic are read at different paces,
         so the communicators seen so far say nothing about the others. One more than
         :attr:`behind_steps` behind the newest is not waited for.
         """
-        self._advance_only(comms, step)
         if self._learning:  # a communicator's steps are not known yet: its parts will come
             return []
         newest = self._seen.newest
         waited = self._waited(self._seen.high())
-        watermark = min(map(newest.__getitem__, waited), default=-1) - 2
+        if waited is None:  # every communicator's newest step: the lowest is kept
+            watermark = self._seen.low() - 2 if newest else -3
+        else:
+            watermark = min(map(newest.__getitem__, waited), default=-1) - 2
         if watermark > self._closed_upto:
             return self._close_through(watermark)
         return []
@@ -301,7 +335,7 @@ def step_tables(
     # a row per rank: the arrays read as lists once (numpy's per-element access is slow)
     first, last = rep.first_ns.tolist(), rep.last_end_ns.tolist()
     wait, late, blame = rep.wait_ns.tolist(), rep.lateness_ns.tolist(), rep.blame_ns.tolist()
-    node, coords, step = topo.node, topo.coords, rep.step
+    (nodes, stages), step = topo.rank_rows(), rep.step
     for r in range(topo.job.world_size):
         f = first[r]
         if f < 0:
@@ -311,8 +345,8 @@ def step_tables(
                 job=job,
                 step=step,
                 rank=r,
-                node=node(r),
-                pp_stage=coords(r)[0],
+                node=nodes[r],
+                pp_stage=stages[r],
                 start_ns=int(f),
                 end_ns=int(max(last[r], f)),
                 wait_ns=int(wait[r]),

@@ -63,6 +63,7 @@ class Topology:
     # ------------------------------------------------------------------ updates
     def add(self, rec: JobInfo | RankInfo | CommInfo) -> None:
         self.__dict__.pop("_placers", None)  # the schedule may change
+        self.__dict__.pop("_rank_rows", None)
         if isinstance(rec, JobInfo):
             self.job = rec
         elif isinstance(rec, RankInfo):
@@ -87,6 +88,16 @@ class Topology:
     def node(self, rank: int) -> str:
         info = self.ranks.get(rank)
         return info.node if info else self.layout.node(rank)
+
+    def rank_rows(self) -> tuple[list[str], list[int]]:
+        """Every rank's node and pipeline stage, as lists indexed by rank (kept until the
+        topology changes: a step's table has a row per rank, thousands a step)."""
+        rows = self.__dict__.get("_rank_rows")
+        if rows is None or rows[0] is not self.job:
+            ranks = range(self.job.world_size)
+            nodes, stages = [self.node(r) for r in ranks], [self.coords(r)[0] for r in ranks]
+            rows = self.__dict__["_rank_rows"] = (self.job, nodes, stages)
+        return rows[1], rows[2]
 
     def gpu(self, rank: int) -> int:
         info = self.ranks.get(rank)
