@@ -227,7 +227,8 @@ class JobAnalyzer:
         without link samples (see :meth:`LinkTracker.edge_throughput`)."""
         assert self.topo is not None
         self.now_ns = max(self.now_ns, e.ts_ns)
-        warm = bool(self.recent) and self.recent[-1].step >= self.settings.warmup_steps
+        recent = self.ledger.recent  # thousands a step: read once
+        warm = bool(recent) and recent[-1].step >= self.settings.warmup_steps
         if warm:
             self.gpu_wait.update(e.src_rank, float(e.gpu_wait_ns))
         return self.links.edge_throughput(e, self.topo, warm, self.expected_step_ns)

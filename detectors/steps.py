@@ -336,8 +336,9 @@ def step_tables(
     first, last = rep.first_ns.tolist(), rep.last_end_ns.tolist()
     wait, late, blame = rep.wait_ns.tolist(), rep.lateness_ns.tolist(), rep.blame_ns.tolist()
     (nodes, stages), step = topo.rank_rows(), rep.step
-    for r in range(topo.job.world_size):
-        f = first[r]
+    world = topo.job.world_size
+    rows = zip(range(world), first, last, wait, late, blame, nodes, stages, strict=True)
+    for r, f, e, w, la, b, node, stage in rows:
         if f < 0:
             continue
         out.append(
@@ -345,13 +346,13 @@ def step_tables(
                 job=job,
                 step=step,
                 rank=r,
-                node=nodes[r],
-                pp_stage=stages[r],
+                node=node,
+                pp_stage=stage,
                 start_ns=int(f),
-                end_ns=int(max(last[r], f)),
-                wait_ns=int(wait[r]),
-                lateness_ns=float(late[r]),
-                blame_ns=int(blame[r]),
+                end_ns=int(e if e > f else f),
+                wait_ns=int(w),
+                lateness_ns=float(la),
+                blame_ns=int(b),
             )
         )
     return out
