@@ -71,11 +71,17 @@ Hook = Callable[[str, float, list[Any]], None]
 
 def entry(rec: Any) -> str:
     """The stage a record enters at (``store``: none, it is only stored)."""
+    stage = _ENTRY.get(type(rec))  # by its type: every record is routed
+    if stage is not None:
+        return stage
     if isinstance(rec, Collective | ProxySummary):
         return "comm"
     if isinstance(rec, LinkSample):
         return "node"
     return "store" if isinstance(rec, Kernel) else "job"
+
+
+_ENTRY = {Collective: "comm", ProxySummary: "comm", LinkSample: "node", Kernel: "store"}
 
 
 def schedules_it(rec: Any) -> bool:
@@ -167,7 +173,7 @@ class Route:
         job = getattr(rec, "job", None)
         if job is None:
             return []
-        analyzer = self._job(job)
+        analyzer = self.jobs.get(job) or self._job(job)
         out: list[msgspec.Struct] = []
         stage = entry(rec)
         if stage in ("comm", "node"):

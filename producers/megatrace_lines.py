@@ -82,6 +82,9 @@ def parse_text(text: str) -> tuple[list[CallLine], int]:
         ts = int(sec + frac if len(frac) == 9 else sec + (frac + "000000000")[:9])
         ids = (int(opc, 0) if opc else None, int(gh) & _U64 if gh else None)
         append(new(CallLine, (ts, r, op, int(data), s, *ids)))
+    lines = text.count("\n") + (not text.endswith("\n"))
+    if lines == len(out):  # every line a call (the usual): no other line to count
+        return out, 0
     return out, len(_NOT_BLANK.findall(text)) - len(out)
 
 
