@@ -130,10 +130,11 @@ class JobAnalyzer:
     def update(self, item: Any) -> Out:
         handle = _HANDLERS.get(type(item))
         if handle is not None and self.topo is not None and not self._early:
+            # the usual case: the job is known, nothing held back
             if (refused := refusals.outside(self.job, self.topo, item)) is None:
                 return handle(self, item)
             self.refused += 1
-            return [refused]  # the usual case: the job is known, nothing held back
+            return [refused]
         if self.topo is None and not isinstance(item, JobInfo):
             if isinstance(item, RankInfo | CommInfo):
                 self._pending_meta.append(item)
