@@ -1113,3 +1113,35 @@ def test_a_cycle_shorter_than_the_step_is_not_numbered_by_two_of_its_repeats() -
 
     placed = {seq: clock.step_of(inst(seq), 100 * seq, force=False) for seq in range(8, 72)}
     assert placed == {seq: seq // 12 for seq in range(8, 72)}
+
+
+def test_steps_wait_for_every_communicator_until_one_goes_quiet() -> None:
+    """Each step closes once every communicator sent its part. One whose parts stop (its
+    newest ended long before the others' newest) is no longer waited for: the steps
+    after it close on the others' parts, and it is waited for again once it comes back."""
+    from detectors.parts import StepPart
+    from detectors.steps import StepAssembler
+    from detectors.topology import Topology
+    from schemas.records import JobInfo
+
+    asm = StepAssembler(Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=2)))
+    asm.quiet_ns, asm.quiet_steps = 1_000, 0  # quiet: 1 us of event time behind
+
+    def part(step: int, comm: int, end: int) -> list[int]:
+        p = StepPart(step, comm_hash=comm, job="j", n=1, start=end - 50, end=end).seal()
+        return [r.step for r in asm.add_part(p)]
+
+    asm.expect(1), asm.expect(2)  # (their folders said parts will come)
+    closed: list[int] = []
+    for step in range(3):  # both, 100 ns a step
+        closed += part(step, 1, 100 * step + 100)
+        assert closed == list(range(step)), "a step waits for its last communicator"
+        closed += part(step, 2, 100 * step + 100)
+        assert closed == list(range(step + 1))
+    closed_at = {}  # communicator 2 stops: the step whose part closed each step
+    for step in range(3, 20):
+        closed_at |= dict.fromkeys(part(step, 1, 100 * step + 100), step)
+    # its last part ended at 300 ns: it is quiet once the newest end passes 1,300 ns
+    assert closed_at == {**dict.fromkeys(range(3, 14), 13), **{s: s for s in range(14, 20)}}
+    assert part(20, 2, 2_100) == [] and part(20, 1, 2_100) == [20], "waited for again"
+    assert part(21, 1, 2_200) == [] and part(21, 2, 2_200) == [21]
