@@ -106,6 +106,7 @@ class _Quiet:
         self.last_ns = time.monotonic_ns()
         self.health = health
         self.asked_ns = 0  # when a partition last asked the lost broker for metadata
+        self.answered_ns = 0  # when the broker last answered a partition's question
         self.warned_ns = 0
         #: error events polls returned in place of messages (no record in them), in all
         self.broker_events = 0
@@ -268,8 +269,13 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
         quiet.last_ns = now
 
     def _broker_answers(self) -> bool:
-        """Quiet is the end of the input only if the broker is there to say so."""
+        """Quiet is the end of the input only if the broker is there to say so. Its answer
+        to one partition holds for the source's others for a second: they reach the end
+        together, and each question takes the broker a while (a tenth of a second here)."""
         if self._consumer is None:
+            return True
+        quiet, now = self._quiet, time.monotonic_ns()
+        if now - quiet.answered_ns < 1_000_000_000:
             return True
         from confluent_kafka import KafkaException
 
@@ -277,6 +283,7 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
             self._consumer.list_topics(timeout=1.0)
         except KafkaException:
             return False
+        quiet.answered_ns = time.monotonic_ns()
         return True
 
     def next_awake(self) -> datetime | None:

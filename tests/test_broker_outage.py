@@ -241,3 +241,54 @@ def test_the_command_line_tells_a_lost_broker_in_one_line() -> None:
             raise RuntimeError("error calling next_batch") from e  # as Bytewax wraps it
     with pytest.raises(ValueError), _flow_errors_are_one_line():
         raise ValueError("anything else goes on as it is")
+
+
+class _Asking:
+    """A partition's consumer, counting the questions put to the broker."""
+
+    def __init__(self, consumer: Any, asked: list[float]) -> None:
+        self._consumer, self._asked = consumer, asked
+
+    def list_topics(self, *args: Any, **kwargs: Any) -> Any:
+        self._asked.append(time.monotonic())
+        return self._consumer.list_topics(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
+def test_a_bounded_runs_partitions_ending_together_ask_the_broker_once(
+    settings: Settings, broker: Any
+) -> None:
+    """Quiet is the end of a bounded run's input only if the broker answers. Its partitions
+    go quiet together: one answer serves them all, instead of one question per partition
+    (a tenth of a second each here, paid before the run could end)."""
+    from flows.kafka_source import RawKafkaSource
+    from infra.kafka import consumer_config
+
+    topics = Topics(prefix=settings.kafka.topic_prefix)
+    src = RawKafkaSource(
+        consumer_config(settings.kafka, broker.bootstrap),
+        [topics.comm, topics.heartbeat],
+        tail=False,
+        idle_stop_s=0.2,
+    )
+    parts = [src.build_part("in", p, None) for p in src.list_parts()]
+    assert len(parts) >= 4
+    asked: list[float] = []
+    for p in parts:
+        p._consumer = _Asking(p._consumer, asked)
+    ended: set[int] = set()
+    deadline = time.monotonic() + 30
+    while len(ended) < len(parts) and time.monotonic() < deadline:
+        for i, p in enumerate(parts):
+            if i not in ended:
+                try:
+                    p.next_batch()
+                except StopIteration:
+                    ended.add(i)
+        time.sleep(0.01)
+    for p in parts:
+        p.close()
+    assert len(ended) == len(parts), "the quiet partitions did not end"
+    assert len(asked) == 1, f"the broker was asked {len(asked)} times"
