@@ -3,15 +3,22 @@
 River's Page-Hinkley test watches the signal relative to its baseline
 (``x / baseline``, outliers clipped) for an upward change. A change is only
 believed when it is also large (at least ``min_shift`` above the baseline, and
-three times the signal's own noise: the robust spread of its recent normal values,
-so a job whose steps vary by a quarter from one to the next is judged in its own
-units) and persistent (``persistence`` consecutive values): jitter never alarms. An
+three times the signal's own noise: the robust spread of its recent values, so a
+job whose steps vary by a quarter from one to the next is judged in its own units)
+and persistent (``persistence`` consecutive values): jitter never alarms. An
 excursion that ends sooner is a *burst* - the intermittent case - and so is a first
 value that towers over the rest of an excursion (a straggler for a step, then a
 smaller change that must stand as a shift on its own). The baseline
 is the median of the warm-up values and afterwards follows values within
 ``alpha`` of it (MEGATRACE's expected-duration rule); for a signal noisier than
-that, the median of its recent normal values.
+that, the median of its recent values.
+
+The recent values are every one outside bursts and shifts, high and low: taking only
+those within the bar would keep the noise of a job steady in its warm-up and noisy
+after it as small as the warm-up's (the values that show more are the ones left out),
+and its own jitter would read as slowdowns. A burst's values are left out: a CPU
+quota's on/off bursts are not the job's noise, and counted as such they would hide the
+slowdown they make.
 
 >>> import numpy as np
 >>> rng = np.random.default_rng(1)
@@ -91,7 +98,7 @@ class ShiftDetector:
         self.clip = clip
         self._reset()
 
-    #: values seen as normal lately (for one pickled before it: none)
+    #: the values seen lately outside bursts and shifts (for one pickled before it: none)
     _normal: deque[float] | None = None
 
     def _reset(self) -> None:
@@ -124,7 +131,8 @@ class ShiftDetector:
     @property
     def noise(self) -> float:
         """The signal's relative spread lately (1.4826 x the median absolute deviation of
-        its recent normal values from their median, over that median); 0 before any."""
+        its recent values outside bursts and shifts from their median, over that median);
+        0 before any."""
         normal = self._normal
         if not normal or len(normal) < self.warmup:
             return 0.0
@@ -179,10 +187,11 @@ class ShiftDetector:
                 event = ShiftEvent(
                     "burst", self._onset, self._mean(), len(self._run), self.baseline
                 )
+            else:  # a lone value within the noise: one of the signal's own
+                self._normal.extend(r * self.baseline for r in self._run)
             self._run = []
             self._restart_test()
-        if abs(rel - 1.0) <= bar:
-            self._normal.append(float(x))
+        self._normal.append(float(x))
         if abs(rel - 1.0) <= self.alpha:
             self.baseline += 0.1 * (x - self.baseline)
         elif bar > self.min_shift and abs(rel - 1.0) <= bar:  # noisy: its normal values' median

@@ -595,6 +595,33 @@ def test_a_communicator_that_goes_quiet_holds_merged_parts_back_two_steps_at_mos
     assert [(p.step, p.comms) for p in late] == [(1, (2,))]
 
 
+def test_a_job_noisier_than_its_warm_up_learns_its_noise_and_quota_bursts_stay_a_slowdown() -> None:
+    """A job steady in its warm-up whose steps then vary by 15% on their own (a shared
+    host): its noise is learned from its own values, low and high, not only from those
+    within the warm-up's narrow bar, so from step 60 it is no longer taken for a slowdown
+    (the narrow bar's values alone made 33 of these 50 jobs slow). A CPU quota's bursts
+    (slow, slow, fast, ...) are not the job's noise: they still make a slowdown."""
+
+    def shifts(xs: list[float], after: int = 0) -> list[int]:
+        det = ShiftDetector()
+        found = [(e.kind, e.onset) for i, x in enumerate(xs) if (e := det.update(x, i))]
+        return [onset for kind, onset in found if kind == "shift" and onset >= after]
+
+    noisy, missed = 0, 0
+    for seed in range(50):
+        rng = np.random.default_rng(seed)
+        healthy = [*(100 + rng.normal(0, 1, 10)), *(100 * np.exp(rng.normal(0, 0.15, 150)))]
+        noisy += bool(shifts(healthy, after=60))
+        quota = [300.0, 300.0, 100.0] * 7 + [300.0] * 10
+        slowed = [
+            *(100 * np.exp(rng.normal(0, 0.1, 20))),
+            *(q * np.exp(rng.normal(0, 0.1)) for q in quota),
+        ]
+        missed += not shifts(slowed)
+    assert noisy <= 3, f"{noisy} of 50 healthy jobs taken for slow"
+    assert missed == 0, f"{missed} of 50 quotas not found"
+
+
 def test_a_shift_right_after_a_lone_high_step_is_still_a_shift() -> None:
     """A link degrades (one step 8% slow), then a GPU slows the job by 39%: the lone
     step restarts the change-point test, and a restarted test must still know the
