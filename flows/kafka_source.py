@@ -271,7 +271,8 @@ class _Partition(StatefulSourcePartition[RawBatch, int]):
     def _broker_answers(self) -> bool:
         """Quiet is the end of the input only if the broker is there to say so. Its answer
         to one partition holds for the source's others for a second: they reach the end
-        together, and each question takes the broker a while (a tenth of a second here)."""
+        together, and a question to the broker each, one after the other, would hold the
+        end of the run back by as many round trips."""
         if self._consumer is None:
             return True
         quiet, now = self._quiet, time.monotonic_ns()

@@ -261,8 +261,8 @@ def test_a_bounded_runs_partitions_ending_together_ask_the_broker_once(
     settings: Settings, broker: Any
 ) -> None:
     """Quiet is the end of a bounded run's input only if the broker answers. Its partitions
-    go quiet together: one answer serves them all, instead of one question per partition
-    (a tenth of a second each here, paid before the run could end)."""
+    go quiet together: one answer serves them all, instead of one question per partition,
+    each paid before the run could end."""
     from flows.kafka_source import RawKafkaSource
     from infra.kafka import consumer_config
 
