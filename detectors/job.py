@@ -130,11 +130,9 @@ class JobAnalyzer:
     def update(self, item: Any) -> Out:
         handle = _HANDLERS.get(type(item))
         if handle is not None and self.topo is not None and not self._early:
-            # the usual case: the job is known, nothing held back
-            if (refused := refusals.outside(self.job, self.topo, item)) is None:
-                return handle(self, item)
-            self.refused += 1
-            return [refused]
+            if (refused := self._outside(item)) is not None:
+                return [refused]
+            return handle(self, item)  # the usual case: the job is known, nothing held back
         if self.topo is None and not isinstance(item, JobInfo):
             if isinstance(item, RankInfo | CommInfo):
                 self._pending_meta.append(item)

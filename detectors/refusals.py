@@ -19,7 +19,6 @@ True
 from __future__ import annotations
 
 from collections.abc import Callable
-from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -36,14 +35,12 @@ from schemas.records import DeadLetter, Heartbeat, LinkSample, ProxySummary, eve
 def outside(job: str, topo: Topology, item: Any) -> DeadLetter | None:
     """A dead letter (reason ``out_of_layout``) for an item naming a rank outside the
     job's layout, or a communicator's member that is not one; None for a good one."""
-    highest = _HIGHEST.get(type(item))
-    if highest is None:
+    world = topo.job.world_size
+    ranks = ranks_of(item)
+    if not ranks:
         return None
-    world, top = topo.job.world_size, highest(item)
-    if top < 0:
-        return None
-    if top >= world:
-        bad = next(r for r in ranks_of(item) if r >= world)
+    if max(ranks) >= world:
+        bad = next(r for r in ranks if r >= world)
         why = f"rank {bad} is outside job {job}'s {world} ranks"
     elif not isinstance(item, Instance):
         return None
@@ -104,18 +101,6 @@ _RANKS: dict[type, Callable[[Any], tuple[int, ...]]] = {
     LinkSample: lambda s: (s.rank, s.src_rank, s.dst_rank),
     EdgeThroughput: lambda e: (e.src_rank, e.dst_rank),
     NodeDigest: lambda d: tuple(r for ev, _ in d.links for r in (ev.src_rank, ev.dst_rank)),
-}
-
-
-#: per kind of item, the highest rank it speaks of (-1: none), the check a job's worker
-#: makes on every item it takes (the ranks themselves are listed for a refused one only)
-_HIGHEST: dict[type, Callable[[Any], int]] = {
-    Instance: lambda i: max(i.ranks, default=-1),
-    Heartbeat: attrgetter("rank"),
-    ProxySummary: lambda p: p.rank if p.rank > p.peer else p.peer,
-    LinkSample: lambda s: max(s.rank, s.src_rank, s.dst_rank),
-    EdgeThroughput: lambda e: e.src_rank if e.src_rank > e.dst_rank else e.dst_rank,
-    NodeDigest: lambda d: max((max(ev.src_rank, ev.dst_rank) for ev, _ in d.links), default=-1),
 }
 
 

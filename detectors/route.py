@@ -70,10 +70,15 @@ Hook = Callable[[str, float, list[Any]], None]
 
 
 def entry(rec: Any) -> str:
-    """The stage a record enters at (``store``: none, it is only stored)."""
-    stage = _ENTRY.get(type(rec))  # by its type: every record is routed
-    if stage is not None:
-        return stage
+    """The stage a record enters at (``store``: none, it is only stored); worked out once
+    per type (every record is routed)."""
+    stage = _ENTRY.get(type(rec))
+    if stage is None:
+        stage = _ENTRY[type(rec)] = _stage_of(rec)
+    return stage
+
+
+def _stage_of(rec: Any) -> str:
     if isinstance(rec, Collective | ProxySummary):
         return "comm"
     if isinstance(rec, LinkSample):
@@ -81,7 +86,7 @@ def entry(rec: Any) -> str:
     return "store" if isinstance(rec, Kernel) else "job"
 
 
-_ENTRY = {Collective: "comm", ProxySummary: "comm", LinkSample: "node", Kernel: "store"}
+_ENTRY: dict[type, str] = {}
 
 
 def schedules_it(rec: Any) -> bool:
@@ -173,7 +178,7 @@ class Route:
         job = getattr(rec, "job", None)
         if job is None:
             return []
-        analyzer = self.jobs.get(job) or self._job(job)
+        analyzer = self._job(job)
         out: list[msgspec.Struct] = []
         stage = entry(rec)
         if stage in ("comm", "node"):
