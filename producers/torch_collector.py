@@ -468,9 +468,9 @@ class Collector:
         Safe beside the collector's own thread: one drain at a time, so each call is
         taken (and reported) by exactly one of them."""
         with self._draining:
-            return self._drain(now_ns or time.time_ns())
+            return self._drain(now_ns or time.time_ns(), self.partial_ns)
 
-    def _drain(self, now: int) -> list[msgspec.Struct]:
+    def _drain(self, now: int, overdue_ns: int) -> list[msgspec.Struct]:
         out: list[msgspec.Struct] = self._meta
         self._meta = []
         while self._marks:  # appended by the training loop: taken one by one
@@ -487,7 +487,7 @@ class Collector:
                 if e[_EV0] is not None and self._gpu is not None:
                     self._gpu.release(e[_EV0], e[_EV1])
             else:
-                if not e[7] and now - e[5] > self.partial_ns:
+                if not e[7] and now - e[5] > overdue_ns:
                     out.append(self._record(e))
                     e[7] = True
                 keep.append(e)
@@ -537,8 +537,12 @@ class Collector:
             if out:
                 self.sink(out)
         # the last word, also when the process exits: a rank whose call failed because a
-        # peer died is seen to have got as far as the others (a killed rank says nothing)
-        self.sink([*self.drain(), self.heartbeat()])
+        # peer died is seen to have got as far as the others (a killed rank says nothing).
+        # Every call still open goes out as joined but unfinished, however young: the
+        # process ends in it, and a call left unsaid reads as one it never joined
+        with self._draining:
+            last = self._drain(time.time_ns(), 0)
+        self.sink([*last, self.heartbeat()])
 
     # ------------------------------------------------------------------ control
     def install(self) -> Collector:

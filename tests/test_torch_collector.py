@@ -232,13 +232,16 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, w
 torch_collector.enable("j", heartbeat_s=3600)
 time.sleep(0.3)  # the first heartbeat goes out before any call
 dist.all_reduce(torch.ones(4))
+work = dist.all_reduce(torch.ones(4), async_op=True)  # its failure is the process's end
 raise RuntimeError("Connection closed by peer")  # as Gloo fails a call whose peer died
 """
 
 
 def test_a_process_that_fails_sends_what_it_holds_and_a_last_heartbeat(tmp_path) -> None:
     """Training that ends in an error (a peer gone) still tells how far the rank got: its
-    calls and a heartbeat, sent as the process exits."""
+    calls and a heartbeat, sent as the process exits. The call it fails in goes out as
+    joined and unfinished, however young: left unsaid, the rank would read as one that
+    never joined it, the way a killed rank does."""
     import os
     import subprocess
 
@@ -249,7 +252,8 @@ def test_a_process_that_fails_sends_what_it_holds_and_a_last_heartbeat(tmp_path)
     p = subprocess.run([sys.executable, "-c", _FAILS], env=env, capture_output=True, timeout=120)
     assert p.returncode == 1 and b"Connection closed by peer" in p.stderr
     records = list(read_jsonl(out))
-    (call,) = [r for r in records if isinstance(r, Collective)]
+    call, failed = [r for r in records if isinstance(r, Collective)]
+    assert (call.seq, failed.seq) == (0, 1) and failed.end_ns is None
     beats = [r for r in records if isinstance(r, Heartbeat)]
     assert len(beats) == 2 and not beats[0].comms  # before the call, then at exit
     assert beats[-1].comms[0].completed_seq == 0 and beats[-1].ts_ns >= call.end_ns
