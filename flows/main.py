@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import operator
 import time
 from collections.abc import Callable
@@ -450,16 +449,6 @@ def input_topics(cfg: FlowConfig) -> list[str]:
 
 def _any(kv: tuple[str, list[Any]]) -> bool:
     return bool(kv[1])
-
-
-def tune_gc() -> None:
-    """Collect garbage less often in a flow process.
-
-    The flow keeps many small objects alive (open collectives, step accumulators),
-    so the default generation-0 threshold makes the collector walk them over and
-    over; ``megatrace bench pipeline`` runs every measure under these settings.
-    """
-    gc.set_threshold(50_000, 20, 100)
 
 
 def build_flow(cfg: FlowConfig) -> Dataflow:

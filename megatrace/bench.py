@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 
 from detectors.align import core_name as align_core
-from flows.main import Decoded, Role, build_flow, flow_config, rows_of, tune_gc
+from flows.main import Decoded, Role, build_flow, flow_config, rows_of
 from infra.clickhouse import Rows, init_db, insert_rows
 from infra.kafka import consumer_config, delete_topics, ensure_topics, producer_config
 from infra.rowbinary import core_name as rows_core
 from infra.stack import Stack
+from megatrace.cli_base import tune_gc
 from producers.publish import KafkaPublisher
 from producers.sim.scenarios import build
 from schemas.codec import decode, encode
@@ -266,7 +267,7 @@ def pipeline(
     Each throughput is measured ``repeat`` times, alternating, and the best is kept (a
     shared machine moves single runs): the ratios are best against best, and each row
     shows the range. Every measure runs with the flow's garbage collector settings
-    (:func:`~flows.main.tune_gc`), the raw consumer's too, so that raw and the roles
+    (:func:`~megatrace.cli_base.tune_gc`), the raw consumer's too, so that raw and the roles
     are measured alike. Its topics are deleted afterwards: the local broker keeps what
     it holds in memory, and each run publishes some 700,000 records; a local broker it
     started is stopped (a bounded command leaves no process behind)."""

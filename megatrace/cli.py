@@ -187,7 +187,7 @@ def run(
     from bytewax.recovery import RecoveryConfig, init_db_dir
     from bytewax.run import cli_main  # what `python -m bytewax.run` calls
 
-    from flows.main import Role, build_flow, input_topics, tune_gc
+    from flows.main import Role, build_flow, input_topics
 
     if (process_id is None) != (addresses is None):
         raise click.UsageError("--process-id and --addresses go together")
@@ -208,7 +208,6 @@ def run(
     except KafkaSetupError as e:
         raise click.ClickException(str(e)) from None
     init_db(obj.stack().clickhouse(), cfg.database, obj.settings.clickhouse.retention_days)
-    tune_gc()
     with _flow_errors_are_one_line():
         cli_main(
             build_flow(cfg),

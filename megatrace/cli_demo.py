@@ -109,7 +109,7 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
 
     from detectors.console import summary_table
     from detectors.texts import plural
-    from flows.main import build_flow, tune_gc
+    from flows.main import build_flow
     from infra.clickhouse import insert_records, read_records
     from infra.queries import align_account, step_account
     from producers.sim.scenarios import build
@@ -135,7 +135,6 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
     insert_records(client, db_name, run.labels)
     click.echo("[3/4] dataflow: decode -> align -> analyse -> ClickHouse (verdicts as they come)")
     t0 = time.monotonic()
-    tune_gc()
     polls: list[int] = []  # records per poll
     with _flow_errors_are_one_line():
         run_main(
