@@ -10,6 +10,10 @@ critical path: a data-parallel edge whose transfer overlaps). A transient
 straggler naming the culprit of an intermittent fault is its first burst. Unmatched
 verdicts are false positives.
 
+Recall is also kept by what the faults cost (:data:`COST_BANDS`): a one-step
+straggler twice as slow as its step costs that step half its throughput, a mild
+slowdown costs 5-10%, and a miss means something else in each.
+
 >>> s = Score()
 >>> _ = s.add_kind("hang")
 >>> s.kinds["hang"].tp += 1
@@ -28,6 +32,23 @@ import numpy as np
 from schemas.enums import VerdictKind
 from schemas.records import FaultLabel, Verdict
 
+#: the throughput a fault cost, in bands (lower bounds): recall is kept per band
+COST_BANDS = (0.05, 0.1, 0.5)
+
+
+def cost_band(cost: float) -> float:
+    """The band of a fault that cost ``cost`` of the throughput: its lower bound.
+
+    >>> cost_band(0.07), cost_band(0.5), cost_band(1.0), band_name(0.05), band_name(0.5)
+    (0.05, 0.5, 0.5, '5-10%', '50%+')
+    """
+    return max((b for b in COST_BANDS if cost >= b), default=0.0)
+
+
+def band_name(low: float) -> str:
+    higher = [b for b in COST_BANDS if b > low]
+    return f"{low:.0%}+" if not higher else f"{low * 100:.0f}-{higher[0]:.0%}"
+
 
 @dataclass
 class KindScore:
@@ -37,6 +58,26 @@ class KindScore:
     culprit_ok: int = 0
     latency_s: list[float] = field(default_factory=list)
     latency_steps: list[float] = field(default_factory=list)
+    #: cost band (its lower bound) -> [found, required]: the faults that had to be found
+    by_cost: dict[float, list[int]] = field(default_factory=dict)
+
+    def count(self, cost: float, found: bool) -> None:
+        band = self.by_cost.setdefault(cost_band(cost), [0, 0])
+        band[0] += found
+        band[1] += 1
+
+    def add(self, other: KindScore) -> None:
+        """Another set of runs' counts, added to these."""
+        self.tp += other.tp
+        self.fp += other.fp
+        self.fn += other.fn
+        self.culprit_ok += other.culprit_ok
+        self.latency_s += other.latency_s
+        self.latency_steps += other.latency_steps
+        for band, (found, n) in other.by_cost.items():
+            mine = self.by_cost.setdefault(band, [0, 0])
+            mine[0] += found
+            mine[1] += n
 
     @property
     def precision(self) -> float:
@@ -64,6 +105,13 @@ class Score:
 
     def add_kind(self, kind: str) -> KindScore:
         return self.kinds.setdefault(kind, KindScore())
+
+    def add(self, other: Score) -> None:
+        """Another score's runs, added to this one's (several folders of recordings)."""
+        for kind, k in other.kinds.items():
+            self.add_kind(kind).add(k)
+        self.healthy_steps += other.healthy_steps
+        self.healthy_alarms += other.healthy_alarms
 
     def add_run(
         self,
@@ -98,12 +146,17 @@ class Score:
                 if v.kind == lab.kind and v.verdict_id not in used and v.detected_ns >= lab.onset_ns
             ]
             match.sort(key=lambda v: (not _culprit_ok(lab, v), v.detected_ns))
+            required = lab.throughput_cost >= required_cost or lab.kind == VerdictKind.HANG
+            cost = 1.0 if lab.kind == VerdictKind.HANG else lab.throughput_cost
             if not match:
-                if lab.throughput_cost >= required_cost or lab.kind == VerdictKind.HANG:
+                if required:
                     ks.fn += 1
+                    ks.count(cost, False)
                 continue
             v = match[0]
             used.add(v.verdict_id)
+            if required:
+                ks.count(cost, True)
             ks.tp += 1
             ks.culprit_ok += _culprit_ok(lab, v)
             lat = (v.detected_ns - lab.onset_ns) / 1e9
@@ -139,6 +192,16 @@ class Score:
                 f"{k.recall:>6.2f} {k.f1:>5.2f} {k.culprit_accuracy:>7.0%} "
                 f"{_secs(p50):>8} {_secs(p95):>8} {_num(s50):>9}"
             )
+        bands = [
+            f"  {kind}: "
+            + ", ".join(
+                f"{band_name(b)} {found} of {n}" for b, (found, n) in sorted(k.by_cost.items())
+            )
+            for kind, k in sorted(self.kinds.items())
+            if k.by_cost and kind != VerdictKind.HANG.value
+        ]
+        if bands:
+            rows += ["found, by the throughput the fault cost:", *bands]
         per10k = self.healthy_alarms / self.healthy_steps * 1e4 if self.healthy_steps else 0.0
         rows.append(
             f"false alarms per 10,000 healthy steps: {per10k:.1f} "

@@ -127,14 +127,20 @@ def evaluate(
         click.echo("\n# simulator")
         for line in res.tables():
             click.echo(line)
+    every = ev.Results()
     for root in corpora:
         try:
             cases = list(ev.corpus(root))
         except FileNotFoundError as e:
             raise click.ClickException(str(e)) from None
         res = ev.score(cases, baselines, said)
+        every.add(res)
         click.echo(f"\n# corpus {root} ({len(cases)} cases)")
         for line in res.tables():
+            click.echo(line)
+    if len(corpora) > 1:
+        click.echo(f"\n# every corpus ({len(corpora)} folders, {every.cases} cases)")
+        for line in every.tables():
             click.echo(line)
 
 

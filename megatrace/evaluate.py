@@ -39,6 +39,13 @@ class Results:
     seconds: dict[str, float] = field(default_factory=dict)
     cases: int = 0
 
+    def add(self, other: Results) -> None:
+        """Another set of cases' results, added to these (the same methods)."""
+        for m, score in other.scores.items():
+            self.scores.setdefault(m, Score()).add(score)
+            self.seconds[m] = self.seconds.get(m, 0.0) + other.seconds[m]
+        self.cases += other.cases
+
     def tables(self) -> list[str]:
         out = []
         for m, score in self.scores.items():

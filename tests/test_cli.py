@@ -183,3 +183,29 @@ def test_analyze_tells_each_incident_change_once_and_ends_with_a_table(tmp_path)
     assert {row.split()[0] for row in table[2:]} == {"link", "slowdown", "hang"}
     for bad in ("None", "1 ranks", " 1 collectives"):
         assert bad not in res.output
+
+
+def test_eval_scores_folders_of_recordings_each_and_together(tmp_path) -> None:
+    """Two folders of labelled recordings (one case with a hang, one healthy): each folder
+    gets its table, then one over both, with what the missed and found faults cost."""
+    from producers.sim.scenarios import build
+    from schemas.codec import write_jsonl
+
+    for folder, scenario in (("a", "compute-hang"), ("b", "healthy")):
+        run = build(scenario, scale="tiny", seed=0, steps=30)
+        case = tmp_path / folder / scenario
+        case.mkdir(parents=True)
+        write_jsonl(case / "records.jsonl", run.records(emit_kernels=False))
+        write_jsonl(case / "labels.jsonl", run.labels)
+    folders = [arg for f in ("a", "b") for arg in ("--corpus", str(tmp_path / f))]
+    res = CliRunner().invoke(cli, ["eval", "--no-simulator", "--no-baselines", *folders])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert (
+        f"# corpus {tmp_path / 'a'} (1 cases)" in out
+        and "# every corpus (2 folders, 2 cases)" in out
+    )
+    every = out.splitlines()[out.splitlines().index("# every corpus (2 folders, 2 cases)") :]
+    hang = next(line.split() for line in every if line.startswith("hang "))
+    assert hang[1:4] == ["1", "0", "0"] and hang[7] == "100%"  # TP, FP, FN; the culprit
+    assert any(line.startswith("false alarms per 10,000 healthy steps: 0.0") for line in every)

@@ -327,6 +327,39 @@ def test_a_degraded_link_that_costs_nothing_is_still_a_true_positive() -> None:
     assert s.kinds["link_degradation"].fn == 0
 
 
+def test_the_score_says_what_the_faults_it_missed_cost_and_adds_up_over_folders() -> None:
+    """A 7% slowdown missed and a one-step straggler at twice its step found are told
+    apart (two runs, scored apart and added: as `megatrace eval` sums its folders); a
+    fault that cost less than a slowdown must is in no band."""
+    from detectors.scoring import Score
+    from schemas.records import FaultLabel
+
+    def label(kind: VerdictKind, cost: float, rank: int) -> FaultLabel:
+        return FaultLabel(
+            job="j", fault_id=f"f{rank}", kind=kind, cause=Cause.COMPUTE, rank=rank,
+            onset_step=3, onset_ns=100, throughput_cost=cost,
+        )  # fmt: skip
+
+    straggler = Verdict(
+        job="j", verdict_id="v", kind=VerdictKind.TRANSIENT_STRAGGLER, cause=Cause.COMPUTE,
+        rank=2, onset_ns=100, detected_ns=200,
+    )  # fmt: skip
+    one, two = Score(), Score()
+    one.add_run([label(VerdictKind.SLOWDOWN, 0.07, 1)], [], steps=10, step_ns=10.0)
+    one.add_run([label(VerdictKind.SLOWDOWN, 0.03, 1)], [], steps=10, step_ns=10.0)
+    two.add_run(
+        [label(VerdictKind.TRANSIENT_STRAGGLER, 0.5, 2)], [straggler], steps=10, step_ns=10.0
+    )
+    one.add(two)
+    table = one.table()
+    at = table.index("found, by the throughput the fault cost:")
+    assert table[at + 1 : at + 3] == [
+        "  slowdown: 5-10% 0 of 1",
+        "  transient_straggler: 50%+ 1 of 1",
+    ]
+    assert (one.kinds["slowdown"].fn, one.kinds["transient_straggler"].tp) == (1, 1)
+
+
 def test_folding_per_communicator_changes_nothing_the_job_concludes() -> None:
     """The flow folds instances per communicator (StepFolder); feeding the job every
     instance instead must give the same tables and verdicts, record for record."""
