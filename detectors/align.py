@@ -249,6 +249,8 @@ class CollectiveAligner:
         """Partial instances open longer than the timeout (each reported once until it
         changes); those whose missing members went past them are evicted and counted
         in :attr:`lost` instead (see the module docstring)."""
+        if not self._open:  # the usual case: asked every tick, it holds nothing open
+            return []
         limit = self.timeout_ns()
         due = [(key, entry) for key, entry in self._open.items()
                if not entry.reported and now_ns - entry.first_seen_ns > limit]  # fmt: skip
