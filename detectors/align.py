@@ -249,7 +249,10 @@ class CollectiveAligner:
         """Partial instances open longer than the timeout (each reported once until it
         changes); those whose missing members went past them are evicted and counted
         in :attr:`lost` instead (see the module docstring)."""
-        if not self._open:  # the usual case: asked every tick, it holds nothing open
+        # asked every tick: the timeout (a median of recent durations) is worked out only
+        # when an instance is older than its least value
+        oldest = now_ns - self.min_timeout_ns
+        if not any(e.first_seen_ns < oldest for e in self._open.values() if not e.reported):
             return []
         limit = self.timeout_ns()
         due = [(key, entry) for key, entry in self._open.items()
