@@ -250,13 +250,14 @@ class CollectiveAligner:
         changes); those whose missing members went past them are evicted and counted
         in :attr:`lost` instead (see the module docstring)."""
         # asked every tick: the timeout (a median of recent durations) is worked out only
-        # when an instance is older than its least value
-        oldest = now_ns - self.min_timeout_ns
-        if not any(e.first_seen_ns < oldest for e in self._open.values() if not e.reported):
+        # for instances older than its least value
+        least = self.min_timeout_ns
+        old = [(key, entry) for key, entry in self._open.items()
+               if not entry.reported and now_ns - entry.first_seen_ns > least]  # fmt: skip
+        if not old:
             return []
         limit = self.timeout_ns()
-        due = [(key, entry) for key, entry in self._open.items()
-               if not entry.reported and now_ns - entry.first_seen_ns > limit]  # fmt: skip
+        due = [(key, entry) for key, entry in old if now_ns - entry.first_seen_ns > limit]
         if not due:
             return []
         gone = {key for key, _ in self._evict_passed(due)}

@@ -178,10 +178,10 @@ class Route:
         job = getattr(rec, "job", None)
         if job is None:
             return []
-        analyzer = self.jobs.get(job) or self._job(job)
+        analyzer = self._job(job)
         out: list[msgspec.Struct] = []
-        stage = _ENTRY.get(type(rec)) or entry(rec)
-        if stage == "comm" or stage == "node":
+        stage = entry(rec)
+        if stage in ("comm", "node"):
             key = (job, rec.comm_hash) if stage == "comm" else (job, rec.node)
             if self.poll is None:
                 out += self._comm(key, [rec]) if stage == "comm" else self._node(key, [rec])
@@ -203,15 +203,12 @@ class Route:
                     out += self._comm((job, h), [s])
         self._seen += 1
         # the poll's time: its records', or the job's own (heartbeats go on in a hang)
-        job_ns = analyzer.now_ns
-        t = self._poll_ns if self._poll_ns > job_ns else job_ns
+        t = max(self._poll_ns, analyzer.now_ns)
         polled = self.poll is None or self._seen % self.poll == 0 or t >= self._flush_at
         if self.poll is not None and polled:
             out += self._flush_poll()
             self._flush_at = t + self.tick_ns
-        job_ns = analyzer.now_ns  # the poll's items may have moved it on
-        if job_ns > self.now_ns:
-            self.now_ns = job_ns
+        self.now_ns = max(self.now_ns, analyzer.now_ns)
         # batched, the timers run between polls: never while a communicator's records
         # wait in one (the flow's keys keep their own clocks)
         if polled and self.now_ns >= self._next_tick:

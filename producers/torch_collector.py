@@ -462,13 +462,17 @@ class Collector:
             peer=peer,
         )
 
-    def drain(self, now_ns: int | None = None) -> list[msgspec.Struct]:
-        """Records due now: metadata, finished calls, and calls overdue (as unfinished).
+    def drain(
+        self, now_ns: int | None = None, overdue_ns: int | None = None
+    ) -> list[msgspec.Struct]:
+        """Records due now: metadata, finished calls, and calls open longer than
+        ``overdue_ns`` (as unfinished; by default the collector's partial timeout).
 
         Safe beside the collector's own thread: one drain at a time, so each call is
         taken (and reported) by exactly one of them."""
+        overdue = self.partial_ns if overdue_ns is None else overdue_ns
         with self._draining:
-            return self._drain(now_ns or time.time_ns(), self.partial_ns)
+            return self._drain(now_ns or time.time_ns(), overdue)
 
     def _drain(self, now: int, overdue_ns: int) -> list[msgspec.Struct]:
         out: list[msgspec.Struct] = self._meta
@@ -540,9 +544,7 @@ class Collector:
         # peer died is seen to have got as far as the others (a killed rank says nothing).
         # Every call still open goes out as joined but unfinished, however young: the
         # process ends in it, and a call left unsaid reads as one it never joined
-        with self._draining:
-            last = self._drain(time.time_ns(), 0)
-        self.sink([*last, self.heartbeat()])
+        self.sink([*self.drain(overdue_ns=0), self.heartbeat()])
 
     # ------------------------------------------------------------------ control
     def install(self) -> Collector:
