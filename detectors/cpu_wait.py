@@ -164,6 +164,14 @@ class CpuWaits:
         done = waited[rows, b] - waited[rows, a]
         return np.where(ok, done / np.where(ok, span, 1.0), np.nan)
 
+    def beats(self, ranks: Sequence[int], start_ns: int, end_ns: int) -> int:
+        """The fewest heartbeats kept of any of ``ranks`` from ``start_ns`` to ``end_ns``
+        (their shares over that span are as fine as these are many)."""
+        if not ranks or max(ranks) >= len(self.count):
+            return 0
+        ts = self.ts[list(ranks)]
+        return int(((ts >= start_ns) & (ts <= end_ns) & (ts > 0)).sum(axis=1).min())
+
     def share(self, rank: int, start_ns: int, end_ns: int) -> float | None:
         """Rank ``rank``'s :meth:`rates` (None: no interval)."""
         x = self.rates(start_ns, end_ns)[rank] if rank < len(self.count) else np.nan
@@ -244,14 +252,17 @@ def starved(
     return tuple(found([r], None) for r in top)
 
 
-def findings(cpu: CpuWaits, reps: Sequence[StepReport], topo: Topology) -> list[SlowdownFinding]:
-    """The hosts and ranks starved of CPU over ``reps`` (a shift's steps so far), as
-    localised causes of the step time added."""
+def findings(
+    cpu: CpuWaits, reps: Sequence[StepReport], topo: Topology, start_ns: int | None = None
+) -> list[SlowdownFinding]:
+    """The hosts and ranks starved of CPU over ``reps`` (a shift's steps so far; from
+    ``start_ns`` where given, its onset), as localised causes of the step time added."""
     if not reps or cpu.empty:
         return []
     nodes = [topo.node(r) for r in range(topo.job.world_size)]
     out = []
-    for c in starved(cpu, reps[0].start_ns, reps[-1].end_ns, nodes):
+    start = reps[0].start_ns if start_ns is None else start_ns
+    for c in starved(cpu, start, reps[-1].end_ns, nodes):
         ev = {"cpu_wait_share": c.share, "usual_cpu_wait_share": c.usual}
         if c.throttled is not None and c.usual_throttled is not None:
             ev.update(cpu_throttled_share=c.throttled, usual_cpu_throttled_share=c.usual_throttled)

@@ -17,6 +17,13 @@ began and the step time before it: an incident is charged only what it added.
 0.167
 >>> Culprit.network("n0<->n1").key, Culprit.parse("rank:5") == Culprit.rank(5)
 ('nodes:n0<->n1', True)
+
+One whose evidence explains at most a tenth of the step (a rank starved of CPU for a
+tenth of the time) leaves the rest to the other:
+
+>>> ledger.cap(Culprit.rank(5), 0.1)
+>>> [round(ledger.share(c, 150.0), 3) for c in (Culprit.rank(5), Culprit.link(2, 3))]
+[0.1, 0.233]
 """
 
 from __future__ import annotations
@@ -150,6 +157,8 @@ class StepTimeLedger:
         # onset time (ns); and the step time before it (ns), once known
         self.onset_at: dict[Culprit, tuple[int | None, int]] = {}
         self.onset_level: dict[Culprit, float] = {}
+        # open incident -> the most of a step its evidence explains (a fraction of it)
+        self.caps: dict[Culprit, float] = {}
 
     @property
     def baseline(self) -> float:
@@ -174,16 +183,27 @@ class StepTimeLedger:
     def onset_ns(self, culprit: Culprit) -> int:
         return self.onset_at[culprit][1]
 
+    def cap(self, culprit: Culprit, fraction: float) -> None:
+        """Open incident ``culprit`` costs at most ``fraction`` of a step: what its evidence
+        explains. What it cannot take goes to the incidents that began at its level."""
+        self._caps()[culprit] = fraction
+
     def rename(self, culprit: Culprit, to: Culprit) -> None:
-        """Open incident ``culprit`` is ``to``'s from now on (its onset and level kept)."""
-        if culprit in self.onset_at:
-            self.onset_at[to] = self.onset_at.pop(culprit)
-        if culprit in self.onset_level:
-            self.onset_level[to] = self.onset_level.pop(culprit)
+        """Open incident ``culprit`` is ``to``'s from now on (its onset, level and cap
+        kept)."""
+        for kept in (self.onset_at, self.onset_level, self._caps()):
+            if culprit in kept:
+                kept[to] = kept.pop(culprit)  # type: ignore[index]
 
     def forget(self, culprit: Culprit) -> None:
         self.onset_at.pop(culprit, None)
         self.onset_level.pop(culprit, None)
+        self._caps().pop(culprit, None)
+
+    def _caps(self) -> dict[Culprit, float]:
+        if getattr(self, "caps", None) is None:  # pickled before it had them
+            self.caps = {}
+        return self.caps
 
     def level_before(self, reps: list[StepReport]) -> float:
         """The step time a slowdown starting at ``reps[0]`` adds to."""
@@ -205,6 +225,10 @@ class StepTimeLedger:
         level = float(np.median(before)) if before else base
         return level if level > base * (1 + self.min_shift) else base
 
+    def level(self, culprit: Culprit) -> float:
+        """The step time open incident ``culprit`` adds to (the baseline until known)."""
+        return self._level(culprit) or self.baseline
+
     def step_reaching(self, ts_ns: int) -> int | None:
         """The first step seen that ended at or after ``ts_ns`` (None: none yet)."""
         return next((r.step for r in self.recent if r.end_ns >= ts_ns), None)
@@ -213,15 +237,22 @@ class StepTimeLedger:
         """The fraction of a step of ``duration`` ns that open incident ``culprit`` costs:
         the step time it added, from the level before it to the level before the next
         incident (or ``duration``). Incidents that began at one level share what was
-        added; the shares of all open incidents sum to ``1 - baseline / duration``."""
+        added, equally but for those capped (:meth:`cap`), whose remainder the others
+        take; the shares of all open incidents sum to ``1 - baseline / duration``."""
         base = self.shift.baseline
         if duration <= 0 or not base:
             return 0.0
         own = self._level(culprit) or base
-        levels = [self._level(c) or base for c in self.onset_at]
-        top = min([lv for lv in levels if lv > own] + [duration])
-        tied = sum(1 for lv in levels if lv == own) or 1
-        return max(0.0, top - own) / duration / tied
+        levels = {c: self._level(c) or base for c in self.onset_at}
+        top = min([lv for lv in levels.values() if lv > own] + [duration])
+        added = max(0.0, top - own) / duration
+        tied = [c for c, lv in levels.items() if lv == own] or [culprit]
+        caps = self._caps()
+        even = added / len(tied)
+        free = [c for c in tied if c not in caps]
+        if culprit in caps or not free:
+            return min(even, caps.get(culprit, even))
+        return (added - sum(min(even, caps[c]) for c in tied if c in caps)) / len(free)
 
     def _level(self, culprit: Culprit) -> float | None:
         """The step time before incident ``culprit`` began (None: not known yet).

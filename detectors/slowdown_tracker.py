@@ -35,6 +35,7 @@ from detectors.gpu_wait import GpuWaitBaseline
 from detectors.incidents import JOB, Culprit, Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
 from detectors.rechecks import Rechecks
+from detectors.remainders import Remainders
 from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepReport
 from detectors.stragglers import Stragglers
@@ -43,7 +44,7 @@ from detectors.verdicts import VerdictBook
 from schemas.enums import Cause
 
 
-class SlowdownTracker(Stragglers, Rechecks):
+class SlowdownTracker(Stragglers, Rechecks, Remainders):
     """Open step-time incidents of one job, other than its links'.
 
     Parameters
@@ -70,6 +71,11 @@ class SlowdownTracker(Stragglers, Rechecks):
     cpu
         The job's ranks' CPU wait (:class:`~detectors.cpu_wait.CpuWaits`), where its
         heartbeats carry it: ranks or a host starved of CPU since a shift are its cause.
+    amplifies, look_beats
+        A rank or host starved of CPU explains at most this many times the share of the
+        time it was kept from running; once its shares are read over this many
+        heartbeats, what the step lost beyond that is localised again
+        (:mod:`detectors.remainders`).
     held_share
         A step in which the rank that made the others wait this share of it longer than
         it used to (as the last to arrive) did so in the step before too is slower for
@@ -82,6 +88,8 @@ class SlowdownTracker(Stragglers, Rechecks):
     _held_by: int = -1
     _unsettled: dict[Culprit, int] | None = None
     cpu: CpuWaits | None = None
+    amplifies: float = 2.0
+    look_beats: int = 8
 
     def __init__(
         self,
@@ -99,6 +107,8 @@ class SlowdownTracker(Stragglers, Rechecks):
         gpu_wait_confirms: float = 3.0,
         transient_floor: float = 0.3,
         held_share: float = 0.25,
+        amplifies: float = 2.0,
+        look_beats: int = 8,
         cpu: CpuWaits | None = None,
     ) -> None:
         if settle_steps < 1 or gpu_wait_confirms <= 1 or transient_floor <= 0:
@@ -107,8 +117,11 @@ class SlowdownTracker(Stragglers, Rechecks):
                 f"transient_floor positive, not {settle_steps}, {gpu_wait_confirms}, "
                 f"{transient_floor}"
             )
-        if not 0 < held_share <= 1:
-            raise ValueError(f"held_share must be in (0, 1], not {held_share}")
+        if not 0 < held_share <= 1 or amplifies < 1 or look_beats < 2:
+            raise ValueError(
+                "held_share must be in (0, 1], amplifies at least 1 and look_beats at least "
+                f"2, not {held_share}, {amplifies}, {look_beats}"
+            )
         self.book, self.ledger, self.links, self.gpu_wait = book, ledger, links, gpu_wait
         self.warmup, self.node_margin, self.alpha = warmup, node_margin, alpha
         self.host_lead_drop = host_lead_drop
@@ -117,6 +130,7 @@ class SlowdownTracker(Stragglers, Rechecks):
         self.gpu_wait_confirms = gpu_wait_confirms
         self.transient_floor = transient_floor
         self.held_share = held_share
+        self.amplifies, self.look_beats = amplifies, look_beats
         self.cpu = cpu
         self._reset()
 
@@ -136,6 +150,7 @@ class SlowdownTracker(Stragglers, Rechecks):
         # ranks named before their shift settled -> its onset step: checked once it has
         self._unsettled = {}
         self._held = None  # a burst waiting to be reported (see Stragglers)
+        self._looks = {}  # starved culprits to look at again (see Remainders)
 
     @property
     def shift(self) -> ShiftDetector:
@@ -165,6 +180,8 @@ class SlowdownTracker(Stragglers, Rechecks):
             out += self.judge(rep, topo)
         if ev is None and self.pending is None and self._unsettled:
             out += self._recheck(rep, topo)
+        if ev is None and self._looks:
+            out += self._look(rep, topo)
         if ev is None:
             out += self._release_burst(rep, now=False)
         return out
@@ -320,6 +337,7 @@ class SlowdownTracker(Stragglers, Rechecks):
         if not grew:
             self.open.append(culprit)
             self.ledger.begin(culprit, onset, onset_rep.start_ns)
+            self._look_later(inc, onset)
             if culprit.kind == "rank" and len(reps) < self.settle_steps:
                 if self._unsettled is None:  # pickled before it had them
                     self._unsettled = {}

@@ -1,0 +1,68 @@
+"""Verdicts on real recordings of jobs starved of CPU (`megatrace lab`'s quotas on a
+rank's or a node's cgroup), alone and beside a slow link: see test_lab_recordings."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_lab_recordings import ORDERS, _verdicts
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_rank_starved_of_cpu_is_named_not_the_network_its_slow_transfers_suggest(
+    order: str,
+) -> None:
+    """Case custom-slow-rank (its first 30 steps): a hand-written Gloo loop, rank 1 held
+    to a tenth of a CPU from step 13. Gloo moves the data on the CPU, so nobody arrives
+    late: the all-reduces themselves take 2.8x as long, for every rank, as over a slow
+    network (what the collectives alone said). Rank 1's heartbeats say its threads
+    waited for a CPU over a second a second, the others' a quarter."""
+    (v,) = _verdicts("lab_custom_slow_rank1_cpu.jsonl.gz", order)
+    assert (v.kind.value, v.rank, v.cause.value) == ("slowdown", 1, "host_cpu")
+    assert v.evidence["cpu_wait_share"] > 3 * v.evidence["usual_cpu_wait_share"]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_host_starved_of_cpu_is_one_incident_from_its_onset(order: str) -> None:
+    """Case ddp-slow-node (its first 30 steps): both ranks of lab-n1 held to a quarter of
+    a CPU from step 13. The step time rose at step 12, the first steps named rank 1 of
+    the other node, and rose again at step 17, when rank 2's heartbeats were late. Once
+    the first shift settled, both ranks of lab-n1 were waiting for a CPU: the first
+    incident is the host's from step 12, and the second, the same fault told again, is
+    closed."""
+    got = _verdicts("lab_ddp_slow_node1_cpu.jsonl.gz", order)
+    still = [v for v in got if v.status.value != "resolved"]
+    (v,) = still
+    assert (v.rank, v.node, v.onset_step, v.cause.value) == (None, "lab-n1", 12, "host_cpu")
+    assert all(v.node == "lab-n1" for v in got)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_quota_that_explains_its_slowdown_is_the_whole_of_it(order: str) -> None:
+    """Case ddp-slow-rank (its first 40 steps, 2.6 s past the onset: the quota's shares
+    read over ten heartbeats): rank 1 held to a tenth of a CPU from step 13. Gloo's
+    all-reduces themselves took 2-4x as long, as over a slow network, but rank 1 was
+    kept from running 1.9 s a second more than the others (its threads together) for
+    steps 3.8x as long: its quota explains the step, and nothing else is looked for."""
+    got = _verdicts("lab_ddp_slow_rank1_cpu.jsonl.gz", order)
+    (v,) = got
+    assert (v.kind.value, v.rank, v.cause.value) == ("slowdown", 1, "host_cpu")
+    assert v.severity > 0.7
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_slow_link_behind_a_rank_its_quota_holds_back_is_found_beside_it(order: str) -> None:
+    """Case ddp-link-and-rank (its first 24 steps): a DDP job over two nodes, the link
+    between them rate-limited from step 12 (steps 20x as long) and rank 3 held by a CPU
+    quota that throttled it 0.11 s a second. Rank 3 stands apart by its CPU counters and
+    is named first, but it was kept from running a quarter of the time more than usual
+    while the step lost 95% of its throughput: the rest is the network's. Both are
+    reported, each with its own cost; the network with the most of it."""
+    got = {v.kind.value: v for v in _verdicts("lab_ddp_link_and_rank3_cpu.jsonl.gz", order)}
+    assert set(got) == {"slowdown", "link_degradation"}
+    rank, link = got["slowdown"], got["link_degradation"]
+    assert (rank.rank, rank.cause.value) == (3, "host_cpu")
+    assert (link.link, link.cause.value) == ("lab-n0<->lab-n1", "network_link")
+    assert rank.onset_step == link.onset_step == 14
+    assert rank.severity < 0.3 < 0.6 < link.severity
+    assert rank.severity + link.severity == pytest.approx(0.95, abs=0.02)
