@@ -175,7 +175,7 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         if ev is not None:
             out += self._shift_event(ev.kind, ev.onset, ev.ratio, ev.length, rep, topo)
         elif self.shift.shifted and self.open:
-            out += self._update(rep, self.ledger.recent[-1].duration_ns / self.shift.baseline)
+            out += self._update(rep, self._level_now() / self.shift.baseline)
         if ev is None and self.pending is not None:
             out += self.judge(rep, topo)
         if ev is None and self.pending is None and self._unsettled:
@@ -277,6 +277,14 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         return first_culprit(found, link_ends, increase, topo)
 
     # ------------------------------------------------------------------ incidents
+    def _level_now(self, steps: int = 5) -> float:
+        """The step time now: the median of the newest ``steps`` since the open incidents
+        began (a fast step a quota lets through now and then is not the cost gone)."""
+        onsets = [s for c in self.open if (s := self.ledger.onset_step(c)) is not None]
+        first = min(onsets, default=0)
+        durations = [r.duration_ns for r in self.ledger.recent if r.complete and r.step >= first]
+        return float(np.median(durations[-steps:] or [self.ledger.recent[-1].duration_ns]))
+
     def _update(self, rep: StepReport, ratio: float) -> list[msgspec.Struct]:
         """The open incidents' severities at a step ``ratio`` x the baseline (each keeps its
         cause, culprit and onset; the book announces only material changes)."""

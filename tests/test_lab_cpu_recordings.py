@@ -3,9 +3,14 @@ rank's or a node's cgroup), alone and beside a slow link: see test_lab_recording
 
 from __future__ import annotations
 
+import gzip
+
 import pytest
 
-from tests.test_lab_recordings import ORDERS, _verdicts
+from detectors.replay import Replay
+from schemas.codec import decode
+from schemas.records import Verdict
+from tests.test_lab_recordings import DATA, ORDERS, _verdicts
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -66,3 +71,18 @@ def test_a_slow_link_behind_a_rank_its_quota_holds_back_is_found_beside_it(order
     assert rank.onset_step == link.onset_step == 14
     assert rank.severity < 0.3 < 0.6 < link.severity
     assert rank.severity + link.severity == pytest.approx(0.95, abs=0.02)
+
+
+@pytest.mark.parametrize(
+    "name", ["lab_ddp_slow_rank1.jsonl.gz", "lab_ddp_slow_rank1_cpu.jsonl.gz",
+             "lab_ddp_slow_node1_run3.jsonl.gz", "lab_zero_slow_rank1.jsonl.gz"],
+)  # fmt: skip
+def test_a_fast_step_a_quota_lets_through_is_not_the_cost_gone(name: str) -> None:
+    """A CPU quota lets a step through at the old speed now and then (its period's time
+    came back just then). The slowdown's cost is the step time it adds now, not that of
+    the newest step alone: no revision says it cost nothing while it goes on."""
+    with gzip.open(DATA / name) as fh:
+        records = [decode(line) for line in fh if line.strip()]
+    costs = [v.severity for v in Replay().run(records)
+             if isinstance(v, Verdict) and v.kind.value == "slowdown"]  # fmt: skip
+    assert costs and min(costs) > 0.35
