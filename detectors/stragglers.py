@@ -196,11 +196,11 @@ class Stragglers:
 
 
 def _one(a: Incident | None, b: Incident) -> bool:
-    """Whether ``a`` names what ``b`` does: the same culprit, or a host and one of its
-    ranks."""
+    """Whether ``a`` names what ``b`` does: the same culprit, or one host (it and one of
+    its ranks, or two of its ranks: a starved host's ranks take turns to come last)."""
     if a is None or a.culprit == b.culprit:
         return True
-    return {a.culprit.kind, b.culprit.kind} == {"node", "rank"} and a.node == b.node is not None
+    return {a.culprit.kind, b.culprit.kind} <= {"node", "rank"} and a.node == b.node is not None
 
 
 __all__ = ["Stragglers"]

@@ -86,3 +86,17 @@ def test_a_fast_step_a_quota_lets_through_is_not_the_cost_gone(name: str) -> Non
     costs = [v.severity for v in Replay().run(records)
              if isinstance(v, Verdict) and v.kind.value == "slowdown"]  # fmt: skip
     assert costs and min(costs) > 0.35
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_hosts_ranks_taking_turns_to_come_last_are_one_slowdown_of_the_host(
+    order: str,
+) -> None:
+    """Case ddp-slow-node (its first 34 steps): both ranks of lab-n1 held to a quarter of
+    a CPU from step 13. The quota bit in bursts at first: steps 17-18, 20-21 (rank 3
+    last) and 23 (rank 2 last), fast steps between, then a shift. Two ranks of one host
+    taking turns are one episode, the shift's first steps: one slowdown of the host
+    from step 20, no transient straggler of rank 3 beside it."""
+    (v,) = _verdicts("lab_ddp_slow_node1_cpu_run2.jsonl.gz", order)
+    assert (v.kind.value, v.rank, v.node, v.cause.value) == ("slowdown", None, "lab-n1", "host_cpu")
+    assert v.onset_step == 20
