@@ -229,6 +229,15 @@ class StepTimeLedger:
         """The step time open incident ``culprit`` adds to (the baseline until known)."""
         return self._level(culprit) or self.baseline
 
+    def level_now(self, culprits: list[Culprit], steps: int = 5) -> float:
+        """The step time now: the median of the newest ``steps`` complete ones since the
+        first of open incidents ``culprits`` began (a fast step a CPU quota lets through is
+        not their cost gone)."""
+        onsets = [at[0] for c in culprits if (at := self.onset_at.get(c)) and at[0] is not None]
+        since = min(onsets, default=0)
+        durations = [r.duration_ns for r in self.recent if r.complete and r.step >= since]
+        return float(np.median(durations[-steps:] or [self.recent[-1].duration_ns]))
+
     def step_reaching(self, ts_ns: int) -> int | None:
         """The first step seen that ended at or after ``ts_ns`` (None: none yet)."""
         return next((r.step for r in self.recent if r.end_ns >= ts_ns), None)

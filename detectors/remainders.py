@@ -34,7 +34,7 @@ from detectors.cpu_wait import findings as cpu_findings
 from detectors.culprits import first_culprit
 from detectors.incidents import Culprit, Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
-from detectors.slowdown import SlowdownFinding, SlowdownLocalizer
+from detectors.slowdown import SlowdownFinding
 from detectors.steps import StepReport
 from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
@@ -48,7 +48,6 @@ class Remainders:
     book: VerdictBook
     ledger: StepTimeLedger
     links: LinkTracker
-    localizer: SlowdownLocalizer
     open: list[Culprit]
     cpu: CpuWaits | None
     amplifies: float
@@ -57,6 +56,7 @@ class Remainders:
     _looks: dict[Culprit, int] | None = None
 
     _slowdown: Callable[..., list[msgspec.Struct]]
+    findings: Callable[..., list[SlowdownFinding]]
 
     def _look_later(self, inc: Incident, onset: int) -> None:
         """Incident ``inc`` opened at step ``onset``: looked at again if it is a starved
@@ -108,12 +108,7 @@ class Remainders:
             return []
         rest = increase * (added - explained) / added
         found = [
-            f for f in (
-                self.localizer.localize(reps, topo)
-                + cpu_findings(self.cpu, reps, topo, start)
-                + self.localizer.who_waits(reps, topo, rest)
-                + (self.localizer.slow_transfers(reps, topo, rest) if not self.links.open else [])
-            )
+            f for f in self.findings(reps, topo, rest, start)
             if not _names(f, culprit, topo) and (f.rank is None or f.rank not in ranks)
         ]  # fmt: skip
         inc = first_culprit(found, self.links.ends_before(start), rest, topo)

@@ -36,7 +36,7 @@ from detectors.incidents import JOB, Culprit, Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
 from detectors.rechecks import Rechecks
 from detectors.remainders import Remainders
-from detectors.slowdown import SlowdownLocalizer
+from detectors.slowdown import SlowdownFinding, SlowdownLocalizer
 from detectors.steps import StepReport
 from detectors.stragglers import Stragglers
 from detectors.topology import Topology
@@ -175,7 +175,7 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         if ev is not None:
             out += self._shift_event(ev.kind, ev.onset, ev.ratio, ev.length, rep, topo)
         elif self.shift.shifted and self.open:
-            out += self._update(rep, self._level_now() / self.shift.baseline)
+            out += self._update(rep, self.ledger.level_now(self.open) / self.shift.baseline)
         if ev is None and self.pending is not None:
             out += self.judge(rep, topo)
         if ev is None and self.pending is None and self._unsettled:
@@ -265,26 +265,25 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         # before its own link did is still the culprit of what it began
         link_ends = self.links.ends_before(reps[0].end_ns if reps else 0)
         increase = float(np.mean([r.duration_ns for r in reps])) - self.ledger.level_before(reps)
+        return first_culprit(self.findings(reps, topo, increase), link_ends, increase, topo)
+
+    def findings(
+        self, reps: list[StepReport], topo: Topology, increase: float, start_ns: int | None = None
+    ) -> list[SlowdownFinding]:
+        """The candidate culprits of ``increase`` ns added to the steps ``reps`` (their CPU
+        shares read from ``start_ns`` where given), most telling first."""
         found = self.localizer.localize(reps, topo)
         if self.cpu is not None:  # starved of CPU: the cause, whatever the collectives show
-            found += cpu_findings(self.cpu, reps, topo)
+            found += cpu_findings(self.cpu, reps, topo, start_ns)
         if not any(r.spans for r in reps) or not self.links.open:
             # last: who made the others wait (no schedule to walk, or nothing on it); and
             # if nobody did, the transfers between nodes that took longer
             found += self.localizer.who_waits(reps, topo, increase)
             if not self.links.open:
                 found += self.localizer.slow_transfers(reps, topo, increase)
-        return first_culprit(found, link_ends, increase, topo)
+        return found
 
     # ------------------------------------------------------------------ incidents
-    def _level_now(self, steps: int = 5) -> float:
-        """The step time now: the median of the newest ``steps`` since the open incidents
-        began (a fast step a quota lets through now and then is not the cost gone)."""
-        onsets = [s for c in self.open if (s := self.ledger.onset_step(c)) is not None]
-        first = min(onsets, default=0)
-        durations = [r.duration_ns for r in self.ledger.recent if r.complete and r.step >= first]
-        return float(np.median(durations[-steps:] or [self.ledger.recent[-1].duration_ns]))
-
     def _update(self, rep: StepReport, ratio: float) -> list[msgspec.Struct]:
         """The open incidents' severities at a step ``ratio`` x the baseline (each keeps its
         cause, culprit and onset; the book announces only material changes)."""
