@@ -37,7 +37,6 @@ from detectors.link_tracker import LinkTracker
 from detectors.slowdown import SlowdownFinding
 from detectors.steps import StepReport
 from detectors.topology import Topology
-from detectors.verdicts import VerdictBook
 from schemas.enums import Cause
 
 
@@ -45,7 +44,6 @@ class Remainders:
     """Starved culprits' incidents, looked at again once their shares settled (the
     attributes below are the tracker's)."""
 
-    book: VerdictBook
     ledger: StepTimeLedger
     links: LinkTracker
     open: list[Culprit]

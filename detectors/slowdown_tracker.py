@@ -344,11 +344,11 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         if not grew:
             self.open.append(culprit)
             self.ledger.begin(culprit, onset, onset_rep.start_ns)
-            self._look_later(inc, onset)
             if culprit.kind == "rank" and len(reps) < self.settle_steps:
                 if self._unsettled is None:  # pickled before it had them
                     self._unsettled = {}
                 self._unsettled[culprit] = onset
+        self._look_later(inc, onset)  # (a rank renamed once settled, or a shift on top too)
         severity = self.ledger.share(culprit, duration)
         out += self.links.severities(duration, rep)
         kind = culprit.verdict_kind
