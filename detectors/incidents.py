@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from detectors import texts
 from detectors.changepoint import ShiftDetector
 from detectors.steps import StepReport
 from schemas.enums import Cause, Phase, VerdictKind
@@ -120,6 +121,18 @@ class Incident:
     _WHERE: ClassVar[tuple[str, ...]] = ("rank", "gpu", "node", "link", "src_rank", "dst_rank",
                                          "pp_stage", "microbatch", "phase")  # fmt: skip
 
+    @property
+    def who(self) -> str:
+        """Whom it is about, in words."""
+        c = self.culprit
+        if len(self.ranks) > 1:
+            return "ranks " + texts.listed(list(self.ranks))
+        if self.rank is not None:
+            return texts.who(self.rank, self.gpu, self.node)
+        if c.kind == "nodes":
+            return texts.network(c.name)
+        return f"host {self.node}" if c.kind == "node" else "an unlocalised part of the job"
+
     def fields(self, evidence: bool = True) -> dict[str, Any]:
         """The verdict's fields (:class:`~schemas.records.Verdict`): where it sits (nothing
         for an unlocalised one), and its ``evidence`` unless told not to."""
@@ -187,6 +200,10 @@ class StepTimeLedger:
         """Open incident ``culprit`` costs at most ``fraction`` of a step: what its evidence
         explains. What it cannot take goes to the incidents that began at its level."""
         self._caps()[culprit] = fraction
+
+    def caps_of(self, culprit: Culprit) -> float | None:
+        """The most of a step open incident ``culprit`` costs (None: not capped)."""
+        return self._caps().get(culprit)
 
     def rename(self, culprit: Culprit, to: Culprit) -> None:
         """Open incident ``culprit`` is ``to``'s from now on (its onset, level and cap

@@ -14,7 +14,8 @@ it was kept from running above the job's usual (its run-queue wait or its quota'
 throttling, whichever is more). Where the step lost more than ``amplifies`` times that,
 and by the least slowdown worth a verdict, the remainder is localised again without
 that culprit: what is found opens an incident of its own beside it, and the starved
-one is charged no more than it explains (:meth:`~detectors.incidents.StepTimeLedger.cap`).
+one is charged no more than it explains (:meth:`~detectors.incidents.StepTimeLedger.cap`;
+its verdict's evidence says how much: ``step_share_explained``).
 A quota can cost more than it holds back (a transfer stalls while its throttled end
 cannot drain it), hence ``amplifies``.
 

@@ -300,6 +300,9 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
             current = self.book.current(kind.value, culprit.key)
             if culprit == skip or current is None:
                 continue
+            # capped at what its evidence explains: its verdict says so (why its cost fell)
+            cap = self.ledger.caps_of(culprit)
+            told = {} if cap is None else {"evidence": {**current.evidence, _EXPLAINED: cap}}
             if v := self.book.report(
                 kind,
                 current.cause,
@@ -309,6 +312,7 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
                 detected_ns=rep.end_ns,
                 severity=self.ledger.share(culprit, duration),
                 confidence=current.confidence,
+                **told,  # type: ignore[arg-type]
             ):
                 out.append(v)
         return out
@@ -360,7 +364,7 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         }
         phase = inc.phase.value if inc.phase else None
         summary = texts.slowdown_summary(
-            kind=kind, who=_who(inc), ratio=ratio, onset=onset, severity=severity,
+            kind=kind, who=inc.who, ratio=ratio, onset=onset, severity=severity,
             cause=inc.cause, where=", ".join(filter(None, (
                 texts.where(None, phase, inc.microbatch, inc.pp_stage),
                 texts.cpu_wait(inc.evidence)))),
@@ -384,16 +388,8 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         return [*out, v] if v else out
 
 
-def _who(inc: Incident) -> str:
-    """Whom a slowdown is about, in words."""
-    c = inc.culprit
-    if len(inc.ranks) > 1:
-        return "ranks " + texts.listed(list(inc.ranks))
-    if inc.rank is not None:
-        return texts.who(inc.rank, inc.gpu, inc.node)
-    if c.kind == "nodes":
-        return texts.network(c.name)
-    return f"host {inc.node}" if c.kind == "node" else "an unlocalised part of the job"
+#: the evidence of an incident capped at the share of the step its evidence explains
+_EXPLAINED = "step_share_explained"
 
 
 __all__ = ["SlowdownTracker"]

@@ -71,6 +71,9 @@ def test_a_slow_link_behind_a_rank_its_quota_holds_back_is_found_beside_it(order
     assert rank.onset_step == link.onset_step == 14
     assert rank.severity < 0.3 < 0.6 < link.severity
     assert rank.severity + link.severity == pytest.approx(0.95, abs=0.02)
+    # why the rank's cost fell, and what the network's is: in their evidence
+    assert rank.evidence["step_share_explained"] == pytest.approx(rank.severity, abs=0.01)
+    assert link.evidence["step_share_unexplained_by_cpu"] > 0.6
 
 
 @pytest.mark.parametrize(
