@@ -71,15 +71,15 @@ class Remainders:
         assert self._looks is not None and self.cpu is not None
         out: list[msgspec.Struct] = []
         for culprit, onset in list(self._looks.items()):
-            reps = [r for r in self.ledger.since(onset) if r.complete]
-            if culprit not in self.open or not reps:
+            if culprit not in self.open:
                 del self._looks[culprit]
                 continue
             start = self.ledger.onset_ns(culprit)
             if self.cpu.beats(_ranks(culprit, topo), start, rep.end_ns) < self.look_beats:
                 continue
             del self._looks[culprit]
-            out += self._remainder(culprit, onset, reps, rep, topo)
+            if reps := [r for r in self.ledger.since(onset) if r.complete]:
+                out += self._remainder(culprit, onset, reps, rep, topo)
         return out
 
     def _remainder(
@@ -91,7 +91,8 @@ class Remainders:
         assert self.cpu is not None
         ranks = set(_ranks(culprit, topo))
         start = self.ledger.onset_ns(culprit)
-        starved = [f for f in cpu_findings(self.cpu, reps, topo, start) if _names(f, culprit, topo)]
+        cpu = cpu_findings(self.cpu, reps, topo, start)
+        starved = [f for f in cpu if _names(f, culprit, topo)]
         mean = float(np.mean([r.duration_ns for r in reps]))
         increase = mean - self.ledger.level(culprit)
         if not starved or mean <= 0 or increase <= 0:
@@ -107,7 +108,7 @@ class Remainders:
             return []
         rest = increase * (added - explained) / added
         found = [
-            f for f in self.findings(reps, topo, rest, start)
+            f for f in self.findings(reps, topo, rest, cpu)
             if not _names(f, culprit, topo) and (f.rank is None or f.rank not in ranks)
         ]  # fmt: skip
         inc = first_culprit(found, self.links.ends_before(start), rest, topo)
@@ -122,7 +123,8 @@ def _ranks(culprit: Culprit, topo: Topology) -> list[int]:
     """The ranks a starved culprit (a rank, or every rank of a host) names."""
     if culprit.kind == "rank":
         return [int(culprit.name)]
-    return [r for r in range(topo.job.world_size) if topo.node(r) == culprit.name]
+    nodes, _ = topo.rank_rows()
+    return [r for r, node in enumerate(nodes) if node == culprit.name]
 
 
 def _names(f: SlowdownFinding, culprit: Culprit, topo: Topology) -> bool:

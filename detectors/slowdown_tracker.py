@@ -268,13 +268,18 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         return first_culprit(self.findings(reps, topo, increase), link_ends, increase, topo)
 
     def findings(
-        self, reps: list[StepReport], topo: Topology, increase: float, start_ns: int | None = None
+        self,
+        reps: list[StepReport],
+        topo: Topology,
+        increase: float,
+        cpu: list[SlowdownFinding] | None = None,
     ) -> list[SlowdownFinding]:
-        """The candidate culprits of ``increase`` ns added to the steps ``reps`` (their CPU
-        shares read from ``start_ns`` where given), most telling first."""
+        """The candidate culprits of ``increase`` ns added to the steps ``reps``, most
+        telling first (``cpu``: the ranks and hosts starved of CPU, where read already)."""
         found = self.localizer.localize(reps, topo)
-        if self.cpu is not None:  # starved of CPU: the cause, whatever the collectives show
-            found += cpu_findings(self.cpu, reps, topo, start_ns)
+        if cpu is None and self.cpu is not None:
+            cpu = cpu_findings(self.cpu, reps, topo)
+        found += cpu or []  # starved of CPU: the cause, whatever the collectives show
         if not any(r.spans for r in reps) or not self.links.open:
             # last: who made the others wait (no schedule to walk, or nothing on it); and
             # if nobody did, the transfers between nodes that took longer
@@ -302,7 +307,7 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
                 continue
             # capped at what its evidence explains: its verdict says so (why its cost fell)
             cap = self.ledger.caps_of(culprit)
-            told = {} if cap is None else {"evidence": {**current.evidence, _EXPLAINED: cap}}
+            evidence = current.evidence if cap is None else {**current.evidence, _EXPLAINED: cap}
             if v := self.book.report(
                 kind,
                 current.cause,
@@ -312,7 +317,7 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
                 detected_ns=rep.end_ns,
                 severity=self.ledger.share(culprit, duration),
                 confidence=current.confidence,
-                **told,  # type: ignore[arg-type]
+                evidence=evidence,
             ):
                 out.append(v)
         return out

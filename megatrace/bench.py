@@ -268,9 +268,9 @@ def pipeline(
     shared machine moves single runs): the ratios are best against best, and each row
     shows the range. Every measure runs with the garbage collector settings of every
     command (:func:`~megatrace.cli_base.tune_gc`), the raw consumer's too, so that raw
-    and the roles are measured alike. Its topics are deleted afterwards: the local broker keeps what
-    it holds in memory, and each run publishes some 700,000 records; a local broker it
-    started is stopped (a bounded command leaves no process behind)."""
+    and the roles are measured alike. Its topics are deleted afterwards: the local
+    broker keeps what it holds in memory, and each run publishes some 700,000 records;
+    a local broker it started is stopped (a bounded command leaves no process behind)."""
     tune_gc()
     stack = Stack(settings)
     _, started = stack.up()

@@ -1,16 +1,13 @@
 """Verdicts on real recordings of jobs starved of CPU (`megatrace lab`'s quotas on a
-rank's or a node's cgroup), alone and beside a slow link: see test_lab_recordings."""
+rank's or a node's cgroup), alone and beside a slow link: see tests/recordings.py."""
 
 from __future__ import annotations
-
-import gzip
 
 import pytest
 
 from detectors.replay import Replay
-from schemas.codec import decode
 from schemas.records import Verdict
-from tests.test_lab_recordings import DATA, ORDERS, _verdicts
+from tests.recordings import ORDERS, last_verdicts, read_records
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -22,7 +19,7 @@ def test_a_rank_starved_of_cpu_is_named_not_the_network_its_slow_transfers_sugge
     late: the all-reduces themselves take 2.8x as long, for every rank, as over a slow
     network (what the collectives alone said). Rank 1's heartbeats say its threads
     waited for a CPU over a second a second, the others' a quarter."""
-    (v,) = _verdicts("lab_custom_slow_rank1_cpu.jsonl.gz", order)
+    (v,) = last_verdicts("lab_custom_slow_rank1_cpu.jsonl.gz", order)
     assert (v.kind.value, v.rank, v.cause.value) == ("slowdown", 1, "host_cpu")
     assert v.evidence["cpu_wait_share"] > 3 * v.evidence["usual_cpu_wait_share"]
 
@@ -35,7 +32,7 @@ def test_a_host_starved_of_cpu_is_one_incident_from_its_onset(order: str) -> Non
     the first shift settled, both ranks of lab-n1 were waiting for a CPU: the first
     incident is the host's from step 12, and the second, the same fault told again, is
     closed."""
-    got = _verdicts("lab_ddp_slow_node1_cpu.jsonl.gz", order)
+    got = last_verdicts("lab_ddp_slow_node1_cpu.jsonl.gz", order)
     still = [v for v in got if v.status.value != "resolved"]
     (v,) = still
     assert (v.rank, v.node, v.onset_step, v.cause.value) == (None, "lab-n1", 12, "host_cpu")
@@ -49,7 +46,7 @@ def test_a_quota_that_explains_its_slowdown_is_the_whole_of_it(order: str) -> No
     all-reduces themselves took 2-4x as long, as over a slow network, but rank 1 was
     kept from running 1.9 s a second more than the others (its threads together) for
     steps 3.8x as long: its quota explains the step, and nothing else is looked for."""
-    got = _verdicts("lab_ddp_slow_rank1_cpu.jsonl.gz", order)
+    got = last_verdicts("lab_ddp_slow_rank1_cpu.jsonl.gz", order)
     (v,) = got
     assert (v.kind.value, v.rank, v.cause.value) == ("slowdown", 1, "host_cpu")
     assert v.severity > 0.7
@@ -63,7 +60,7 @@ def test_a_slow_link_behind_a_rank_its_quota_holds_back_is_found_beside_it(order
     is named first, but it was kept from running a quarter of the time more than usual
     while the step lost 95% of its throughput: the rest is the network's. Both are
     reported, each with its own cost; the network with the most of it."""
-    got = {v.kind.value: v for v in _verdicts("lab_ddp_link_and_rank3_cpu.jsonl.gz", order)}
+    got = {v.kind.value: v for v in last_verdicts("lab_ddp_link_and_rank3_cpu.jsonl.gz", order)}
     assert set(got) == {"slowdown", "link_degradation"}
     rank, link = got["slowdown"], got["link_degradation"]
     assert (rank.rank, rank.cause.value) == (3, "host_cpu")
@@ -84,9 +81,7 @@ def test_a_fast_step_a_quota_lets_through_is_not_the_cost_gone(name: str) -> Non
     """A CPU quota lets a step through at the old speed now and then (its period's time
     came back just then). The slowdown's cost is the step time it adds now, not that of
     the newest step alone: no revision says it cost nothing while it goes on."""
-    with gzip.open(DATA / name) as fh:
-        records = [decode(line) for line in fh if line.strip()]
-    costs = [v.severity for v in Replay().run(records)
+    costs = [v.severity for v in Replay().run(read_records(name))
              if isinstance(v, Verdict) and v.kind.value == "slowdown"]  # fmt: skip
     assert costs and min(costs) > 0.35
 
@@ -100,6 +95,6 @@ def test_a_hosts_ranks_taking_turns_to_come_last_are_one_slowdown_of_the_host(
     last) and 23 (rank 2 last), fast steps between, then a shift. Two ranks of one host
     taking turns are one episode, the shift's first steps: one slowdown of the host
     from step 20, no transient straggler of rank 3 beside it."""
-    (v,) = _verdicts("lab_ddp_slow_node1_cpu_run2.jsonl.gz", order)
+    (v,) = last_verdicts("lab_ddp_slow_node1_cpu_run2.jsonl.gz", order)
     assert (v.kind.value, v.rank, v.node, v.cause.value) == ("slowdown", None, "lab-n1", "host_cpu")
     assert v.onset_step == 20

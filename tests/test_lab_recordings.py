@@ -6,48 +6,19 @@ the test."""
 
 from __future__ import annotations
 
-import gzip
-from pathlib import Path
-
 import pytest
 
 from detectors.replay import Replay
-from schemas.codec import decode
 from schemas.records import (
     Collective,
     CommInfo,
-    Heartbeat,
     Iteration,
     JobInfo,
     RankInfo,
     StepSummary,
     Verdict,
 )
-
-DATA = Path(__file__).parent / "data"
-
-#: how the records reach the detectors: in the order they were read; as the flow
-#: batches a poll (each communicator's share of it at once); and with the job's
-#: metadata and iteration markers first, as a flow reads those topics ahead of the
-#: calls' (the meta topic is small and compacted, the markers few)
-ORDERS = ["as-read", "polled", "markers-first"]
-
-
-def _verdicts(name: str, order: str = "as-read") -> list[Verdict]:
-    """Each incident's last revision, in the order they opened."""
-    with gzip.open(DATA / name) as fh:
-        records = [decode(line) for line in fh if line.strip()]
-    if order == "markers-first":
-        ahead = (JobInfo, RankInfo, CommInfo, Iteration)
-        records = [r for r in records if isinstance(r, ahead)] + [
-            r for r in records if not isinstance(r, ahead)
-        ]
-    if order == "no-calls":  # the job's own topics alone: heartbeats, markers, metadata
-        own = (JobInfo, RankInfo, CommInfo, Iteration, Heartbeat)
-        records = [r for r in records if isinstance(r, own)]
-    replay = Replay(poll=300 if order == "polled" else None)
-    last = {v.verdict_id: v for v in replay.run(records) if isinstance(v, Verdict)}
-    return list(last.values())
+from tests.recordings import ORDERS, last_verdicts, read_records
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -60,7 +31,7 @@ def test_a_killed_rank_is_named_although_healthy_ranks_lost_a_step_of_records(
     value, rank 1 never joined an all-reduce of step 1, and that was the verdict; its
     later calls and heartbeats show it went on. The same in whatever order the records
     come."""
-    (hang,) = _verdicts("lab_megatron_killed_rank3.jsonl.gz", order)
+    (hang,) = last_verdicts("lab_megatron_killed_rank3.jsonl.gz", order)
     assert (hang.kind.value, hang.rank, hang.onset_step) == ("hang", 3, 8)
 
 
@@ -71,7 +42,7 @@ def test_a_killed_rank_is_named_from_heartbeats_alone_not_a_peer_that_failed_aft
     what they waited in, and rank 2 waited in the tensor-parallel call rank 3 never
     issued. Rank 3 stopped after its step 8's gradient sync (its peer completed it) and
     before its first call of step 9."""
-    (hang,) = _verdicts("lab_megatron_killed_rank3.jsonl.gz", "no-calls")
+    (hang,) = last_verdicts("lab_megatron_killed_rank3.jsonl.gz", "no-calls")
     assert (hang.kind.value, hang.rank, hang.onset_step) == ("hang", 3, 9)
 
 
@@ -82,7 +53,7 @@ def test_a_one_step_straggler_in_a_pipeline_is_named_with_the_time_it_cost(order
     other stage waits for the slow one, so the step loses far more than rank 1's own
     lateness against its tensor-parallel peer (146 ms); no other rank's grew a third
     as much. The same in whatever order the records come."""
-    transient = [v for v in _verdicts("lab_megatron_transient_rank1.jsonl.gz", order)
+    transient = [v for v in last_verdicts("lab_megatron_transient_rank1.jsonl.gz", order)
                  if v.kind.value == "transient_straggler"]  # fmt: skip
     (v,) = transient
     assert (v.rank, v.onset_step, v.status.value) == (1, 9, "resolved")
@@ -95,7 +66,7 @@ def test_what_follows_a_one_step_straggler_is_priced_against_the_level_before_it
     (291-300 ms against 245 ms). Whatever that is called, its cost is the time it added
     to the steps before the straggler, not to a level the straggler's one step raised
     (the steps before it, with it, averaged 446 ms: nothing lost, "0%")."""
-    for v in _verdicts("lab_megatron_transient_rank1.jsonl.gz"):
+    for v in last_verdicts("lab_megatron_transient_rank1.jsonl.gz"):
         if v.kind.value == "slowdown":
             ratio = v.evidence["step_time_ratio"]
             assert v.severity >= 0.5 * (1 - 1 / ratio) > 0, v.summary
@@ -107,7 +78,7 @@ def test_a_killed_rank_is_named_when_its_peer_dies_waiting_for_it() -> None:
     moment later; the next stage's ranks wait for rank 2's pipeline Send, opened
     earlier than anything else. The calls alone blame rank 2 for that Send; rank 2's
     last heartbeat says it was held up by rank 3."""
-    (hang,) = _verdicts("lab_megatron_killed_rank3_run2.jsonl.gz")
+    (hang,) = last_verdicts("lab_megatron_killed_rank3_run2.jsonl.gz")
     assert (hang.kind.value, hang.rank) == ("hang", 3)
     assert hang.onset_step in (8, 9)  # killed after its step 8's calls or before step 9's
 
@@ -118,7 +89,7 @@ def test_a_killed_rank_is_named_though_its_peers_heartbeats_stalled_before_their
     heartbeats of ranks 0 and 2 (their threads starved on 2 shared cores) say they had
     issued 18 and 9. Their calls say how far they got: rank 3, whose own last heartbeat
     says it was in 23 and 24, was not held up by them."""
-    (hang,) = _verdicts("lab_ddp_killed_rank3.jsonl.gz")
+    (hang,) = last_verdicts("lab_ddp_killed_rank3.jsonl.gz")
     assert (hang.kind.value, hang.rank, hang.seq) == ("hang", 3, 23)
 
 
@@ -127,7 +98,7 @@ def test_a_rank_stopped_inside_a_call_every_member_joined_is_named_not_the_netwo
     gradient all-reduces 25 and 26 (every member joined them; Gloo needs the stopped
     process to finish them). Its heartbeats stopped, the others' went on: the call that
     never completed is rank 2's, not the network's."""
-    (hang,) = _verdicts("lab_ddp_stopped_rank2.jsonl.gz")
+    (hang,) = last_verdicts("lab_ddp_stopped_rank2.jsonl.gz")
     assert (hang.kind.value, hang.cause.value, hang.rank) == ("hang", "compute", 2)
 
 
@@ -138,7 +109,7 @@ def test_a_slow_rank_is_named_not_the_host_its_held_up_peers_share(order: str) -
     rank 0 waits for it inside their collectives, the next stage (ranks 4 and 5, the
     other node) waits for their input. Counting a stage's wait for its input as waiting,
     only ranks 0 and 1 spent the time added busy, and rank 1 held the others up most."""
-    (slow,) = _verdicts("lab_megatron_slow_rank1.jsonl.gz", order)
+    (slow,) = last_verdicts("lab_megatron_slow_rank1.jsonl.gz", order)
     assert (slow.kind.value, slow.rank, slow.node) == ("slowdown", 1, "lab-n0")
     assert slow.onset_step == 9
 
@@ -151,7 +122,7 @@ def test_a_slow_host_is_named_not_the_one_of_its_ranks_the_critical_path_shows(
     CPU quota from step 9. Rank 6 is the latest of its tensor-parallel pair on the
     critical path, but every rank of lab-n1 spent most of the time added busy while the
     other node's waited: the host."""
-    (slow,) = _verdicts("lab_megatron_slow_node1.jsonl.gz", order)
+    (slow,) = last_verdicts("lab_megatron_slow_node1.jsonl.gz", order)
     assert (slow.kind.value, slow.rank, slow.node) == ("slowdown", None, "lab-n1")
     assert slow.cause.value == "host_cpu"
 
@@ -161,7 +132,7 @@ def test_a_slow_rank_is_named_once_its_first_steps_settled() -> None:
     step 13 (its steps then go from 25 ms to about 100). In the first steps after the
     shift, ranks 0 and 1 of node lab-n0 both came late; over more, rank 1 alone did (a
     host named from a shift's first steps is believed only once it settled)."""
-    (slow,) = _verdicts("lab_ddp_slow_rank1.jsonl.gz")
+    (slow,) = last_verdicts("lab_ddp_slow_rank1.jsonl.gz")
     assert (slow.kind.value, slow.rank) == ("slowdown", 1)
 
 
@@ -171,8 +142,7 @@ def test_a_slowdown_right_after_a_burst_is_priced_against_the_baseline() -> None
     began the slowdown (its onset) and is no level it adds to: nothing else was open, so
     the slowdown costs what it added to the baseline (it was priced at a few percent
     against the burst's steps)."""
-    with gzip.open(DATA / "lab_ddp_slow_node1.jsonl.gz") as fh:
-        records = [decode(line) for line in fh if line.strip()]
+    records = read_records("lab_ddp_slow_node1.jsonl.gz")
     first = {}
     for v in Replay().run(records):
         if isinstance(v, Verdict) and v.kind.value == "slowdown":
@@ -187,7 +157,7 @@ def test_a_slow_rank_is_named_where_every_rank_also_spent_longer_in_transfers() 
     quota from step 13. Gloo runs collectives on the CPU, so every rank's transfers got
     longer with it; but the other three also waited for rank 1 about half the time
     added, and its own waiting did not grow: the widest break in who waited longer."""
-    (slow,) = _verdicts("lab_zero_slow_rank1.jsonl.gz")
+    (slow,) = last_verdicts("lab_zero_slow_rank1.jsonl.gz")
     assert (slow.kind.value, slow.rank, slow.node) == ("slowdown", 1, "lab-n0")
 
 
@@ -195,7 +165,7 @@ def test_bursts_of_noise_in_transfers_are_no_intermittent_straggler() -> None:
     """Case zero-healthy: nothing injected; two steps about 1.9x their neighbours', their
     time in longer transfers (on 2 shared cores, a collective run by a CPU that was
     busy elsewhere). Bursts are a straggler's only with a rank or host named."""
-    assert _verdicts("lab_zero_healthy.jsonl.gz") == []
+    assert last_verdicts("lab_zero_healthy.jsonl.gz") == []
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -205,7 +175,7 @@ def test_a_slow_rank_is_found_in_steps_noisier_than_its_slowdown(order: str) -> 
     quota then added), so the step times alone never stand out of their noise. But from
     step 9 rank 1 held the others up by most of every step, far past its usual share:
     a cause seen beside the slower steps, which are judged against the least shift."""
-    (slow,) = _verdicts("lab_megatron_slow_rank1_run2.jsonl.gz", order)
+    (slow,) = last_verdicts("lab_megatron_slow_rank1_run2.jsonl.gz", order)
     assert (slow.kind.value, slow.rank, slow.node) == ("slowdown", 1, "lab-n0")
     assert 9 <= slow.onset_step <= 11
 
@@ -217,7 +187,7 @@ def test_a_slow_link_that_costs_no_step_time_is_found_from_transfer_times(order:
     a Gloo job has no link counters; but every one of the four communicators whose
     transfers cross the two nodes now takes over twice its usual transfer time, with no
     rank in all of them: the network between the nodes."""
-    (link,) = _verdicts("lab_megatron_slow_link.jsonl.gz", order)
+    (link,) = last_verdicts("lab_megatron_slow_link.jsonl.gz", order)
     assert (link.kind.value, link.cause.value, link.link) == (
         "link_degradation",
         "network_link",
@@ -233,7 +203,7 @@ def test_transfers_a_slow_host_made_longer_are_no_slow_link(order: str) -> None:
     quota from step 9. From step 15 the communicators across the nodes transfer over
     twice as slowly as usual too (a CPU-bound Gloo rank moves its buffers slowly); the
     host's slowdown explains them, so no link is reported beside it."""
-    (slow,) = _verdicts("lab_megatron_slow_node1_run2.jsonl.gz", order)
+    (slow,) = last_verdicts("lab_megatron_slow_node1_run2.jsonl.gz", order)
     assert (slow.kind.value, slow.node, slow.cause.value) == ("slowdown", "lab-n1", "host_cpu")
 
 
@@ -246,7 +216,7 @@ def test_a_peer_named_from_a_shifts_first_steps_gives_way_to_the_rank_that_held_
     wait as long as rank 1 did, and was named. Over the shift's first 8 steps rank 1
     held them up far longer (250-410 ms a step against rank 0's 150-240, while rank 0
     waited for it): the same incident, revised to rank 1, one alert."""
-    (slow,) = _verdicts("lab_megatron_slow_rank1_run3.jsonl.gz", order)
+    (slow,) = last_verdicts("lab_megatron_slow_rank1_run3.jsonl.gz", order)
     assert (slow.kind.value, slow.rank, slow.node, slow.onset_step) == ("slowdown", 1, "lab-n0", 9)
 
 
@@ -254,7 +224,7 @@ def test_a_rank_named_from_a_shifts_first_steps_gives_way_to_its_host() -> None:
     """Case ddp-slow-node, another run (its first 26 steps): node lab-n1 under a 0.25 CPU
     quota from step 13. Its rank 3 made the others wait in the first steps; over 8, both
     of lab-n1's ranks were busy while lab-n0's waited: the host, in the same incident."""
-    (slow,) = _verdicts("lab_ddp_slow_node1_run2.jsonl.gz")
+    (slow,) = last_verdicts("lab_ddp_slow_node1_run2.jsonl.gz")
     assert (slow.kind.value, slow.rank, slow.node, slow.cause.value) == (
         "slowdown",
         None,
@@ -270,7 +240,7 @@ def test_a_quotas_first_slow_steps_begin_its_slowdown_not_a_straggler(order: str
     from step 13. Steps 16-17 ran 3.5x slower, step 18 at the usual pace (the quota let
     it through), and from step 19 on all ran 3.5x slower again. The two steps were no
     straggler of their own: they began the slowdown, reported alone and from step 16."""
-    (slow,) = _verdicts("lab_ddp_slow_rank1_run2.jsonl.gz", order)
+    (slow,) = last_verdicts("lab_ddp_slow_rank1_run2.jsonl.gz", order)
     assert (slow.kind.value, slow.rank, slow.onset_step) == ("slowdown", 1, 16)
 
 
@@ -280,18 +250,13 @@ def test_a_slow_link_found_from_transfer_times_is_no_level_a_noise_shift_adds_to
     31-35 ran 1.3x slower by the noise of 2 shared cores. The link costs no step time,
     so those steps are not a slower level it set: priced against the baseline, they
     are nobody's slowdown (priced against the level before them, two ranks were)."""
-    (link,) = _verdicts("lab_megatron_slow_link_run2.jsonl.gz")
+    (link,) = last_verdicts("lab_megatron_slow_link_run2.jsonl.gz")
     assert (link.kind.value, link.link, link.onset_step) == (
         "link_degradation",
         "lab-n0<->lab-n1",
         10,
     )
     assert link.severity == 0.0
-
-
-def _read(name: str) -> list:
-    with gzip.open(DATA / name) as fh:
-        return [decode(line) for line in fh if line.strip()]
 
 
 def _outcome(records: list, late_first_call_s: float | None = None) -> tuple[list[int], list]:
@@ -319,7 +284,7 @@ def test_a_first_call_reported_partial_still_counts_in_its_step(late_s: float | 
     edge of the noise came out as a slowdown and a transient straggler (what the live
     run said). Folded where the call's other instances are, step 0 is there and
     nothing is reported, whenever the records come."""
-    steps, verdicts = _outcome(_read("lab_custom_healthy.jsonl.gz"), late_s)
+    steps, verdicts = _outcome(read_records("lab_custom_healthy.jsonl.gz"), late_s)
     assert steps == list(range(90))
     assert verdicts == []
 
@@ -330,7 +295,7 @@ def test_markers_read_before_the_job_record_still_place_the_first_steps() -> Non
     first two markers come before the job record. Those markers were kept and never
     given to the communicator, whose first three steps' calls then all fell in step 2
     (six all-gathers and reduce-scatters against the layout's two)."""
-    records = _read("lab_zero_healthy.jsonl.gz")
+    records = read_records("lab_zero_healthy.jsonl.gz")
     marks = [r for r in records if isinstance(r, Iteration)][:2]
     ahead = [r for r in records if isinstance(r, CommInfo)] + marks
     rest = [r for r in records if not isinstance(r, CommInfo) and r not in marks]
@@ -350,7 +315,7 @@ def test_a_frozen_rank_is_named_at_the_call_it_never_issued_whatever_is_read_fir
     rank completed them. The hung call is 25, in step 13 by the job's markers: from the
     calls, from the heartbeats alone, and with the calls' topic read behind the
     heartbeats' (live, the step was once read off the layout's one call a step: 26)."""
-    records = _read("lab_ddp_hang_rank2.jsonl.gz")
+    records = read_records("lab_ddp_hang_rank2.jsonl.gz")
     if order == "calls-last":
         records = [r for r in records if not isinstance(r, Collective)] + [
             r for r in records if isinstance(r, Collective)
@@ -376,7 +341,7 @@ def test_a_call_that_failed_with_a_killed_peer_is_not_taken_for_completed(order:
     completed is not where a job stopped, but only from members that went on beating
     after it: rank 2 stopped with the error, so the call is still rank 3's (taken for
     completed, the next open call blamed rank 2)."""
-    (hang,) = _verdicts("lab_megatron_killed_rank3_run3.jsonl.gz", order)
+    (hang,) = last_verdicts("lab_megatron_killed_rank3_run3.jsonl.gz", order)
     assert (hang.kind.value, hang.rank) == ("hang", 3)
 
 
@@ -387,7 +352,7 @@ def test_a_host_first_taken_for_one_of_its_peers_is_one_incident(order: str) -> 
     the other node; a second shift (3x) named the host. That host took over the first
     incident: one slowdown of lab-n1 from step 13 held back by its quota, not a second
     one told after it and closed."""
-    (slow,) = _verdicts("lab_ddp_slow_node1_run3.jsonl.gz", order)
+    (slow,) = last_verdicts("lab_ddp_slow_node1_run3.jsonl.gz", order)
     assert (slow.kind.value, slow.node, slow.rank, slow.onset_step) == (
         "slowdown",
         "lab-n1",

@@ -1,0 +1,42 @@
+"""The kept lab recordings (``tests/data/lab_*.jsonl.gz``) and how the tests replay them:
+each file is the records as a `megatrace lab` flow read them."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+from detectors.replay import Replay
+from schemas.codec import decode
+from schemas.records import CommInfo, Heartbeat, Iteration, JobInfo, RankInfo, Verdict
+
+DATA = Path(__file__).parent / "data"
+
+#: how the records reach the detectors: in the order they were read; as the flow
+#: batches a poll (each communicator's share of it at once); and with the job's
+#: metadata and iteration markers first, as a flow reads those topics ahead of the
+#: calls' (the meta topic is small and compacted, the markers few)
+ORDERS = ["as-read", "polled", "markers-first"]
+
+
+def read_records(name: str) -> list:
+    """Recording ``name``'s records, in the order they were read."""
+    with gzip.open(DATA / name) as fh:
+        return [decode(line) for line in fh if line.strip()]
+
+
+def last_verdicts(name: str, order: str = "as-read") -> list[Verdict]:
+    """Each incident's last revision, in the order they opened, with the records in
+    ``order`` (one of :data:`ORDERS`, or ``no-calls``: the job's own topics alone)."""
+    records = read_records(name)
+    if order == "markers-first":
+        ahead = (JobInfo, RankInfo, CommInfo, Iteration)
+        records = [r for r in records if isinstance(r, ahead)] + [
+            r for r in records if not isinstance(r, ahead)
+        ]
+    if order == "no-calls":  # the job's own topics alone: heartbeats, markers, metadata
+        own = (JobInfo, RankInfo, CommInfo, Iteration, Heartbeat)
+        records = [r for r in records if isinstance(r, own)]
+    replay = Replay(poll=300 if order == "polled" else None)
+    last = {v.verdict_id: v for v in replay.run(records) if isinstance(v, Verdict)}
+    return list(last.values())
