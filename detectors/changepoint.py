@@ -100,6 +100,8 @@ class ShiftDetector:
 
     #: the values seen lately outside bursts and shifts (for one pickled before it: none)
     _normal: deque[float] | None = None
+    #: the current excursion's first value over the baseline, unclipped
+    _first: float = 0.0
 
     def _reset(self) -> None:
         self._seed: list[float] = []
@@ -141,6 +143,12 @@ class ShiftDetector:
         return 1.4826 * float(np.median(np.abs(xs / med - 1.0))) if med > 0 else 0.0
 
     @property
+    def excursion(self) -> bool:
+        """The newest value is high: in a shift, or in a run that may become a burst or
+        one (not a value to learn the job's usual from)."""
+        return self.shifted or bool(self._run)
+
+    @property
     def bar(self) -> float:
         """How far above the baseline (a fraction of it) a value is high: ``min_shift``, or
         three times the noise where that is more."""
@@ -160,7 +168,8 @@ class ShiftDetector:
                 s = sorted(self._seed)
                 self.baseline = s[len(s) // 2]
             return None
-        rel = min(max(x / self.baseline, 0.0), self.clip)
+        raw = max(x / self.baseline, 0.0)
+        rel = min(raw, self.clip)
         noise_bar = self.bar  # a median over the recent normal values: read once
         bar = self.min_shift if explained else noise_bar
         # the test sees deviations in units of the bar: min_shift's for a quiet signal
@@ -172,6 +181,7 @@ class ShiftDetector:
         if high:
             if not self._run:
                 self._onset = index
+                self._first = raw
             self._run.append(rel)
             if len(self._run) >= self.persistence and self._drift:
                 if spike := self._spike(bar):
@@ -182,13 +192,13 @@ class ShiftDetector:
             return None
         event = None
         if self._run:
-            # a lone value is a burst only if it is well clear of the noise
-            if len(self._run) > 1 or self._mean() >= 1.0 + 2 * bar:
-                event = ShiftEvent(
-                    "burst", self._onset, self._mean(), len(self._run), self.baseline
-                )
+            # a lone value is a burst only if it is well clear of the noise (judged as it
+            # is: clipped, a noisy job's lone value could never be)
+            if len(self._run) > 1 or self._first >= 1.0 + 2 * bar:
+                ratio = self._mean() if len(self._run) > 1 else self._first
+                event = ShiftEvent("burst", self._onset, ratio, len(self._run), self.baseline)
             else:  # a lone value within the noise: one of the signal's own
-                self._normal.extend(r * self.baseline for r in self._run)
+                self._normal.append(self._first * self.baseline)
             self._run = []
             self._restart_test()
         self._normal.append(float(x))
@@ -233,11 +243,12 @@ class ShiftDetector:
         both the noise and the rest of the excursion (its excess over the baseline
         ``SPIKE_OVER_REST`` times theirs) is a burst of its own, told now; the rest must
         then make a shift on its own merit (a fresh test over it)."""
+        # clear of the noise as it is; over the rest as the test saw them (clipped alike)
         first, rest = self._run[0], self._run[1:]
         level = float(np.median(rest))
-        if first < 1.0 + 2 * bar or first - 1.0 < SPIKE_OVER_REST * max(level - 1.0, 0.0):
+        if self._first < 1.0 + 2 * bar or first - 1.0 < SPIKE_OVER_REST * max(level - 1.0, 0.0):
             return None
-        event = ShiftEvent("burst", self._onset, first, 1, self.baseline)
+        event = ShiftEvent("burst", self._onset, self._first, 1, self.baseline)
         self._run, self._onset = rest, self._onset + 1
         self._restart_test()
         for rel in rest:

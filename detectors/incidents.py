@@ -98,6 +98,10 @@ class Culprit:
 
 JOB = Culprit("job")
 
+#: the evidence of an incident capped at the share of the step its evidence explains
+#: (:meth:`StepTimeLedger.cap`)
+EXPLAINED = "step_share_explained"
+
 
 @dataclass
 class Incident:
@@ -246,14 +250,22 @@ class StepTimeLedger:
         """The step time open incident ``culprit`` adds to (the baseline until known)."""
         return self._level(culprit) or self.baseline
 
-    def level_now(self, culprits: list[Culprit], steps: int = 5) -> float:
-        """The step time now: the median of the newest ``steps`` complete ones since the
-        first of open incidents ``culprits`` began (a fast step a CPU quota lets through is
-        not their cost gone)."""
+    def level_now(self, culprits: list[Culprit]) -> float:
+        """The step time now: the mean of the complete steps kept since the first of open
+        incidents ``culprits`` began. Throughput is steps over time, so a CPU quota that
+        lets fast steps through between slow ones costs their mean; a median, or any one
+        step, flaps between its cost and nothing as the fast ones come and go."""
         onsets = [at[0] for c in culprits if (at := self.onset_at.get(c)) and at[0] is not None]
         since = min(onsets, default=0)
         durations = [r.duration_ns for r in self.recent if r.complete and r.step >= since]
-        return float(np.median(durations[-steps:] or [self.recent[-1].duration_ns]))
+        return float(np.mean(durations or [self.recent[-1].duration_ns]))
+
+    def ratio_since(self, onset: int) -> float | None:
+        """The complete steps' mean time since step ``onset`` (those kept) over the
+        baseline; None: none kept, or no baseline yet."""
+        durations = [r.duration_ns for r in self.recent if r.complete and r.step >= onset]
+        base = self.baseline
+        return float(np.mean(durations)) / base if durations and base else None
 
     def step_reaching(self, ts_ns: int) -> int | None:
         """The first step seen that ended at or after ``ts_ns`` (None: none yet)."""
@@ -301,4 +313,4 @@ class StepTimeLedger:
         return level
 
 
-__all__ = ["JOB", "Culprit", "Incident", "StepTimeLedger"]
+__all__ = ["EXPLAINED", "JOB", "Culprit", "Incident", "StepTimeLedger"]

@@ -32,7 +32,7 @@ from detectors.cpu_wait import CpuWaits
 from detectors.cpu_wait import findings as cpu_findings
 from detectors.culprits import first_culprit
 from detectors.gpu_wait import GpuWaitBaseline
-from detectors.incidents import JOB, Culprit, Incident, StepTimeLedger
+from detectors.incidents import EXPLAINED, JOB, Culprit, Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
 from detectors.rechecks import Rechecks
 from detectors.remainders import Remainders
@@ -170,8 +170,8 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         explained = held >= 0 and held == self._held_by
         self._held_by = held
         ev = self.shift.update(rep.duration_ns, rep.step, explained=explained)
-        if not self.localizer.ready or (ev is None and not self.shift.shifted):
-            self.localizer.learn(rep)
+        if not self.localizer.ready or (ev is None and not self.shift.excursion):
+            self.localizer.learn(rep)  # not a burst's steps: a quota's bursts are not usual
         if ev is not None:
             out += self._shift_event(ev.kind, ev.onset, ev.ratio, ev.length, rep, topo)
         elif self.shift.shifted and self.open:
@@ -256,6 +256,8 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
             if found is None or found.culprit.kind in ("nodes", "node"):
                 return []
         self.pending = None
+        # the steps' own times: the detector's ratio is of values clipped for its test
+        ratio = self.ledger.ratio_since(onset) or ratio
         return self._slowdown(rep, ratio, onset, topo)
 
     def locate(self, reps: list[StepReport], topo: Topology) -> Incident | None:
@@ -307,7 +309,7 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
                 continue
             # capped at what its evidence explains: its verdict says so (why its cost fell)
             cap = self.ledger.caps_of(culprit)
-            evidence = current.evidence if cap is None else {**current.evidence, _EXPLAINED: cap}
+            evidence = current.evidence if cap is None else {**current.evidence, EXPLAINED: cap}
             if v := self.book.report(
                 kind,
                 current.cause,
@@ -391,10 +393,6 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         )
         out += self._reprice(duration, rep, skip=culprit)  # the others' shares moved too
         return [*out, v] if v else out
-
-
-#: the evidence of an incident capped at the share of the step its evidence explains
-_EXPLAINED = "step_share_explained"
 
 
 __all__ = ["SlowdownTracker"]
