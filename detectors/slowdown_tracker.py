@@ -224,7 +224,7 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
             return out + self.judge(rep, topo)
         if kind == "recovered":
             self.pending = None
-            out = []
+            out = self._short_episode(onset, rep)  # those it retold are resolved already
             for culprit in self.open:
                 if v := self.book.resolve(culprit.verdict_kind.value, culprit.key, rep.end_ns):
                     out.append(v)

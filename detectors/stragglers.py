@@ -115,6 +115,13 @@ class Stragglers:
         bursts.append((onset, ratio, length))
         if len(bursts) < 2:
             return self._transient(inc, onset, ratio, length, rep, bar, reps, level)
+        return self._intermittent(inc, bursts, onset, rep)
+
+    def _intermittent(
+        self, inc: Incident, bursts: list[tuple[int, float, int]], onset: int, rep: StepReport
+    ) -> list[msgspec.Struct]:
+        """``inc``'s culprit burst again (``bursts``, the newest since step ``onset``): an
+        intermittent slowdown, opened or revised."""
         first = bursts[0][0]
         span = max(1, rep.step - first + 1)
         extra = sum((r - 1) * n for _, r, n in bursts)
@@ -145,6 +152,47 @@ class Stragglers:
             **inc.fields(),
         )
         return [v] if v else []
+
+    def _short_episode(self, calm: int, rep: StepReport) -> list[msgspec.Struct]:
+        """The job recovered from its open slowdowns, calm since step ``calm``. Where that
+        came as soon as a shift can be told from a burst (its slow steps fewer than twice
+        those that confirm a shift: over within as many again), its slowdowns of a rank
+        or a host were a straggler for a few steps. Each is told again as a transient
+        straggler with its steps and the time they lost (the same verdict, resolved: one
+        alert, whose record says what it was) and is its culprit's burst (another makes
+        it intermittent). One under a straggler's bar (:meth:`_transient`'s) stays a
+        slowdown, resolved."""
+        onsets = [s for c in self.open if (s := self.ledger.onset_step(c)) is not None]
+        onset = min(onsets, default=calm)
+        reps = [r for r in self.ledger.recent if onset <= r.step < calm and r.complete]
+        level = self.ledger.level_before_step(onset)
+        if calm - onset >= 2 * self.shift.persistence or not reps or level <= 0:
+            return []
+        ratio = float(np.mean([r.duration_ns for r in reps])) / level
+        if ratio < 1.0 + max(self.transient_floor, 2 * self.shift.bar):
+            return []
+        lost, length = sum(max(0.0, r.duration_ns - level) for r in reps), calm - onset
+        out: list[msgspec.Struct] = []
+        for culprit in [c for c in self.open if c.kind in ("rank", "node")]:
+            kind = culprit.verdict_kind.value
+            if (v := self.book.current(kind, culprit.key)) is None:
+                continue
+            inc = Incident(culprit, v.cause, rank=v.rank, gpu=v.gpu, node=v.node,
+                           pp_stage=v.pp_stage, ranks=tuple(v.culprit_ranks))  # fmt: skip
+            inc.evidence = {**v.evidence, "time_lost_ns": lost, "steps": float(length),
+                            "step_time_ratio": ratio, "baseline_step_ns": level}  # fmt: skip
+            summary = texts.transient_summary(
+                who=inc.who, onset=onset, length=length, ratio=ratio, lost_ns=lost
+            )
+            out.append(self.book.retell(
+                kind, culprit.key, VerdictKind.TRANSIENT_STRAGGLER, reps[-1].end_ns,
+                severity=1.0 - 1.0 / ratio, summary=summary, evidence=inc.evidence,
+            ))  # fmt: skip
+            bursts = self.bursts.setdefault(culprit, [])
+            bursts.append((onset, ratio, length))
+            if len(bursts) >= 2:
+                out += self._intermittent(inc, bursts, onset, rep)
+        return out
 
     def _transient(
         self,

@@ -117,6 +117,28 @@ class VerdictBook:
         )
         return v
 
+    def retell(
+        self, kind: str, culprit: str, as_kind: VerdictKind, ts_ns: int, **changes: object
+    ) -> Verdict | None:
+        """Open incident ``culprit`` turned out, once over, to be of kind ``as_kind``: it is
+        resolved as that, with ``changes`` (the same ``verdict_id``: one alert, whose
+        record says what it was).
+
+        >>> book = VerdictBook("job-1")
+        >>> v = book.report(VerdictKind.SLOWDOWN, Cause.COMPUTE, "rank:5", onset_step=12,
+        ...                 onset_ns=1, detected_ns=2, severity=0.3, confidence=0.9, rank=5)
+        >>> w = book.retell("slowdown", "rank:5", VerdictKind.TRANSIENT_STRAGGLER, 9)
+        >>> (w.verdict_id == v.verdict_id, w.kind.value, w.status.value, w.revision)
+        (True, 'transient_straggler', 'resolved', 1)
+        """
+        current = self._open.pop((kind, culprit), None)
+        if current is None:
+            return None
+        return msgspec.structs.replace(
+            current, kind=as_kind, revision=current.revision + 1,
+            status=VerdictStatus.RESOLVED, resolved_ns=ts_ns, **changes,
+        )  # fmt: skip
+
     def rename(self, kind: str, culprit: str, to: str) -> None:
         """The open incident ``culprit`` is blamed on ``to`` from now on: the next
         :meth:`report` for ``to`` revises it (same ``verdict_id``, one alert) with the

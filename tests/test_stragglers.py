@@ -146,3 +146,27 @@ def test_a_gpu_twice_as_slow_for_one_step_is_a_transient_straggler() -> None:
     ]
     (v,) = found
     assert 1.2 < v.evidence["step_time_ratio"] < 1.5 and v.evidence["time_lost_ns"] > 0
+
+
+@pytest.mark.parametrize(("steps", "kind"), [(4, VerdictKind.TRANSIENT_STRAGGLER),
+                                             (8, VerdictKind.SLOWDOWN)])  # fmt: skip
+def test_a_slowdown_over_as_soon_as_it_was_confirmed_was_a_transient_straggler(
+    steps: int, kind: VerdictKind
+) -> None:
+    """A GPU 3x slower for 4 steps: three slow steps confirm a shift, so its slowdown is
+    announced, and the job recovers at once. Over, it is told again as what it was: a
+    transient straggler of that rank, its 4 steps and the time they lost (the same
+    verdict: one alert, resolved). One slow for 8 steps outlasted its confirmation: a
+    slowdown, resolved."""
+    from producers.sim.faults import TransientGPU
+
+    faults: list[SlowGPU] = [TransientGPU(onset_step=12, end_step=12 + steps, rank=1, factor=3.0)]
+    run = Run("two", scale_spec("tiny", job="two", seed=3), faults, steps=30)
+    told = [v for v in Replay().run(run.records()) if isinstance(v, Verdict)]
+    assert len({v.verdict_id for v in told}) == 1
+    first, last = told[0], told[-1]
+    assert first.kind is VerdictKind.SLOWDOWN and first.status.value == "open"
+    assert (last.kind, last.rank, last.onset_step, last.status.value) == (kind, 1, 12, "resolved")
+    if kind is VerdictKind.TRANSIENT_STRAGGLER:
+        assert last.evidence["steps"] == steps and last.evidence["time_lost_ns"] > 0
+        assert f"steps 12-{11 + steps}" in last.summary
