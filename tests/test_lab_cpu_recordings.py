@@ -116,3 +116,17 @@ def test_bursts_of_a_quota_on_a_noisy_job_are_one_slowdown_from_the_first(order:
     (v,) = last_verdicts("lab_custom_slow_rank1_cpu_run2.jsonl.gz", order)
     assert (v.kind.value, v.rank, v.cause.value, v.onset_step) == ("slowdown", 1, "host_cpu", 21)
     assert v.evidence["step_time_ratio"] > 3.5
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: a quota alternating slow and fast steps")
+def test_a_host_quota_alternating_slow_and_fast_steps_is_a_slowdown() -> None:
+    """Case ddp-slow-node, a third run (all 90 steps): both ranks of lab-n1 held to a
+    quarter of a CPU from step 13, on a job whose healthy steps ran 10-40 ms. From step
+    17 the quota let every other step through: about 15 ms, then 85 ms, for 70 steps (61%
+    of the throughput lost, by the lab's measure). No step-time shift is confirmed: a
+    lone slow step must clear twice the noise bar, the slow steps that do not are taken
+    as the job's noise, and the bar grows with them (1.3 to 2.4 times the baseline),
+    as does the baseline (the median of those values: 21 ms to 28). Told apart from a
+    noisy job by how its steps alternate, or by the host's CPU figures, it is not yet."""
+    (v,) = last_verdicts("lab_ddp_slow_node1_cpu_run3.jsonl.gz")
+    assert (v.kind.value, v.node) == ("slowdown", "lab-n1")
