@@ -5,7 +5,9 @@ River's Page-Hinkley test watches the signal relative to its baseline
 believed when it is also large (at least ``min_shift`` above the baseline, and
 three times the signal's own noise: the robust spread of its recent values, so a
 job whose steps vary by a quarter from one to the next is judged in its own units)
-and persistent (``persistence`` consecutive values): jitter never alarms. An
+and persistent (``persistence`` consecutive values, or twice as many high ones with
+single normal values among them: a CPU quota that lets a step through between slow
+ones is not the job's noise): jitter never alarms. An
 excursion that ends sooner is a *burst* - the intermittent case - and so is a first
 value that towers over the rest of an excursion (a straggler for a step, then a
 smaller change that must stand as a shift on its own). The baseline
@@ -102,6 +104,13 @@ class ShiftDetector:
     _normal: deque[float] | None = None
     #: the current excursion's first value over the baseline, unclipped
     _first: float = 0.0
+    #: an excursion one normal value interrupted: (its onset, its high values); it goes
+    #: on if the next value is high again (None: none)
+    _gap: tuple[int, int] | None = None
+    #: the high values of the excursion before the current run's, where it went on, and
+    #: where that began
+    _chained: int = 0
+    _chain_onset: int = -1
 
     def _reset(self) -> None:
         self._seed: list[float] = []
@@ -115,6 +124,7 @@ class ShiftDetector:
         self._calm = 0
         self._more: list[float] = []
         self._more_onset = -1
+        self._gap, self._chained, self._chain_onset = None, 0, -1
 
     def _new_ph(self) -> PageHinkley:
         return PageHinkley(min_instances=1, delta=self.delta, threshold=self.threshold, mode="up")
@@ -173,24 +183,38 @@ class ShiftDetector:
         noise_bar = self.bar  # a median over the recent normal values: read once
         bar = self.min_shift if explained else noise_bar
         # the test sees deviations in units of the bar: min_shift's for a quiet signal
-        self._ph.update(1.0 + (rel - 1.0) * self.min_shift / bar)
+        seen = 1.0 + (rel - 1.0) * self.min_shift / bar
+        self._ph.update(seen)
         self._drift = self._drift or self._ph.drift_detected
         high = rel >= 1.0 + bar
         if self.shifted:  # a further shift stands out of the noise; explained is not calm
             return self._while_shifted(rel, index, noise_bar, explained)
         if high:
             if not self._run:
-                self._onset = index
-                self._first = raw
+                self._onset, self._first = index, raw
+                # one value after an excursion: the same one goes on (a CPU quota lets a
+                # step through between slow ones), its high values counted together
+                self._chain_onset, self._chained = self._gap or (index, 0)
+                self._gap = None
             self._run.append(rel)
-            if len(self._run) >= self.persistence and self._drift:
-                if spike := self._spike(bar):
+            # a broken excursion is believed on twice the high values of an unbroken one
+            # (a slow spell of a few steps, one fast among them, is not yet a shift)
+            whole = len(self._run) >= self.persistence
+            broken = len(self._run) + self._chained >= 2 * self.persistence
+            if (whole or broken) and self._drift:
+                if whole and (spike := self._spike(bar)):
                     return spike
+                onset = self._onset if whole else self._chain_onset
                 self.shifted = True
                 self._calm = 0
-                return ShiftEvent("shift", self._onset, self._mean(), len(self._run), self.baseline)
+                self._gap, self._chained = None, 0
+                return ShiftEvent("shift", onset, self._mean(), index - onset + 1, self.baseline)
             return None
         event = None
+        if self._gap is not None:  # a second normal value: the excursion is over
+            self._gap = None
+            self._restart_test()
+            self._ph.update(seen)  # the test afresh from this value, as after any
         if self._run:
             # a lone value is a burst only if it is well clear of the noise (judged as it
             # is: clipped, a noisy job's lone value could never be)
@@ -199,8 +223,9 @@ class ShiftDetector:
                 event = ShiftEvent("burst", self._onset, ratio, len(self._run), self.baseline)
             else:  # a lone value within the noise: one of the signal's own
                 self._normal.append(self._first * self.baseline)
+            # the test goes on: the excursion may too, at the next value
+            self._gap = (self._chain_onset, len(self._run) + self._chained)
             self._run = []
-            self._restart_test()
         self._normal.append(float(x))
         if abs(rel - 1.0) <= self.alpha:
             self.baseline += 0.1 * (x - self.baseline)
