@@ -115,13 +115,13 @@ class Stragglers:
         bursts.append((onset, ratio, length))
         if len(bursts) < 2:
             return self._transient(inc, onset, ratio, length, rep, bar, reps, level)
-        return self._intermittent(inc, bursts, onset, rep)
+        return self._intermittent(inc, bursts, rep)
 
     def _intermittent(
-        self, inc: Incident, bursts: list[tuple[int, float, int]], onset: int, rep: StepReport
+        self, inc: Incident, bursts: list[tuple[int, float, int]], rep: StepReport
     ) -> list[msgspec.Struct]:
-        """``inc``'s culprit burst again (``bursts``, the newest since step ``onset``): an
-        intermittent slowdown, opened or revised."""
+        """``inc``'s culprit burst again (``bursts``, the newest last): an intermittent
+        slowdown, opened or revised."""
         first = bursts[0][0]
         span = max(1, rep.step - first + 1)
         extra = sum((r - 1) * n for _, r, n in bursts)
@@ -171,28 +171,43 @@ class Stragglers:
         ratio = float(np.mean([r.duration_ns for r in reps])) / level
         if ratio < 1.0 + max(self.transient_floor, 2 * self.shift.bar):
             return []
-        lost, length = sum(max(0.0, r.duration_ns - level) for r in reps), calm - onset
         out: list[msgspec.Struct] = []
         for culprit in [c for c in self.open if c.kind in ("rank", "node")]:
             kind = culprit.verdict_kind.value
             if (v := self.book.current(kind, culprit.key)) is None:
                 continue
             inc = Incident(culprit, v.cause, rank=v.rank, gpu=v.gpu, node=v.node,
-                           pp_stage=v.pp_stage, ranks=tuple(v.culprit_ranks))  # fmt: skip
-            inc.evidence = {**v.evidence, "time_lost_ns": lost, "steps": float(length),
-                            "step_time_ratio": ratio, "baseline_step_ns": level}  # fmt: skip
-            summary = texts.transient_summary(
-                who=inc.who, onset=onset, length=length, ratio=ratio, lost_ns=lost
-            )
-            out.append(self.book.retell(
+                           pp_stage=v.pp_stage, evidence=dict(v.evidence),
+                           ranks=tuple(v.culprit_ranks))  # fmt: skip
+            summary = self._told(inc, onset, calm - onset, ratio, reps, level)
+            if told := self.book.retell(
                 kind, culprit.key, VerdictKind.TRANSIENT_STRAGGLER, reps[-1].end_ns,
                 severity=1.0 - 1.0 / ratio, summary=summary, evidence=inc.evidence,
-            ))  # fmt: skip
+            ):  # fmt: skip
+                out.append(told)
             bursts = self.bursts.setdefault(culprit, [])
-            bursts.append((onset, ratio, length))
+            bursts.append((onset, ratio, calm - onset))
             if len(bursts) >= 2:
-                out += self._intermittent(inc, bursts, onset, rep)
+                out += self._intermittent(inc, bursts, rep)
         return out
+
+    @staticmethod
+    def _told(
+        inc: Incident, onset: int, length: int, ratio: float, reps: list[StepReport], level: float
+    ) -> str:
+        """A straggler's steps ``reps`` from ``onset``, ``ratio`` times ``level``: the time
+        they lost and their level in ``inc``'s evidence, and its summary."""
+        lost = sum(max(0.0, r.duration_ns - level) for r in reps)
+        inc.evidence = {
+            **inc.evidence,
+            "time_lost_ns": float(lost),
+            "steps": float(length),
+            "step_time_ratio": float(ratio),
+            "baseline_step_ns": float(level),
+        }
+        return texts.transient_summary(
+            who=inc.who, onset=onset, length=length, ratio=ratio, lost_ns=lost
+        )
 
     def _transient(
         self,
@@ -211,21 +226,10 @@ class Stragglers:
         change-point detector's when it ended)."""
         if ratio < 1.0 + max(self.transient_floor, 2 * bar):
             return []
-        lost = sum(max(0.0, r.duration_ns - level) for r in reps)
-        inc.evidence = {
-            **inc.evidence,
-            "time_lost_ns": float(lost),
-            "steps": float(length),
-            "step_time_ratio": float(ratio),
-            "baseline_step_ns": float(level),
-        }
+        summary = self._told(inc, onset, length, ratio, reps, level)
         start = reps[0].start_ns if reps else rep.start_ns
         end = reps[-1].end_ns if reps else rep.end_ns
         kind, key = VerdictKind.TRANSIENT_STRAGGLER, inc.culprit.key
-        who = texts.who(inc.rank, inc.gpu, inc.node)
-        summary = texts.transient_summary(
-            who=who, onset=onset, length=length, ratio=ratio, lost_ns=lost
-        )
         v = self.book.report(
             kind,
             inc.cause,
