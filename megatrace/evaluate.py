@@ -3,9 +3,9 @@
 A case is a job's records and its labels (:class:`~schemas.records.FaultLabel`, none
 for a healthy job). Cases come from the simulator's catalogue
 (:func:`simulated`), or from a folder of recordings (:func:`corpus`): one folder
-per case holding ``records.jsonl`` and ``labels.jsonl`` (an empty or missing labels
-file: a healthy job), as ``megatrace lab`` leaves its runs and as any real
-recording can be kept. Every case runs through the same offline
+per case holding ``records.jsonl`` (or ``records.jsonl.gz``) and ``labels.jsonl`` (an
+empty or missing labels file: a healthy job), as ``megatrace lab`` leaves its runs and
+as any real recording can be kept. Every case runs through the same offline
 :class:`~detectors.replay.Replay` as ``megatrace analyze``.
 """
 
@@ -92,15 +92,22 @@ def corpus(root: Path) -> Iterator[Case]:
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"no corpus folder {root}")
-    folders = [root] if (root / "records.jsonl").exists() else sorted(
-        d for d in root.iterdir() if (d / "records.jsonl").exists()
-    )  # fmt: skip
-    if not folders:
-        raise FileNotFoundError(f"{root} holds no case (a folder with a records.jsonl)")
-    for d in folders:
+    dirs = [root] if _records(root) else sorted(root.iterdir())
+    cases = [(d, rec) for d in dirs if (rec := _records(d)) is not None]
+    if not cases:
+        raise FileNotFoundError(
+            f"{root} holds no case (a folder with a records.jsonl or records.jsonl.gz)"
+        )
+    for d, rec in cases:
         labels_file = d / "labels.jsonl"
         labels = list(read_jsonl(labels_file)) if labels_file.exists() else []
-        yield Case(d.name, list(read_jsonl(d / "records.jsonl")), labels)
+        yield Case(d.name, list(read_jsonl(rec)), labels)
+
+
+def _records(folder: Path) -> Path | None:
+    """A case folder's records (kept gzipped or not); None: not a case."""
+    return next((p for p in (folder / "records.jsonl", folder / "records.jsonl.gz")
+                 if p.is_file()), None)  # fmt: skip
 
 
 def score(cases: Iterable[Case], baselines: bool, progress: Callable[[str], None]) -> Results:

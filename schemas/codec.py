@@ -18,6 +18,7 @@ out_of_range rank
 
 from __future__ import annotations
 
+import gzip
 import re
 import types
 import typing
@@ -243,10 +244,11 @@ def write_jsonl(path: Path, records: Iterable[msgspec.Struct]) -> int:
 
 
 def read_jsonl(path: Path, inputs: bool = False) -> Iterator[Any]:
-    """Read a JSON-lines file of records (``inputs``: only what a node producer may send,
-    see :func:`decode_input`); a bad line raises :class:`SchemaError` with its number."""
+    """Read a JSON-lines file of records, gzipped where its name ends in ``.gz``
+    (``inputs``: only what a node producer may send, see :func:`decode_input`); a bad
+    line raises :class:`SchemaError` with its number."""
     read = decode_input if inputs else decode
-    with open(path, "rb") as fh:
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
