@@ -256,16 +256,17 @@ class StepTimeLedger:
         lets fast steps through between slow ones costs their mean; a median, or any one
         step, flaps between its cost and nothing as the fast ones come and go."""
         onsets = [at[0] for c in culprits if (at := self.onset_at.get(c)) and at[0] is not None]
-        since = min(onsets, default=0)
-        durations = [r.duration_ns for r in self.recent if r.complete and r.step >= since]
-        return float(np.mean(durations or [self.recent[-1].duration_ns]))
+        return self.mean_since(min(onsets, default=0)) or float(self.recent[-1].duration_ns)
 
     def ratio_since(self, onset: int) -> float | None:
-        """The complete steps' mean time since step ``onset`` (those kept) over the
-        baseline; None: none kept, or no baseline yet."""
+        """:meth:`mean_since` over the baseline; None: no step kept, or no baseline yet."""
+        mean, base = self.mean_since(onset), self.baseline
+        return mean / base if mean is not None and base else None
+
+    def mean_since(self, onset: int) -> float | None:
+        """The mean time of the complete steps kept since step ``onset`` (None: none)."""
         durations = [r.duration_ns for r in self.recent if r.complete and r.step >= onset]
-        base = self.baseline
-        return float(np.mean(durations)) / base if durations and base else None
+        return float(np.mean(durations)) if durations else None
 
     def step_reaching(self, ts_ns: int) -> int | None:
         """The first step seen that ended at or after ``ts_ns`` (None: none yet)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import msgspec
-import numpy as np
 
 from detectors.incidents import Culprit, Incident, StepTimeLedger
 from detectors.steps import StepReport
@@ -64,8 +63,7 @@ class Rechecks:
             self.book.rename(culprit.verdict_kind.value, culprit.key, found.culprit.key)
             self.ledger.rename(culprit, found.culprit)
             self.open[self.open.index(culprit)] = found.culprit
-            level = float(np.mean([r.duration_ns for r in reps if r.complete] or [0.0]))
-            ratio = level / (self.ledger.baseline or level or 1.0)
+            ratio = self.ledger.ratio_since(onset) or 1.0
             out += self._slowdown(rep, ratio, onset, topo, located=found)
         return out
 

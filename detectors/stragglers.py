@@ -105,10 +105,8 @@ class Stragglers:
         reported; the detector's ratio is clipped, and over a noisy job's baseline).
         Only one well clear of the noise (twice ``bar``, as a lone slow value must be)
         counts: a step a few percent slow, explained or not, repeats no straggler."""
-        reps = [r for r in self.ledger.recent if onset <= r.step < onset + length and r.complete]
-        level = self.ledger.level_before_step(onset)
-        if reps and level > 0:
-            ratio = float(np.mean([r.duration_ns for r in reps])) / level
+        reps, level, measured = self._over_level(onset, onset + length)
+        ratio = measured or ratio
         if ratio < 1.0 + 2 * bar:
             return []
         bursts = self.bursts.setdefault(inc.culprit, [])
@@ -164,12 +162,10 @@ class Stragglers:
         slowdown, resolved."""
         onsets = [s for c in self.open if (s := self.ledger.onset_step(c)) is not None]
         onset = min(onsets, default=calm)
-        reps = [r for r in self.ledger.recent if onset <= r.step < calm and r.complete]
-        level = self.ledger.level_before_step(onset)
-        if calm - onset >= 2 * self.shift.persistence or not reps or level <= 0:
+        if calm - onset >= 2 * self.shift.persistence:
             return []
-        ratio = float(np.mean([r.duration_ns for r in reps])) / level
-        if ratio < 1.0 + max(self.transient_floor, 2 * self.shift.bar):
+        reps, level, ratio = self._over_level(onset, calm)
+        if ratio is None or ratio < 1.0 + max(self.transient_floor, 2 * self.shift.bar):
             return []
         out: list[msgspec.Struct] = []
         for culprit in [c for c in self.open if c.kind in ("rank", "node")]:
@@ -190,6 +186,14 @@ class Stragglers:
             if len(bursts) >= 2:
                 out += self._intermittent(inc, bursts, rep)
         return out
+
+    def _over_level(self, onset: int, end: int) -> tuple[list[StepReport], float, float | None]:
+        """The complete steps kept from ``onset`` to ``end`` (excluded), the step time
+        before them, and their mean time over it (None: no step, or no level)."""
+        reps = [r for r in self.ledger.recent if onset <= r.step < end and r.complete]
+        level = self.ledger.level_before_step(onset)
+        mean = float(np.mean([r.duration_ns for r in reps])) if reps else 0.0
+        return reps, level, mean / level if reps and level > 0 else None
 
     @staticmethod
     def _told(
