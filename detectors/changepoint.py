@@ -159,6 +159,11 @@ class ShiftDetector:
         return self.shifted or bool(self._run)
 
     @property
+    def slow_now(self) -> bool:
+        """In a shift, and the newest value was high (not one towards a recovery)."""
+        return self.shifted and not self._calm
+
+    @property
     def bar(self) -> float:
         """How far above the baseline (a fraction of it) a value is high: ``min_shift``, or
         three times the noise where that is more."""

@@ -289,11 +289,13 @@ class SlowdownLocalizer:
         return top if blame[top] > 0 else None
 
     def slow_transfers(
-        self, reports: Sequence[StepReport], topo: Topology, increase: float, share: float = 0.5
+        self, reports: Sequence[StepReport], topo: Topology, increase: float, share: float = 0.8
     ) -> list[SlowdownFinding]:
         """The network, where the step time added went into transfers between nodes: the
         communicators spanning nodes whose instances' transfer times (after everyone
-        came) grew by ``share`` of it or more. The culprit is the node every one of them
+        came) grew by ``share`` of it or more: a slower network adds its transfers' time
+        and little else (where every rank computes slower too, as on a busy host, the
+        transfers are not the cause). The culprit is the node every one of them
         has in common, if one; else the network between their nodes (a collective's
         timings cannot tell which node's link is slow when it spans only those)."""
         reps = [r for r in reports if r.complete] or list(reports)

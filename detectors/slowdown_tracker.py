@@ -24,19 +24,17 @@ A job's tracker, after a simulated GPU slowed down (rank 7 from step 15):
 from __future__ import annotations
 
 import msgspec
-import numpy as np
 
 from detectors import texts
 from detectors.changepoint import ShiftDetector
 from detectors.cpu_wait import CpuWaits
-from detectors.cpu_wait import findings as cpu_findings
-from detectors.culprits import first_culprit
 from detectors.gpu_wait import GpuWaitBaseline
 from detectors.incidents import EXPLAINED, JOB, Culprit, Incident, StepTimeLedger
+from detectors.judgement import Judgement
 from detectors.link_tracker import LinkTracker
 from detectors.rechecks import Rechecks
 from detectors.remainders import Remainders
-from detectors.slowdown import SlowdownFinding, SlowdownLocalizer
+from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepReport
 from detectors.stragglers import Stragglers
 from detectors.topology import Topology
@@ -44,7 +42,7 @@ from detectors.verdicts import VerdictBook
 from schemas.enums import Cause
 
 
-class SlowdownTracker(Stragglers, Rechecks, Remainders):
+class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
     """Open step-time incidents of one job, other than its links'.
 
     Parameters
@@ -59,6 +57,10 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         at first, the peers it holds up come late with it). A rank named earlier is
         reported at once and checked again then: another rank or host found over those
         steps takes over its incident (the same verdict, revised).
+    unexplained_steps
+        A shift that nothing localises (the whole job slower) is reported once it has
+        lasted this many steps and its newest step is still slow
+        (:mod:`detectors.judgement`).
     link_wait_ms
         How long after the step that confirmed a shift it waits for link samples that
         are read behind the collectives.
@@ -103,6 +105,7 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         alpha: float = 0.05,
         host_lead_drop: float = 0.3,
         settle_steps: int = 8,
+        unexplained_steps: int = 10,
         link_wait_ms: float = 1000.0,
         gpu_wait_confirms: float = 3.0,
         transient_floor: float = 0.3,
@@ -111,12 +114,14 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         look_beats: int = 8,
         cpu: CpuWaits | None = None,
     ) -> None:
-        if settle_steps < 1 or gpu_wait_confirms <= 1 or transient_floor <= 0:
+        if settle_steps < 1 or unexplained_steps < 1 or gpu_wait_confirms <= 1:
             raise ValueError(
-                "settle_steps must be at least 1, gpu_wait_confirms over 1 and "
-                f"transient_floor positive, not {settle_steps}, {gpu_wait_confirms}, "
-                f"{transient_floor}"
+                "settle_steps and unexplained_steps must be at least 1 and "
+                f"gpu_wait_confirms over 1, not {settle_steps}, {unexplained_steps}, "
+                f"{gpu_wait_confirms}"
             )
+        if transient_floor <= 0:
+            raise ValueError(f"transient_floor must be positive, not {transient_floor}")
         if not 0 < held_share <= 1 or amplifies < 1 or look_beats < 2:
             raise ValueError(
                 "held_share must be in (0, 1], amplifies at least 1 and look_beats at least "
@@ -125,7 +130,7 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
         self.book, self.ledger, self.links, self.gpu_wait = book, ledger, links, gpu_wait
         self.warmup, self.node_margin, self.alpha = warmup, node_margin, alpha
         self.host_lead_drop = host_lead_drop
-        self.settle_steps = settle_steps
+        self.settle_steps, self.unexplained_steps = settle_steps, unexplained_steps
         self.link_wait_ms = link_wait_ms
         self.gpu_wait_confirms = gpu_wait_confirms
         self.transient_floor = transient_floor
@@ -234,61 +239,6 @@ class SlowdownTracker(Stragglers, Rechecks, Remainders):
             out += self.links.severities(0.0, rep)
             return out
         return self._hold_burst(onset, ratio, length, rep, topo)
-
-    def judge(self, rep: StepReport, topo: Topology, final: bool = False) -> list[msgspec.Struct]:
-        """Localise the pending shift (as of step ``rep``, the newest) once every node's link
-        samples reached the step that confirmed it, or ``link_wait_ms`` after that step
-        (or now: ``final``, no more input).
-
-        Topics are read at different paces: a degraded link whose samples are read a
-        few steps after the collectives would otherwise leave its slowdown to the job
-        (cause unknown) or to the rank at its end, and then be reported beside it."""
-        assert self.pending is not None
-        onset, ratio, confirmed_ns = self.pending
-        waited = rep.end_ns - confirmed_ns >= self.link_wait_ms * 1e6
-        if self.links.behind(confirmed_ns) and not waited and not final:
-            return []
-        reps = self.ledger.since(onset)
-        if not final and len(reps) < self.settle_steps:
-            # who waits for whom takes a few steps to show: a network, a host or nobody,
-            # named from the first steps of a shift, is only believed once it settled
-            found = self.locate(reps, topo)
-            if found is None or found.culprit.kind in ("nodes", "node"):
-                return []
-        self.pending = None
-        # the steps' own times: the detector's ratio is of values clipped for its test
-        ratio = self.ledger.ratio_since(onset) or ratio
-        return self._slowdown(rep, ratio, onset, topo)
-
-    def locate(self, reps: list[StepReport], topo: Topology) -> Incident | None:
-        """The first localised candidate not explained by a degraded link (MEGATRACE checks
-        links first: a rank whose NIC is slow arrives late without computing slowly)."""
-        # a link explains its ends' lateness only from when it degraded: a GPU that slowed
-        # before its own link did is still the culprit of what it began
-        link_ends = self.links.ends_before(reps[0].end_ns if reps else 0)
-        increase = float(np.mean([r.duration_ns for r in reps])) - self.ledger.level_before(reps)
-        return first_culprit(self.findings(reps, topo, increase), link_ends, increase, topo)
-
-    def findings(
-        self,
-        reps: list[StepReport],
-        topo: Topology,
-        increase: float,
-        cpu: list[SlowdownFinding] | None = None,
-    ) -> list[SlowdownFinding]:
-        """The candidate culprits of ``increase`` ns added to the steps ``reps``, most
-        telling first (``cpu``: the ranks and hosts starved of CPU, where read already)."""
-        found = self.localizer.localize(reps, topo)
-        if cpu is None and self.cpu is not None:
-            cpu = cpu_findings(self.cpu, reps, topo)
-        found += cpu or []  # starved of CPU: the cause, whatever the collectives show
-        if not any(r.spans for r in reps) or not self.links.open:
-            # last: who made the others wait (no schedule to walk, or nothing on it); and
-            # if nobody did, the transfers between nodes that took longer
-            found += self.localizer.who_waits(reps, topo, increase)
-            if not self.links.open:
-                found += self.localizer.slow_transfers(reps, topo, increase)
-        return found
 
     # ------------------------------------------------------------------ incidents
     def _update(self, rep: StepReport, ratio: float) -> list[msgspec.Struct]:

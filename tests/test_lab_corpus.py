@@ -6,8 +6,10 @@ node, SIGSTOP, SIGKILL), each job's records as the flow read them and its labels
 tests/corpus/lab/runN ... --no-simulator`` scores them, so that what a change to the
 detectors does to real jobs shows before any simulated one does. The bars are what
 the detectors do on them now: every fault found with its culprit, and no more false
-alarms than the third run's (its healthy jobs' own slow spells, 1.5-1.8x for several
-steps on a 2-core machine shared with the broker, the flow and ClickHouse)."""
+alarms than now. The third run's healthy jobs have slow spells of their own, 1.5-1.8x
+for several steps on a 2-core machine shared with the broker, the flow and ClickHouse:
+those of the whole job are not reported (they end within 10 steps), and one rank slower
+for 20 steps is."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def test_every_hang_of_the_kept_lab_runs_is_found_with_its_culprit(scored: Score
     assert (k.tp, k.fn, k.fp, k.culprit_ok) == (24, 0, 0, 24)
 
 
-@pytest.mark.parametrize(("kind", "faults", "false"), [("link_degradation", 24, 3),
+@pytest.mark.parametrize(("kind", "faults", "false"), [("link_degradation", 24, 0),
                                                        ("slowdown", 28, 3)])  # fmt: skip
 def test_every_degraded_link_and_slowdown_is_found_with_its_culprit(
     scored: Score, kind: str, faults: int, false: int
@@ -50,8 +52,9 @@ def test_every_degraded_link_and_slowdown_is_found_with_its_culprit(
 
 def test_transient_stragglers_and_false_alarms_no_worse(scored: Score) -> None:
     """Transient stragglers: 3 of the 5 labelled (the two DDP one-step quotas cost 14% of
-    an 18 ms step, on a job whose steps vary by 60% on their own); false alarms: 4 over
-    1,260 healthy steps, all in the third run."""
+    an 18 ms step, on a job whose steps vary by 60% on their own); false alarms: 1 over
+    1,260 healthy steps (the third run's custom loop, rank 0 slower for its last 20
+    steps)."""
     k = scored.kinds["transient_straggler"]
     assert k.tp >= 3 and k.fp <= 1
-    assert scored.healthy_steps >= 1200 and scored.healthy_alarms <= 4
+    assert scored.healthy_steps >= 1200 and scored.healthy_alarms <= 1

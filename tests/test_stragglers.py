@@ -12,7 +12,7 @@ from detectors.steps import StepReport
 from detectors.topology import Topology
 from producers.sim.faults import SlowGPU
 from producers.sim.scenarios import Run, scale_spec
-from schemas.enums import VerdictKind
+from schemas.enums import Cause, VerdictKind
 from schemas.records import JobInfo, Verdict
 
 
@@ -170,3 +170,29 @@ def test_a_slowdown_over_as_soon_as_it_was_confirmed_was_a_transient_straggler(
     if kind is VerdictKind.TRANSIENT_STRAGGLER:
         assert last.evidence["steps"] == steps and last.evidence["time_lost_ns"] > 0
         assert f"steps 12-{11 + steps}" in last.summary
+
+
+@pytest.mark.parametrize("end", [18, None], ids=["six-steps", "to-the-end"])
+def test_the_whole_job_slower_is_reported_only_once_it_lasted(end: int | None) -> None:
+    """Every GPU 1.5x slower: nothing localises it (nobody waits for anybody, no
+    transfer grew). For 6 steps it is the job's own variation (a busy shared host, a
+    checkpoint), not reported; from step 12 on, it is, once it has lasted 10 steps:
+    one slowdown of an unlocalised part of the job, cause unknown, from step 12."""
+    spec = scale_spec("tiny", job="two", seed=3)
+    n = spec.tp * spec.pp * spec.dp
+    run = Run("two", spec, [SlowGPU(onset_step=12, end_step=end, rank=r) for r in range(n)], 30)
+    replay = Replay()
+    told = [v for v in replay.run(run.records()) if isinstance(v, Verdict)]
+    if end is not None:
+        assert told == []
+        return
+    assert len({v.verdict_id for v in told}) == 1
+    v = told[0]
+    assert (v.kind, v.cause, v.rank, v.onset_step) == (
+        VerdictKind.SLOWDOWN,
+        Cause.UNKNOWN,
+        None,
+        12,
+    )
+    (tenth,) = [r for r in replay.jobs["two"].slowdowns.ledger.recent if r.step == 21]
+    assert v.detected_ns >= tenth.end_ns

@@ -1,0 +1,112 @@
+"""When a confirmed shift of step time is localised, and what it is put down to.
+
+A shift is judged once every node's link samples reached the step that confirmed it
+(a degraded link explains its ends' lateness), and believed only once it settled
+where its first steps name the network, a host or nobody. One that nothing localises
+(no rank, host or network explains it: the whole job got slower) is the job's own
+variation until it has lasted ``unexplained_steps`` and is still slow: a busy shared
+host, a checkpoint or a collection pause slows every rank for a few steps, and
+Greyhound (docs/method.md) likewise keeps only changes at least 10 iterations apart.
+A fault that something localises is reported as soon as it settled.
+
+:class:`Judgement` is the part of :class:`~detectors.slowdown_tracker.SlowdownTracker`
+that does this; it uses the tracker's ledger, links and localisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+
+from detectors.changepoint import ShiftDetector
+from detectors.cpu_wait import CpuWaits
+from detectors.cpu_wait import findings as cpu_findings
+from detectors.culprits import first_culprit
+from detectors.incidents import Incident, StepTimeLedger
+from detectors.link_tracker import LinkTracker
+from detectors.slowdown import SlowdownFinding, SlowdownLocalizer
+from detectors.steps import StepReport
+from detectors.topology import Topology
+
+
+class Judgement:
+    """A pending shift judged and its candidate culprits found (the attributes below are
+    the tracker's)."""
+
+    ledger: StepTimeLedger
+    links: LinkTracker
+    localizer: SlowdownLocalizer
+    cpu: CpuWaits | None
+    pending: tuple[int, float, int] | None
+    settle_steps: int
+    link_wait_ms: float
+    #: for a tracker pickled before it had it
+    unexplained_steps: int = 10
+
+    _slowdown: Callable[..., list[msgspec.Struct]]
+
+    shift: ShiftDetector
+
+    def judge(self, rep: StepReport, topo: Topology, final: bool = False) -> list[msgspec.Struct]:
+        """Localise the pending shift (as of step ``rep``, the newest) once every node's link
+        samples reached the step that confirmed it, or ``link_wait_ms`` after that step
+        (or now: ``final``, no more input).
+
+        Topics are read at different paces: a degraded link whose samples are read a
+        few steps after the collectives would otherwise leave its slowdown to the job
+        (cause unknown) or to the rank at its end, and then be reported beside it."""
+        assert self.pending is not None
+        onset, ratio, confirmed_ns = self.pending
+        waited = rep.end_ns - confirmed_ns >= self.link_wait_ms * 1e6
+        if self.links.behind(confirmed_ns) and not waited and not final:
+            return []
+        reps = self.ledger.since(onset)
+        found = None
+        if not final:
+            found = self.locate(reps, topo)
+            # who waits for whom takes a few steps to show: a network, a host or nobody,
+            # named from the first steps of a shift, is only believed once it settled
+            settled = len(reps) >= self.settle_steps
+            if not settled and (found is None or found.culprit.kind in ("nodes", "node")):
+                return []
+            if found is None and (len(reps) < self.unexplained_steps or not self.shift.slow_now):
+                return []  # the whole job slower for a while: its own variation, so far
+        self.pending = None
+        # the steps' own times: the detector's ratio is of values clipped for its test
+        ratio = self.ledger.ratio_since(onset) or ratio
+        return self._slowdown(rep, ratio, onset, topo, located=found)
+
+    def locate(self, reps: list[StepReport], topo: Topology) -> Incident | None:
+        """The first localised candidate not explained by a degraded link (MEGATRACE checks
+        links first: a rank whose NIC is slow arrives late without computing slowly)."""
+        # a link explains its ends' lateness only from when it degraded: a GPU that slowed
+        # before its own link did is still the culprit of what it began
+        link_ends = self.links.ends_before(reps[0].end_ns if reps else 0)
+        increase = float(np.mean([r.duration_ns for r in reps])) - self.ledger.level_before(reps)
+        return first_culprit(self.findings(reps, topo, increase), link_ends, increase, topo)
+
+    def findings(
+        self,
+        reps: list[StepReport],
+        topo: Topology,
+        increase: float,
+        cpu: list[SlowdownFinding] | None = None,
+    ) -> list[SlowdownFinding]:
+        """The candidate culprits of ``increase`` ns added to the steps ``reps``, most
+        telling first (``cpu``: the ranks and hosts starved of CPU, where read already)."""
+        found = self.localizer.localize(reps, topo)
+        if cpu is None and self.cpu is not None:
+            cpu = cpu_findings(self.cpu, reps, topo)
+        found += cpu or []  # starved of CPU: the cause, whatever the collectives show
+        if not any(r.spans for r in reps) or not self.links.open:
+            # last: who made the others wait (no schedule to walk, or nothing on it); and
+            # if nobody did, the transfers between nodes that took longer
+            found += self.localizer.who_waits(reps, topo, increase)
+            if not self.links.open:
+                found += self.localizer.slow_transfers(reps, topo, increase)
+        return found
+
+
+__all__ = ["Judgement"]
