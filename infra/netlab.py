@@ -211,10 +211,11 @@ class NetLab:
                     (path / "cgroup.procs").write_text(str(pid))
         return full
 
-    def quota(self, group: str, cpus: float | None) -> None:
-        """Hold ``group`` to ``cpus`` CPUs (a fraction: 0.1 is a tenth of one); None lifts it."""
-        value = "-1" if cpus is None else str(max(1000, int(cpus * _PERIOD_US)))
-        (CGROUP_ROOT / "cpu" / group / "cpu.cfs_period_us").write_text(str(_PERIOD_US))
+    def quota(self, group: str, cpus: float | None, period_us: int = _PERIOD_US) -> None:
+        """Hold ``group`` to ``cpus`` CPUs (a fraction: 0.1 is a tenth of one) in every
+        period of ``period_us`` (the kernel's least quota is 1 ms); None lifts it."""
+        value = "-1" if cpus is None else str(max(1000, int(cpus * period_us)))
+        (CGROUP_ROOT / "cpu" / group / "cpu.cfs_period_us").write_text(str(period_us))
         (CGROUP_ROOT / "cpu" / group / "cpu.cfs_quota_us").write_text(value)
 
     @staticmethod

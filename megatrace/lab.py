@@ -7,7 +7,8 @@ knows) on lab "nodes", network namespaces joined by a bridge (:mod:`infra.netlab
 with the PyTorch collector in every rank and a node agent per node, through the local
 broker and the dataflow into ClickHouse: the production path. Faults come from
 outside the job: ``tbf`` on a node's link, a cgroup CPU quota on a rank or on a node's
-ranks (for good, or for a few seconds), ``SIGSTOP``, ``SIGKILL``; each is injected
+ranks, ``SIGSTOP`` (for good: a hang; or for twice the job's usual step time, then
+``SIGCONT``: a transient straggler), ``SIGKILL``; each is injected
 when rank 0 reaches a given step, and its label (kind, culprit, onset time) is written
 from what was done. The verdicts the flow stored are scored with
 :mod:`detectors.scoring`, beside the peers' rules; every case is also kept as a
@@ -43,7 +44,8 @@ class Fault:
     kind: str  # slow_link | slow_rank | slow_node | hang | kill | transient
     target: int
     at_step: int = 12
-    lasts_steps: int = 1  # a transient straggler's quota is lifted after this many steps
+    #: a transient straggler's rank is stopped for this many of the job's usual steps
+    stall_steps: float = 2.0
     cpus: float = 0.1  # the CPU quota of a slow rank or node
     rate_mbit: float = 60.0  # a slow link's rate
 
@@ -92,7 +94,7 @@ def _cases() -> list[Case]:
                     wl,
                     ranks,
                     steps=steps,
-                    faults=(Fault("transient", 1, at, cpus=0.05),),
+                    faults=(Fault("transient", 1, at),),
                 ),
                 Case(
                     f"{wl}-link-and-rank",
@@ -158,6 +160,7 @@ class Ranks:
         self.fr_dir = run_dir / "fr"
         self.fr_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._seen: dict[int, float] = {}  # each step, when it was first seen
         for r in range(case.ranks):
             node = nodes[r // case.per_node]
             env = {
@@ -195,9 +198,20 @@ class Ranks:
 
     def step(self) -> int:
         try:
-            return int(self.progress.read_text())
+            step = int(self.progress.read_text())
         except (OSError, ValueError):
             return -1
+        self._seen.setdefault(step, time.monotonic())
+        return step
+
+    def usual_step_s(self) -> float | None:
+        """The job's step time so far, from when each step was first seen (steps 0 and 1
+        left out: they start the job); None before two are seen."""
+        seen = sorted((s, t) for s, t in self._seen.items() if s >= 2)
+        if len(seen) < 2:
+            return None
+        (s0, t0), (s1, t1) = seen[0], seen[-1]
+        return (t1 - t0) / (s1 - s0)
 
     def wait_step(self, step: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -262,16 +276,17 @@ def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
             node = lab.nodes[f.target]
             lab.limit_link(node, f.rate_mbit)
             ends.append(lambda node=node: lab.clear_link(node))
-        elif f.kind in ("slow_rank", "slow_node", "transient"):
+        elif f.kind in ("slow_rank", "slow_node"):
             who = [f.target] if f.kind != "slow_node" else ranks.node_ranks(f.target)
             group = lab.cgroup(f"{case.name[:20]}-{i}", ranks.pids(who))
             lab.quota(group, f.cpus)
-            if f.kind == "transient":  # a step or two of rank 0 under the quota
-                ranks.wait_step(f.at_step + f.lasts_steps, timeout_s=120)
-                _lift(lab, group, inj)
-                inj.ended_ns = time.time_ns()
-            else:
-                ends.append(lambda group=group, inj=inj: _lift(lab, group, inj))
+            ends.append(lambda group=group, inj=inj: _lift(lab, group, inj))
+        elif f.kind == "transient":
+            group = lab.cgroup(f"{case.name[:20]}-{i}", ranks.pids([f.target]))
+            lab.quota(group, f.cpus, period_us=10_000)
+            time.sleep(f.stall_steps * (ranks.usual_step_s() or 0.1))
+            _lift(lab, group, inj)
+            inj.ended_ns = time.time_ns()
         elif f.kind == "hang":
             NetLab.signal(ranks.pids([f.target])[0], signal.SIGSTOP)
             stopped.add(f.target)
@@ -335,13 +350,20 @@ def labels_of(run: CaseRun, nodes: list[Node]) -> list[FaultLabel]:
                 cause=cause,
                 onset_step=onset_step,
                 onset_ns=inj.onset_ns,
-                magnitude=f.cpus if "slow" in f.kind or f.kind == "transient" else 0.0,
+                magnitude=_magnitude(f),
                 throughput_cost=1.0 if kind is VerdictKind.HANG else _cost(marks, inj),
                 note=f"{f.kind} from step {f.at_step} of rank 0",
                 **common,
             )
         )
     return out
+
+
+def _magnitude(f: Fault) -> float:
+    """A quota's CPUs; a transient straggler's step, in the job's usual steps."""
+    if f.kind == "transient":
+        return 1.0 + f.stall_steps
+    return f.cpus if "slow" in f.kind else 0.0
 
 
 def _cost(marks: list[Iteration], inj: Injected) -> float:

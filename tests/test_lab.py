@@ -30,7 +30,8 @@ def _leftovers(prefix: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, broker, clickhouse_url: str):
-    """The CI subset and a killed rank, through the real broker and ClickHouse."""
+    """The CI subset, a killed rank and a transient straggler, through the real broker and
+    ClickHouse."""
     from infra.clickhouse import connect, init_db
     from megatrace.lab import QUICK
     from megatrace.lab_run import run_lab
@@ -45,7 +46,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, broker, clickhouse_url: str):
             "stack": {"state_dir": str(state)},
         }
     )
-    done = run_lab(settings, [*QUICK, "ddp-killed"], state / "runs", print)
+    done = run_lab(settings, [*QUICK, "ddp-killed", "ddp-transient"], state / "runs", print)
     assert _leftovers("mtlab") == [], "the lab left namespaces or cgroups behind"
     return {r.case.name: r for r in done}
 
@@ -123,6 +124,28 @@ def test_the_throttled_ranks_heartbeats_carry_the_time_its_quota_held_it_back(ru
         held[rank] = (b.cpu_throttled_ns - a.cpu_throttled_ns) / (b.ts_ns - a.ts_ns)
     assert held[1] > 0.3, held
     assert all(held[r] < 0.02 for r in (0, 2, 3)), held
+
+
+def test_a_transient_quota_costs_a_step_or_two_then_nothing(runs) -> None:
+    """A rank held to a tenth of a CPU for twice the job's usual step (in 10 ms periods,
+    so that it bites at once): the kernel throttled it a good share of that time (not all:
+    it waits in the others' collectives too), the steps it
+    spans took longer by about a usual step or more, and the job's steps after it are
+    back to their usual time. Its label has that cost."""
+    run = runs["ddp-transient"]
+    (inj,) = run.injected
+    (label,) = run.labels
+    assert (label.kind.value, label.rank, label.node) == ("transient_straggler", 1, "lab-n0")
+    assert inj.ended_ns is not None and inj.throttled is not None
+    lasted = inj.ended_ns - inj.onset_ns
+    assert inj.throttled[0] > 0.25 * lasted, (inj.throttled, lasted)
+    steps = sorted((m.end_ns, m.duration_ns) for m in run.marks if m.duration_ns)
+    usual = float(np.median([d for t, d in steps if t < inj.onset_ns][-10:]))
+    spanned = [d for t, d in steps if inj.onset_ns < t][:3]
+    assert sum(spanned) - 3 * usual > 0.8 * usual, (spanned, usual)
+    after = [d for t, d in steps if t > inj.ended_ns + 5 * usual][:10]
+    assert float(np.median(after)) < 1.3 * usual, (after, usual)
+    assert label.throughput_cost > 0.2
 
 
 def test_a_stopped_rank_goes_silent_while_the_others_go_on(runs) -> None:
