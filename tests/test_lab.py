@@ -128,10 +128,10 @@ def test_the_throttled_ranks_heartbeats_carry_the_time_its_quota_held_it_back(ru
 
 def test_a_transient_quota_costs_a_step_or_two_then_nothing(runs) -> None:
     """A rank held to a tenth of a CPU for twice the job's usual step (in 10 ms periods,
-    so that it bites at once): the kernel throttled it a good share of that time (not all:
-    it waits in the others' collectives too), the steps it
-    spans took longer by about a usual step or more, and the job's steps after it are
-    back to their usual time. Its label has that cost."""
+    so that it bites at once): the kernel throttled it a good share of that time (not
+    all: it waits in the others' collectives too), the steps it spans took longer by
+    about a usual step or more, and the job's steps after it are back to their usual
+    time. Its label has that cost."""
     run = runs["ddp-transient"]
     (inj,) = run.injected
     (label,) = run.labels
