@@ -1,6 +1,10 @@
 """Stragglers over already: a burst of slow steps is a transient straggler (culprit,
 steps, time lost); the same culprit bursting again is intermittent.
 
+A burst counts well clear of the job's noise (twice the change-point detector's bar),
+or where its rank, the last to arrive, made the others wait a good share of its steps
+longer than it used to: no noise does that, and the floor alone is its bar.
+
 A burst is judged once as many steps as confirm a shift have followed it: slow steps
 that come back within them and stay are the first of a slowdown (a CPU quota lets a
 fast step through now and then), reported as that slowdown alone; another burst within
@@ -30,6 +34,7 @@ from schemas.enums import VerdictKind
 
 if TYPE_CHECKING:
     from detectors.changepoint import ShiftDetector
+    from detectors.slowdown import SlowdownLocalizer
 
 
 class Stragglers:
@@ -40,8 +45,10 @@ class Stragglers:
     ledger: StepTimeLedger
     bursts: dict[Culprit, list[tuple[int, float, int]]]
     transient_floor: float
+    held_share: float
 
     shift: ShiftDetector
+    localizer: SlowdownLocalizer
     locate: Callable[[list[StepReport], Topology], Incident | None]
     #: a burst waiting to be reported: (onset, ratio, length, the step it is reported
     #: at, its culprit and the change-point detector's bar, as found when it ended)
@@ -104,9 +111,14 @@ class Stragglers:
         Its steps are judged by their own times against the level before them (what is
         reported; the detector's ratio is clipped, and over a noisy job's baseline).
         Only one well clear of the noise (twice ``bar``, as a lone slow value must be)
-        counts: a step a few percent slow, explained or not, repeats no straggler."""
+        counts: a step a few percent slow, explained or not, repeats no straggler; unless
+        its rank held the others up, as the last to arrive, for ``held_share`` of those
+        steps more than it used to: the noise is no explanation for that (as for the
+        change-point detector's explained steps), and the floor alone is its bar."""
         reps, level, measured = self._over_level(onset, onset + length)
         ratio = measured or ratio
+        if self._held_others_up(inc, reps):
+            bar = 0.0
         if ratio < 1.0 + 2 * bar:
             return []
         bursts = self.bursts.setdefault(inc.culprit, [])
@@ -194,6 +206,15 @@ class Stragglers:
         level = self.ledger.level_before_step(onset)
         mean = float(np.mean([r.duration_ns for r in reps])) if reps else 0.0
         return reps, level, mean / level if reps and level > 0 else None
+
+    def _held_others_up(self, inc: Incident, reps: list[StepReport]) -> bool:
+        """Whether ``inc``'s rank made the others wait longer than it used to, as the last
+        to arrive, by ``held_share`` of the steps ``reps`` or more."""
+        base = self.localizer.base_blame
+        if inc.rank is None or base is None or not reps or inc.rank >= len(base):
+            return False
+        excess = np.mean([r.blame_any_ns[inc.rank] for r in reps]) - base[inc.rank]
+        return bool(excess >= self.held_share * np.mean([r.duration_ns for r in reps]))
 
     @staticmethod
     def _told(

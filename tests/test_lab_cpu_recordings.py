@@ -138,3 +138,19 @@ def test_a_host_quota_alternating_slow_and_fast_steps_is_a_slowdown(order: str) 
     revisions = [x for x in Replay().run(read_records("lab_ddp_slow_node1_cpu_run3.jsonl.gz"))
                  if isinstance(x, Verdict)]  # fmt: skip
     assert min(x.severity for x in revisions) > 0.45
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_rank_that_held_the_others_up_for_two_steps_is_a_transient_straggler(order: str) -> None:
+    """Case megatron-transient (its first 20 steps): rank 1 held to a tenth of a CPU for
+    twice the job's usual step from step 9. Steps 9 and 10 ran 1.5x and 1.6x their
+    level, not twice clear of the job's own noise (its steps vary by an eighth: its bar
+    is 1.36x), but rank 1, the last to arrive, made the others wait half of each of them
+    longer than it used to: no noise does that. One transient straggler of rank 1, its
+    two steps and the time they lost, the cause its CPU quota."""
+    (v,) = last_verdicts("lab_megatron_transient_rank1_quota.jsonl.gz", order)
+    assert (v.kind.value, v.rank, v.onset_step, v.status.value) == (
+        "transient_straggler", 1, 9, "resolved",
+    )  # fmt: skip
+    assert v.evidence["steps"] == 2 and 0.1e9 < v.evidence["time_lost_ns"] < 0.2e9
+    assert v.cause.value == "host_cpu"
