@@ -1,7 +1,7 @@
-"""The lab's real jobs, kept: four runs of ``megatrace lab`` (24 jobs each: DDP,
+"""The lab's real jobs, kept: five runs of ``megatrace lab`` (24 jobs each: DDP,
 sharded data parallelism, Megatron-style 1F1B pipelines and a custom loop, with faults
 from the operating system: a rate limit on a node's link, CPU quotas on a rank or a
-node, SIGSTOP, SIGKILL), each job's records as the flow read them and its labels, in
+node, for good or for a step or two, SIGSTOP, SIGKILL), each job's records as the flow read them and its labels, in
 ``tests/corpus/lab/runN/CASE``. They are scored here as ``megatrace eval --corpus
 tests/corpus/lab/runN ... --no-simulator`` scores them, so that what a change to the
 detectors does to real jobs shows before any simulated one does. The bars are what
@@ -9,7 +9,8 @@ the detectors do on them now: every fault found with its culprit, and no more fa
 alarms than now. The third run's healthy jobs have slow spells of their own, 1.5-1.8x
 for several steps on a 2-core machine shared with the broker, the flow and ClickHouse:
 those of the whole job are not reported (they end within 10 steps), and one rank slower
-for 20 steps is."""
+for 20 steps is. The fifth run's transient stragglers are quotas that bite (the earlier
+runs' were lifted at the next step, often before they held their rank back at all)."""
 
 from __future__ import annotations
 
@@ -28,17 +29,17 @@ def scored() -> Score:
     res = Results()
     for run in RUNS:
         res.add(score(corpus(run), baselines=False, progress=lambda _: None))
-    assert res.cases == 96
+    assert res.cases == 120
     return res.scores["megatrace"]
 
 
 def test_every_hang_of_the_kept_lab_runs_is_found_with_its_culprit(scored: Score) -> None:
     k = scored.kinds["hang"]
-    assert (k.tp, k.fn, k.fp, k.culprit_ok) == (24, 0, 0, 24)
+    assert (k.tp, k.fn, k.fp, k.culprit_ok) == (30, 0, 0, 30)
 
 
-@pytest.mark.parametrize(("kind", "faults", "false"), [("link_degradation", 24, 0),
-                                                       ("slowdown", 28, 3)])  # fmt: skip
+@pytest.mark.parametrize(("kind", "faults", "false"), [("link_degradation", 30, 0),
+                                                       ("slowdown", 35, 4)])  # fmt: skip
 def test_every_degraded_link_and_slowdown_is_found_with_its_culprit(
     scored: Score, kind: str, faults: int, false: int
 ) -> None:
@@ -51,10 +52,10 @@ def test_every_degraded_link_and_slowdown_is_found_with_its_culprit(
 
 
 def test_transient_stragglers_and_false_alarms_no_worse(scored: Score) -> None:
-    """Transient stragglers: 3 of the 5 labelled (the two DDP one-step quotas cost 14% of
-    an 18 ms step, on a job whose steps vary by 60% on their own); false alarms: 1 over
-    1,260 healthy steps (the third run's custom loop, rank 0 slower for its last 20
-    steps)."""
+    """Transient stragglers: 4 of the 7 labelled (the DDP jobs' cost 8-14% of a 20 ms
+    step, on jobs whose steps vary by half on their own); false alarms: 2 over 1,575
+    healthy steps (the third run's custom loop, rank 0 slower for its last 20 steps; the
+    fifth's, the whole job 1.3x slower for 12 steps)."""
     k = scored.kinds["transient_straggler"]
-    assert k.tp >= 3 and k.fp <= 1
-    assert scored.healthy_steps >= 1200 and scored.healthy_alarms <= 1
+    assert k.tp >= 4 and k.fp <= 1
+    assert scored.healthy_steps >= 1500 and scored.healthy_alarms <= 2
