@@ -7,8 +7,8 @@ knows) on lab "nodes", network namespaces joined by a bridge (:mod:`infra.netlab
 with the PyTorch collector in every rank and a node agent per node, through the local
 broker and the dataflow into ClickHouse: the production path. Faults come from
 outside the job: ``tbf`` on a node's link, a cgroup CPU quota on a rank or on a node's
-ranks, ``SIGSTOP`` (for good: a hang; or for twice the job's usual step time, then
-``SIGCONT``: a transient straggler), ``SIGKILL``; each is injected
+ranks (for good; or on a rank for twice the job's usual step time: a transient
+straggler), ``SIGSTOP``, ``SIGKILL``; each is injected
 when rank 0 reaches a given step, and its label (kind, culprit, onset time) is written
 from what was done. The verdicts the flow stored are scored with
 :mod:`detectors.scoring`, beside the peers' rules; every case is also kept as a
@@ -44,7 +44,8 @@ class Fault:
     kind: str  # slow_link | slow_rank | slow_node | hang | kill | transient
     target: int
     at_step: int = 12
-    #: a transient straggler's rank is stopped for this many of the job's usual steps
+    #: a transient straggler's rank is held to its quota for this many of the job's usual
+    #: steps
     stall_steps: float = 2.0
     cpus: float = 0.1  # the CPU quota of a slow rank or node
     rate_mbit: float = 60.0  # a slow link's rate
@@ -360,7 +361,8 @@ def labels_of(run: CaseRun, nodes: list[Node]) -> list[FaultLabel]:
 
 
 def _magnitude(f: Fault) -> float:
-    """A quota's CPUs; a transient straggler's step, in the job's usual steps."""
+    """A quota's CPUs; a transient straggler's longest step, in the job's usual steps (one,
+    and the time its rank was held, were it held back all of it)."""
     if f.kind == "transient":
         return 1.0 + f.stall_steps
     return f.cpus if "slow" in f.kind else 0.0
