@@ -1,10 +1,11 @@
 """The lab's real jobs, kept: five runs of ``megatrace lab`` (24 jobs each: DDP,
 sharded data parallelism, Megatron-style 1F1B pipelines and a custom loop, with faults
 from the operating system: a rate limit on a node's link, CPU quotas on a rank or a
-node, for good or for a step or two, SIGSTOP, SIGKILL), each job's records as the flow read them and its labels, in
-``tests/corpus/lab/runN/CASE``. They are scored here as ``megatrace eval --corpus
-tests/corpus/lab/runN ... --no-simulator`` scores them, so that what a change to the
-detectors does to real jobs shows before any simulated one does. The bars are what
+node, for good or for a step or two, SIGSTOP, SIGKILL), each job's records as the flow
+read them and its labels, in ``tests/corpus/lab/runN/CASE``. They are scored here as
+``megatrace eval --corpus tests/corpus/lab/runN ... --no-simulator`` scores them, so
+that what a change to the detectors does to real jobs shows before any simulated one
+does. The bars are what
 the detectors do on them now: every fault found with its culprit, and no more false
 alarms than now. The third run's healthy jobs have slow spells of their own, 1.5-1.8x
 for several steps on a 2-core machine shared with the broker, the flow and ClickHouse:
