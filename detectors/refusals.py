@@ -36,6 +36,8 @@ def outside(job: str, topo: Topology, item: Any) -> DeadLetter | None:
     """A dead letter (reason ``out_of_layout``) for an item naming a rank outside the
     job's layout, or a communicator's member that is not one; None for a good one."""
     world = topo.job.world_size
+    if type(item) is Heartbeat and item.rank < world:
+        return None  # most of what a job's worker takes: a heartbeat per rank and beat
     ranks = ranks_of(item)
     if not ranks:
         return None
@@ -45,18 +47,17 @@ def outside(job: str, topo: Topology, item: Any) -> DeadLetter | None:
     elif not isinstance(item, Instance):
         return None
     else:
-        info = topo.comms.get(item.comm_hash)
-        if info is None:
+        members = topo.members(item.comm_hash)
+        if members is None:
             return None
-        members = set(info.ranks)
         bad = next((r for r in item.ranks if r not in members), None)
         # a transfer's instance is its two ends, whatever the communicator's size
-        if bad is None and (item.sender >= 0 or item.comm_size == len(info.ranks)):
+        if bad is None and (item.sender >= 0 or item.comm_size == len(members)):
             return None
         why = (
             f"rank {bad} is not a member of communicator {item.comm_hash:016x}"
             if bad is not None
-            else f"communicator {item.comm_hash:016x} has {len(info.ranks)} members, "
+            else f"communicator {item.comm_hash:016x} has {len(members)} members, "
             f"not {item.comm_size}"
         )
     return _letter(item, DeadLetterReason.OUT_OF_LAYOUT, f"{why}: not used as evidence", "rank")

@@ -63,6 +63,7 @@ class Topology:
     # ------------------------------------------------------------------ updates
     def add(self, rec: JobInfo | RankInfo | CommInfo) -> None:
         self.__dict__.pop("_placers", None)  # the schedule may change
+        self.__dict__.pop("_members", None)
         self.__dict__.pop("_rank_rows", None)
         if isinstance(rec, JobInfo):
             self.job = rec
@@ -173,6 +174,15 @@ class Topology:
         """Where (comm, seq) sits in the schedule, or None for an unknown communicator."""
         placer = self.placer(comm_hash)
         return None if placer is None else placer.at(seq, sender_stage, receiver_stage)
+
+    def members(self, comm_hash: int) -> frozenset[int] | None:
+        """A communicator's members as a set (cached until the topology changes: a job's
+        worker checks every instance it takes against them), or None for an unknown one."""
+        cache = self.__dict__.setdefault("_members", {})
+        found = cache.get(comm_hash)
+        if found is None and (info := self.comms.get(comm_hash)) is not None:
+            found = cache[comm_hash] = frozenset(info.ranks)
+        return found
 
     def placer(self, comm_hash: int) -> Placer | None:
         """The communicator's :class:`Placer` (cached until the topology changes), or None
