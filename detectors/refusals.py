@@ -36,8 +36,13 @@ def outside(job: str, topo: Topology, item: Any) -> DeadLetter | None:
     """A dead letter (reason ``out_of_layout``) for an item naming a rank outside the
     job's layout, or a communicator's member that is not one; None for a good one."""
     world = topo.job.world_size
-    if type(item) is Heartbeat and item.rank < world:
-        return None  # most of what a job's worker takes: a heartbeat per rank and beat
+    # most of what a job's worker takes, checked at once: thousands a step at scale
+    kind = type(item)
+    if kind is EdgeThroughput:
+        if item.src_rank < world and item.dst_rank < world:
+            return None
+    elif kind is Heartbeat and item.rank < world:
+        return None
     ranks = ranks_of(item)
     if not ranks:
         return None
