@@ -281,12 +281,19 @@ class SlowdownLocalizer:
     def _most_blamed(self, reps: Sequence[StepReport], busy: list[int]) -> int | None:
         """Of several ``busy`` ranks, the one whose exclusive blame as the last arriver grew
         most (None: none grew)."""
-        base = self.base_blame
-        if base is None:
+        blame = self.blame_grew(reps)
+        if blame is None:
             return None
-        blame = np.mean([r.blame_any_ns for r in reps], axis=0) - base
         top = max(busy, key=lambda r: blame[r])
         return top if blame[top] > 0 else None
+
+    def blame_grew(self, reps: Sequence[StepReport]) -> np.ndarray | None:
+        """Per rank, how much longer a step it made the others wait as the last to arrive
+        over ``reps`` than it usually does (ns; None: no baseline yet, or no step)."""
+        base = self.base_blame
+        if base is None or not reps:
+            return None
+        return np.mean([r.blame_any_ns for r in reps], axis=0) - base
 
     def slow_transfers(
         self, reports: Sequence[StepReport], topo: Topology, increase: float, share: float = 0.8

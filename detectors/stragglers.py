@@ -177,7 +177,7 @@ class Stragglers:
         if calm - onset >= 2 * self.shift.persistence:
             return []
         reps, level, ratio = self._over_level(onset, calm)
-        if ratio is None or ratio < 1.0 + max(self.transient_floor, 2 * self.shift.bar):
+        if ratio is None or ratio < self._straggler_bar(self.shift.bar):
             return []
         out: list[msgspec.Struct] = []
         for culprit in [c for c in self.open if c.kind in ("rank", "node")]:
@@ -207,14 +207,18 @@ class Stragglers:
         mean = float(np.mean([r.duration_ns for r in reps])) if reps else 0.0
         return reps, level, mean / level if reps and level > 0 else None
 
+    def _straggler_bar(self, bar: float) -> float:
+        """The step ratio a straggler's steps must reach: the floor, and twice the bar a
+        shift must clear (``bar``)."""
+        return 1.0 + max(self.transient_floor, 2 * bar)
+
     def _held_others_up(self, inc: Incident, reps: list[StepReport]) -> bool:
         """Whether ``inc``'s rank made the others wait longer than it used to, as the last
         to arrive, by ``held_share`` of the steps ``reps`` or more."""
-        base = self.localizer.base_blame
-        if inc.rank is None or base is None or not reps or inc.rank >= len(base):
+        grew = self.localizer.blame_grew(reps) if inc.rank is not None else None
+        if grew is None or inc.rank >= len(grew):
             return False
-        excess = np.mean([r.blame_any_ns[inc.rank] for r in reps]) - base[inc.rank]
-        return bool(excess >= self.held_share * np.mean([r.duration_ns for r in reps]))
+        return bool(grew[inc.rank] >= self.held_share * np.mean([r.duration_ns for r in reps]))
 
     @staticmethod
     def _told(
@@ -249,7 +253,7 @@ class Stragglers:
         time it cost, and resolved at once (a second one makes it intermittent). Only one
         that stands out: a rank or host named, and well over the noise (``bar``: the
         change-point detector's when it ended)."""
-        if ratio < 1.0 + max(self.transient_floor, 2 * bar):
+        if ratio < self._straggler_bar(bar):
             return []
         summary = self._told(inc, onset, length, ratio, reps, level)
         start = reps[0].start_ns if reps else rep.start_ns

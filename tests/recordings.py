@@ -3,11 +3,10 @@ each file is the records as a `megatrace lab` flow read them."""
 
 from __future__ import annotations
 
-import gzip
 from pathlib import Path
 
 from detectors.replay import Replay
-from schemas.codec import decode
+from schemas.codec import read_jsonl
 from schemas.records import CommInfo, Heartbeat, Iteration, JobInfo, RankInfo, Verdict
 
 DATA = Path(__file__).parent / "data"
@@ -21,8 +20,7 @@ ORDERS = ["as-read", "polled", "markers-first"]
 
 def read_records(name: str) -> list:
     """Recording ``name``'s records, in the order they were read."""
-    with gzip.open(DATA / name) as fh:
-        return [decode(line) for line in fh if line.strip()]
+    return list(read_jsonl(DATA / name))
 
 
 def last_verdicts(name: str, order: str = "as-read") -> list[Verdict]:
