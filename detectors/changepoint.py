@@ -22,6 +22,10 @@ and its own jitter would read as slowdowns. A burst's values are left out: a CPU
 quota's on/off bursts are not the job's noise, and counted as such they would hide the
 slowdown they make.
 
+A further shift on top of a shift must stand out of the shifted level's own noise too,
+once it has enough values to tell it: a job that got noisier as it slowed (a shared
+host busier) varies by more than its warm-up did, and its own spikes are no new change.
+
 >>> import numpy as np
 >>> rng = np.random.default_rng(1)
 >>> det = ShiftDetector()
@@ -34,6 +38,7 @@ slowdown they make.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +48,8 @@ from river.drift import PageHinkley
 _NOISE_WINDOW = 32
 #: a change stands out of the noise by this many times its spread
 _NOISE_SIGMAS = 3.0
+#: the fewest values of a shifted level whose own noise is told
+_LEVEL_NOISE_MIN = 6
 #: an excursion's first value this many times further above the baseline than the rest
 #: of it is a spike of its own (a straggler for a step) before whatever follows
 SPIKE_OVER_REST = 3.0
@@ -146,11 +153,7 @@ class ShiftDetector:
         its recent values outside bursts and shifts from their median, over that median);
         0 before any."""
         normal = self._normal
-        if not normal or len(normal) < self.warmup:
-            return 0.0
-        xs = np.asarray(normal)
-        med = float(np.median(xs))
-        return 1.4826 * float(np.median(np.abs(xs / med - 1.0))) if med > 0 else 0.0
+        return _spread(normal) if normal and len(normal) >= self.warmup else 0.0
 
     @property
     def excursion(self) -> bool:
@@ -252,8 +255,11 @@ class ShiftDetector:
                 return ev
             return None
         self._calm = 0
-        level = self._mean()
-        if rel >= level * (1.0 + bar):  # a further shift on top of this one
+        recent = self._run[-4 * self.persistence :]
+        level = sum(recent) / len(recent)
+        # a further shift on top of this one: out of this level's noise as well
+        known = len(self._run) >= _LEVEL_NOISE_MIN  # else its values are still learned
+        if known and rel >= level * (1.0 + max(bar, _NOISE_SIGMAS * _spread(self._run))):
             if not self._more:
                 self._more_onset = index
             self._more.append(rel)
@@ -265,7 +271,7 @@ class ShiftDetector:
         else:
             self._more = []
             self._run.append(rel)
-            del self._run[: -4 * self.persistence]
+            del self._run[:-_NOISE_WINDOW]
         return None
 
     def _spike(self, bar: float) -> ShiftEvent | None:
@@ -297,3 +303,11 @@ class ShiftDetector:
 
     def _mean(self) -> float:
         return sum(self._run) / len(self._run)
+
+
+def _spread(xs: Iterable[float]) -> float:
+    """The relative robust spread of ``xs``: 1.4826 x their median absolute deviation
+    from their median, over that median."""
+    a = np.fromiter(xs, dtype=float)
+    med = float(np.median(a))
+    return 1.4826 * float(np.median(np.abs(a / med - 1.0))) if med > 0 else 0.0

@@ -4,9 +4,10 @@ A shift is judged once every node's link samples reached the step that confirmed
 (a degraded link explains its ends' lateness), and believed only once it settled
 where its first steps name the network, a host or nobody. One that nothing localises
 (no rank, host or network explains it: the whole job got slower) is the job's own
-variation until it has lasted ``unexplained_steps`` and is still slow: a busy shared
-host, a checkpoint or a collection pause slows every rank for a few steps, and
-Greyhound (docs/method.md) likewise keeps only changes at least 10 iterations apart.
+variation until it has lasted ``unexplained_steps``, is still slow, and its steps' mean
+stands out of the noise as its first steps had to: a busy shared host, a checkpoint or a
+collection pause slows every rank for a few steps, and Greyhound (docs/method.md)
+likewise keeps only changes at least 10 iterations apart.
 A fault that something localises is reported as soon as it settled.
 
 :class:`Judgement` is the part of :class:`~detectors.slowdown_tracker.SlowdownTracker`
@@ -71,12 +72,22 @@ class Judgement:
             settled = len(reps) >= self.settle_steps
             if not settled and (found is None or found.culprit.kind in ("nodes", "node")):
                 return []
-            if found is None and (len(reps) < self.unexplained_steps or not self.shift.slow_now):
+            if found is None and not self._lasted(onset, len(reps)):
                 return []  # the whole job slower for a while: its own variation, so far
         self.pending = None
         # the steps' own times: the detector's ratio is of values clipped for its test
         ratio = self.ledger.ratio_since(onset) or ratio
         return self._slowdown(rep, ratio, onset, topo, located=found)
+
+    def _lasted(self, onset: int, steps: int) -> bool:
+        """A shift that nothing localises is believed once it lasted ``unexplained_steps``,
+        is slow still, and its steps' mean stands out of the noise as a shift's first
+        steps must (the bar): a few slow steps that began it, then steps within the noise,
+        are the job's own variation too."""
+        if steps < self.unexplained_steps or not self.shift.slow_now:
+            return False
+        ratio = self.ledger.ratio_since(onset)
+        return ratio is None or ratio >= 1.0 + self.shift.bar
 
     def locate(self, reps: list[StepReport], topo: Topology) -> Incident | None:
         """The first localised candidate not explained by a degraded link (MEGATRACE checks

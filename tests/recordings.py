@@ -1,5 +1,6 @@
-"""The kept lab recordings (``tests/data/lab_*.jsonl.gz``) and how the tests replay them:
-each file is the records as a `megatrace lab` flow read them."""
+"""The kept lab recordings (``tests/data/lab_*.jsonl.gz``, and the lab runs kept under
+``tests/corpus/lab``) and how the tests replay them: each file is the records as a
+`megatrace lab` flow read them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from schemas.codec import read_jsonl
 from schemas.records import CommInfo, Heartbeat, Iteration, JobInfo, RankInfo, Verdict
 
 DATA = Path(__file__).parent / "data"
+#: the kept lab runs (one folder per case), which `megatrace eval --corpus` scores
+CORPUS = Path(__file__).parent / "corpus" / "lab"
 
 #: how the records reach the detectors: in the order they were read; as the flow
 #: batches a poll (each communicator's share of it at once); and with the job's
@@ -24,9 +27,13 @@ def read_records(name: str) -> list:
 
 
 def last_verdicts(name: str, order: str = "as-read") -> list[Verdict]:
-    """Each incident's last revision, in the order they opened, with the records in
+    """Recording ``name``'s :func:`replayed`."""
+    return replayed(read_records(name), order)
+
+
+def replayed(records: list, order: str = "as-read") -> list[Verdict]:
+    """Each incident's last revision, in the order they opened, with ``records`` in
     ``order`` (one of :data:`ORDERS`, or ``no-calls``: the job's own topics alone)."""
-    records = read_records(name)
     if order == "markers-first":
         ahead = (JobInfo, RankInfo, CommInfo, Iteration)
         records = [r for r in records if isinstance(r, ahead)] + [

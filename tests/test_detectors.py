@@ -655,6 +655,35 @@ def test_a_job_noisier_than_its_warm_up_learns_its_noise_and_quota_bursts_stay_a
     assert missed == 0, f"{missed} of 50 quotas not found"
 
 
+def test_a_slowed_job_noisier_than_its_warm_up_has_no_further_shift_from_its_own_spikes() -> None:
+    """A job steady in its warm-up slows by a quarter and its steps then vary by 15% (a
+    shared host busier): one shift. Its own spikes on top of that level are not a further
+    shift unless they stand out of the level's noise too (the warm-up's bar alone made a
+    second slowdown in every one of these jobs); a second fault doubling the step on top of
+    the first still is one."""
+
+    def further(xs: list[float]) -> int:
+        """Shifts confirmed while shifted already (none recovered between)."""
+        det, n = ShiftDetector(), 0
+        for i, x in enumerate(xs):
+            shifted = det.shifted
+            n += shifted and (e := det.update(x, i)) is not None and e.kind == "shift"
+            if not shifted:
+                det.update(x, i)
+        return n
+
+    extra, missed = 0, 0
+    for seed in range(50):
+        rng = np.random.default_rng(seed)
+        quiet = 100 + rng.normal(0, 1, 10)
+        noisy = 125 * np.exp(rng.normal(0, 0.15, 60))
+        extra += further([*quiet, *noisy]) > 0
+        doubled = 250 * np.exp(rng.normal(0, 0.05, 10))
+        missed += further([*quiet, *noisy[:30], *doubled]) == 0
+    assert extra <= 2, f"{extra} of 50 slowed jobs given a further shift by their own noise"
+    assert missed == 0, f"{missed} of 50 second faults not found"
+
+
 def test_a_shift_right_after_a_lone_high_step_is_still_a_shift() -> None:
     """A link degrades (one step 8% slow), then a GPU slows the job by 39%: the lone
     step restarts the change-point test, and a restarted test must still know the

@@ -1,17 +1,17 @@
-"""The lab's real jobs, kept: five runs of ``megatrace lab`` (24 jobs each: DDP,
-sharded data parallelism, Megatron-style 1F1B pipelines and a custom loop, with faults
-from the operating system: a rate limit on a node's link, CPU quotas on a rank or a
-node, for good or for a step or two, SIGSTOP, SIGKILL), each job's records as the flow
-read them and its labels, in ``tests/corpus/lab/runN/CASE``. They are scored here as
-``megatrace eval --corpus tests/corpus/lab/runN ... --no-simulator`` scores them, so
-that what a change to the detectors does to real jobs shows before any simulated one
-does. The bars are what
-the detectors do on them now: every fault found with its culprit, and no more false
-alarms than now. The third run's healthy jobs have slow spells of their own, 1.5-1.8x
-for several steps on a 2-core machine shared with the broker, the flow and ClickHouse:
-those of the whole job are not reported (they end within 10 steps), and one rank slower
-for 20 steps is. The fifth run's transient stragglers are quotas that bite (the earlier
-runs' were lifted at the next step, often before they held their rank back at all)."""
+"""The lab's real jobs, kept: five runs of ``megatrace lab`` (24 jobs each: DDP, sharded
+data parallelism, Megatron-style 1F1B pipelines and a custom loop, with faults from the
+operating system: a rate limit on a node's link, CPU quotas on a rank or a node, for
+good or for a step or two, SIGSTOP, SIGKILL), each job's records as the flow read them
+and its labels, in ``tests/corpus/lab/runN/CASE``. They are scored here as ``megatrace
+eval --corpus tests/corpus/lab/runN ... --no-simulator`` scores them, so that what a
+change to the detectors does to real jobs shows before any simulated one does. The bars
+are what the detectors do on them now: every fault found with its culprit, and no more
+false alarms than now. The third run's healthy jobs have slow spells of their own,
+1.5-1.8x for several steps on a 2-core machine shared with the broker, the flow and
+ClickHouse: those of the whole job are not reported (they end within 10 steps, or settle
+into the job's noise after a few slow steps), and one rank slower for 20 steps is. The
+fifth run's transient stragglers are quotas that bite (the earlier runs' were lifted at
+the next step, often before they held their rank back at all)."""
 
 from __future__ import annotations
 
@@ -40,13 +40,15 @@ def test_every_hang_of_the_kept_lab_runs_is_found_with_its_culprit(scored: Score
 
 
 @pytest.mark.parametrize(("kind", "faults", "false"), [("link_degradation", 30, 0),
-                                                       ("slowdown", 35, 4)])  # fmt: skip
+                                                       ("slowdown", 35, 2)])  # fmt: skip
 def test_every_degraded_link_and_slowdown_is_found_with_its_culprit(
     scored: Score, kind: str, faults: int, false: int
 ) -> None:
     """Slowdowns include a host quota letting every other step through (run 2's
     ddp-slow-node, 61% of the throughput lost) and a rank's quota in bursts on a job
-    whose steps vary by half (run 1's custom-slow-rank)."""
+    whose steps vary by half (run 1's custom-slow-rank). The false ones: run 3's custom
+    loop, rank 0 slower for its last 20 steps; its Megatron transient, the job 1.3x
+    slower from just after a warm-up quieter than the rest of the job."""
     k = scored.kinds[kind]
     assert (k.tp, k.fn, k.culprit_ok) == (faults, 0, faults)
     assert k.fp <= false
@@ -54,9 +56,8 @@ def test_every_degraded_link_and_slowdown_is_found_with_its_culprit(
 
 def test_transient_stragglers_and_false_alarms_no_worse(scored: Score) -> None:
     """Transient stragglers: 4 of the 7 labelled (the DDP jobs' cost 8-14% of a 20 ms
-    step, on jobs whose steps vary by half on their own); false alarms: 2 over 1,575
-    healthy steps (the third run's custom loop, rank 0 slower for its last 20 steps; the
-    fifth's, the whole job 1.3x slower for 12 steps)."""
+    step, on jobs whose steps vary by half on their own); false alarms: 1 over 1,575
+    healthy steps (the third run's custom loop, rank 0 slower for its last 20 steps)."""
     k = scored.kinds["transient_straggler"]
     assert k.tp >= 4 and k.fp <= 1
-    assert scored.healthy_steps >= 1500 and scored.healthy_alarms <= 2
+    assert scored.healthy_steps >= 1500 and scored.healthy_alarms <= 1
