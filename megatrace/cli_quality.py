@@ -154,12 +154,15 @@ def evaluate(
     type=click.Path(file_okay=False),
     help="Where each case's labelled recording goes (default: <state-dir>/lab-runs).",
 )
+@click.option("--steps", type=click.IntRange(min=1), help="Run every case for this many "
+              "training steps (a soak: `--case ddp-healthy --steps 2500` measures false "
+              "alarms over a real job's noise).")  # fmt: skip
 @click.option("--baselines/--no-baselines", default=True, show_default=True)
 @click.option("--cleanup", is_flag=True, help="Remove what a crashed lab left (namespaces, "
               "links, qdiscs, cgroups) and stop.")  # fmt: skip
 @click.pass_obj
 def lab(obj: _Ctx, names: tuple[str, ...], quick: bool, listing: bool, out: str | None,
-        baselines: bool, cleanup: bool) -> None:  # fmt: skip
+        steps: int | None, baselines: bool, cleanup: bool) -> None:  # fmt: skip
     """Real distributed jobs (Gloo, CPU) on network-namespace nodes, faults injected by
     the operating system, scored like the simulator (needs root and PyTorch)."""
     from infra.netlab import LabError
@@ -188,7 +191,7 @@ def lab(obj: _Ctx, names: tuple[str, ...], quick: bool, listing: bool, out: str 
     out_dir = Path(out) if out else Path(obj.settings.stack.state_dir) / "lab-runs"
     t0 = time.monotonic()
     try:
-        runs = run_lab(obj.settings, chosen, out_dir, click.echo)
+        runs = run_lab(obj.settings, chosen, out_dir, click.echo, steps=steps)
     except LabError as e:
         raise click.ClickException(str(e)) from None
     for line in table(runs, baselines):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,17 @@ _RAW = (
 )
 
 
-def run_lab(settings: Settings, names: list[str], out_dir: Path, say: Any) -> list[CaseRun]:
-    """Every named case, in order; the lab's namespaces, links, qdiscs and cgroups are
-    removed on the way out, also after a failure or Ctrl-C."""
+#: the fewest steps a case may be run for
+MIN_STEPS = 30
+
+
+def run_lab(
+    settings: Settings, names: list[str], out_dir: Path, say: Any, steps: int | None = None
+) -> list[CaseRun]:
+    """Every named case, in order (each for ``steps`` training steps where given: a long
+    healthy soak measures false alarms over the job's real noise); the lab's namespaces,
+    links, qdiscs and cgroups are removed on the way out, also after a failure or
+    Ctrl-C."""
     from infra.stack import Stack
 
     why = missing()
@@ -38,6 +47,11 @@ def run_lab(settings: Settings, names: list[str], out_dir: Path, say: Any) -> li
     unknown = [n for n in names if n not in CASES]
     if unknown:
         raise LabError(f"no lab case {', '.join(unknown)} (cases: {', '.join(CASES)})")
+    if steps is not None and steps < MIN_STEPS:
+        raise LabError(
+            f"{steps} steps: a case needs {MIN_STEPS} or more (its fault comes at step 8 or "
+            "12, and the detectors need steps before it and after it)"
+        )
     stack = Stack(settings)
     _, started = stack.up()
     lab = NetLab(Path(settings.stack.state_dir) / "lab", max(CASES[n].nodes for n in names))
@@ -45,7 +59,7 @@ def run_lab(settings: Settings, names: list[str], out_dir: Path, say: Any) -> li
     try:
         lab.up()
         for i, name in enumerate(names):
-            case = CASES[name]
+            case = CASES[name] if steps is None else replace(CASES[name], steps=steps)
             say(
                 f"[{i + 1}/{len(names)}] {name}: {case.workload}, {case.ranks} ranks on "
                 f"{case.nodes} nodes, {case.steps} steps"
