@@ -167,8 +167,11 @@ def lab(obj: _Ctx, names: tuple[str, ...], quick: bool, listing: bool, out: str 
     the operating system, scored like the simulator (needs root and PyTorch)."""
     from infra.netlab import LabError
     from infra.netlab import cleanup as lab_cleanup
-    from megatrace.lab import CASES, QUICK
+    from megatrace.lab import CASES, MIN_STEPS, QUICK
 
+    if steps is not None and steps < MIN_STEPS:  # before anything starts
+        raise click.BadParameter(f"{steps}: a case needs {MIN_STEPS} steps or more (its "
+                                 "fault comes at step 8 or 12)", param_hint="--steps")  # fmt: skip
     state = Path(obj.settings.stack.state_dir) / "lab"
     if cleanup:
         removed = lab_cleanup(state)

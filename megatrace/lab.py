@@ -111,6 +111,8 @@ def _cases() -> list[Case]:
 CASES: dict[str, Case] = {c.name: c for c in _cases()}
 #: the subset CI runs: a slow link, a slow rank, a hang and a healthy run
 QUICK = ("ddp-healthy", "ddp-slow-link", "ddp-slow-rank", "ddp-hang")
+#: the fewest steps a case may be run for (``megatrace lab --steps``)
+MIN_STEPS = 30
 #: how long a hung job is left hung before the lab ends it
 HANG_S = 8.0
 #: the Flight Recorder ring every rank keeps (entries)
@@ -396,6 +398,7 @@ def step_ns(marks: list[Iteration]) -> float:
 
 __all__ = [
     "CASES",
+    "MIN_STEPS",
     "QUICK",
     "Case",
     "CaseRun",

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.netlab import LabError, NetLab, missing
-from megatrace.lab import CASES, CaseRun, Ranks, inject, labels_of, step_ns
+from megatrace.lab import CASES, MIN_STEPS, CaseRun, Ranks, inject, labels_of, step_ns
 from schemas.config import AgentSettings, Settings
 from schemas.records import Iteration, Verdict, event_time
 
@@ -28,10 +28,6 @@ _RAW = (
 )
 
 
-#: the fewest steps a case may be run for
-MIN_STEPS = 30
-
-
 def run_lab(
     settings: Settings, names: list[str], out_dir: Path, say: Any, steps: int | None = None
 ) -> list[CaseRun]:
@@ -41,17 +37,17 @@ def run_lab(
     Ctrl-C."""
     from infra.stack import Stack
 
+    if steps is not None and steps < MIN_STEPS:
+        raise LabError(
+            f"{steps} steps: a case needs {MIN_STEPS} or more (its fault comes at step 8 or "
+            "12, and the detectors need steps before it and after it)"
+        )
     why = missing()
     if why:
         raise LabError(why)
     unknown = [n for n in names if n not in CASES]
     if unknown:
         raise LabError(f"no lab case {', '.join(unknown)} (cases: {', '.join(CASES)})")
-    if steps is not None and steps < MIN_STEPS:
-        raise LabError(
-            f"{steps} steps: a case needs {MIN_STEPS} or more (its fault comes at step 8 or "
-            "12, and the detectors need steps before it and after it)"
-        )
     stack = Stack(settings)
     _, started = stack.up()
     lab = NetLab(Path(settings.stack.state_dir) / "lab", max(CASES[n].nodes for n in names))

@@ -45,6 +45,11 @@ def test_bench_pipeline_refuses_zero_runs_before_starting_anything() -> None:
     assert res.exit_code == 2 and "--repeat" in res.output and "x>=1" in res.output
 
 
+def test_lab_refuses_too_few_steps_before_starting_anything() -> None:
+    res = CliRunner().invoke(cli, ["lab", "--case", "ddp-healthy", "--steps", "10"])
+    assert res.exit_code == 2 and "a case needs 30 steps or more" in res.output
+
+
 def test_schema_export_writes_json_schema(tmp_path) -> None:
     out = tmp_path / "s.json"
     res = CliRunner().invoke(cli, ["schema", "export", "--out", str(out)])
