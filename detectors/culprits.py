@@ -35,11 +35,16 @@ from schemas.enums import Cause, Phase
 
 
 def first_culprit(
-    found: list[SlowdownFinding], link_ends: set[int], increase: float, topo: Topology
+    found: list[SlowdownFinding],
+    link_ends: set[int],
+    increase: float,
+    topo: Topology,
+    named: frozenset[int] = frozenset(),
 ) -> Incident | None:
     """The incident the first standing finding of ``found`` names (None: none stands).
     ``link_ends``: ranks a degraded link explains; ``increase``: the step time the shift
-    added (ns)."""
+    added (ns); ``named``: ranks open incidents name already, never slowed together with
+    the first (each explains only what it added, in its own incident)."""
     # a host first (as MEGATRACE checks it first): every rank on it slowed, and the
     # one of them the critical path shows latest is only the most visible
     found.sort(key=lambda f: f.cause is not Cause.HOST_CPU)
@@ -59,7 +64,7 @@ def first_culprit(
                                      phase=Phase(f.phase) if f.phase else None,
                                      evidence=dict(f.evidence))  # fmt: skip
         if f.rank is not None:
-            ranks = _together(f, found, link_ends, 0.25 * increase)
+            ranks = _together(f, found, link_ends | named, 0.25 * increase)
             return Incident(Culprit.rank(f.rank), f.cause, rank=f.rank,
                             gpu=topo.gpu(f.rank), ranks=ranks, **where)  # fmt: skip
         if f.link is not None:  # the network between nodes

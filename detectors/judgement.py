@@ -10,6 +10,13 @@ collection pause slows every rank for a few steps, and Greyhound (docs/method.md
 likewise keeps only changes at least 10 iterations apart.
 A fault that something localises is reported as soon as it settled.
 
+Every shift is believed only once it has lasted ``settle_s`` of the job's time too: a
+host's own hiccups (the scheduler, memory reclaim, a collection pause, a log flush) last
+up to about a second whatever the job's step, and a job of 20 ms steps slowed by one
+for half a second has 25 slow steps, as many as a fault would make. A shift over
+sooner was a straggler for a while, judged as a burst is
+(:class:`~detectors.stragglers.Stragglers`).
+
 :class:`Judgement` is the part of :class:`~detectors.slowdown_tracker.SlowdownTracker`
 that does this; it uses the tracker's ledger, links and localisation.
 """
@@ -25,7 +32,7 @@ from detectors.changepoint import ShiftDetector
 from detectors.cpu_wait import CpuWaits
 from detectors.cpu_wait import findings as cpu_findings
 from detectors.culprits import first_culprit
-from detectors.incidents import Incident, StepTimeLedger
+from detectors.incidents import Culprit, Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
 from detectors.slowdown import SlowdownFinding, SlowdownLocalizer
 from detectors.steps import StepReport
@@ -38,13 +45,15 @@ class Judgement:
 
     ledger: StepTimeLedger
     links: LinkTracker
+    open: list[Culprit]
     localizer: SlowdownLocalizer
     cpu: CpuWaits | None
     pending: tuple[int, float, int] | None
     settle_steps: int
     link_wait_ms: float
-    #: for a tracker pickled before it had it
+    #: for a tracker pickled before it had them
     unexplained_steps: int = 10
+    settle_s: float = 1.0
 
     _slowdown: Callable[..., list[msgspec.Struct]]
 
@@ -65,6 +74,8 @@ class Judgement:
             return []
         reps = self.ledger.since(onset)
         found = None
+        if not final and reps and rep.end_ns - reps[0].start_ns < self.settle_s * 1e9:
+            return []  # not yet longer than a host's own hiccups last
         if not final:
             found = self.locate(reps, topo)
             # who waits for whom takes a few steps to show: a network, a host or nobody,
@@ -96,7 +107,9 @@ class Judgement:
         # before its own link did is still the culprit of what it began
         link_ends = self.links.ends_before(reps[0].end_ns if reps else 0)
         increase = float(np.mean([r.duration_ns for r in reps])) - self.ledger.level_before(reps)
-        return first_culprit(self.findings(reps, topo, increase), link_ends, increase, topo)
+        named = frozenset(int(c.name) for c in self.open if c.kind == "rank")
+        found = self.findings(reps, topo, increase)
+        return first_culprit(found, link_ends, increase, topo, named)
 
     def findings(
         self,

@@ -61,6 +61,10 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         A shift that nothing localises (the whole job slower) is reported once it has
         lasted this many steps and its newest step is still slow
         (:mod:`detectors.judgement`).
+    settle_s
+        Every shift is reported only once it has lasted this long (seconds of the job's
+        time): a host's own hiccups last up to about a second, whatever the job's step.
+        One over sooner is judged as a burst.
     link_wait_ms
         How long after the step that confirmed a shift it waits for link samples that
         are read behind the collectives.
@@ -106,6 +110,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         host_lead_drop: float = 0.3,
         settle_steps: int = 8,
         unexplained_steps: int = 10,
+        settle_s: float = 1.0,
         link_wait_ms: float = 1000.0,
         gpu_wait_confirms: float = 3.0,
         transient_floor: float = 0.3,
@@ -120,6 +125,8 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
                 f"gpu_wait_confirms over 1, not {settle_steps}, {unexplained_steps}, "
                 f"{gpu_wait_confirms}"
             )
+        if settle_s < 0:
+            raise ValueError(f"settle_s must be 0 or more, not {settle_s}")
         if transient_floor <= 0:
             raise ValueError(f"transient_floor must be positive, not {transient_floor}")
         if not 0 < held_share <= 1 or amplifies < 1 or look_beats < 2:
@@ -131,6 +138,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         self.warmup, self.node_margin, self.alpha = warmup, node_margin, alpha
         self.host_lead_drop = host_lead_drop
         self.settle_steps, self.unexplained_steps = settle_steps, unexplained_steps
+        self.settle_s = settle_s
         self.link_wait_ms = link_wait_ms
         self.gpu_wait_confirms = gpu_wait_confirms
         self.transient_floor = transient_floor
@@ -228,8 +236,12 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
             self.pending = (onset, ratio, rep.start_ns)
             return out + self.judge(rep, topo)
         if kind == "recovered":
-            self.pending = None
-            out = self._short_episode(onset, rep)  # those it retold are resolved already
+            out = []
+            if self.pending is not None:  # over before it was believed: a burst
+                first = self.pending[0]
+                self.pending = None
+                out += self._hold_burst(first, ratio, onset - first, rep, topo)
+            out += self._short_episode(onset, rep)  # those it retold are resolved already
             for culprit in self.open:
                 if v := self.book.resolve(culprit.verdict_kind.value, culprit.key, rep.end_ns):
                     out.append(v)

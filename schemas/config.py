@@ -131,6 +131,10 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``link_wait_ms``: a confirmed step-time shift is localised once every node's link
     samples reached the step that confirmed it, or this long (event time) after it
     (a degraded link read late must not leave its slowdown to the job or to a rank).
+    ``settle_s``: a step-time shift is reported only once it has lasted this long
+    (event time): a host's own hiccups (the scheduler, memory reclaim, a collection
+    pause) last up to about a second whatever the job's step; one over sooner is judged
+    as a straggler's burst.
     ``part_shards``: the flow merges the communicators' step parts under this many
     keys per job before the job's analysis (that step's parallelism).
     """
@@ -146,6 +150,7 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     host_lead_drop: float = 0.3
     partial_timeout_ms: float = 200.0
     link_wait_ms: float = 5000.0
+    settle_s: float = 1.0
     part_shards: int = 16
 
     def __post_init__(self) -> None:

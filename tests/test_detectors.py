@@ -763,13 +763,15 @@ def test_a_send_that_names_no_peer_still_meets_its_recv_on_a_pair() -> None:
 def test_two_gpus_slowing_one_after_the_other_are_two_incidents_sharing_the_loss() -> None:
     """Rank 1 slows the job from step 8, rank 6 slows it further from step 20: two
     incidents, each keeping its onset, both open, and what each costs is the step time
-    it added, so the two severities add up to the throughput lost (not twice it)."""
+    it added, so the two severities add up to the throughput lost (not twice it), once
+    the second's has settled (it is told a second after its onset, and its cost is
+    measured over the steps after that)."""
     from producers.sim.faults import SlowGPU
     from producers.sim.scenarios import Run, scale_spec
     from schemas.records import StepSummary
 
     faults = [SlowGPU(onset_step=8, rank=1, factor=1.5), SlowGPU(onset_step=20, rank=6, factor=2.0)]
-    run = Run("two-gpus", scale_spec("tiny"), faults, steps=34)
+    run = Run("two-gpus", scale_spec("tiny"), faults, steps=40)
     out = list(Replay().run(run.records()))
     latest = {v.verdict_id: v for v in out if isinstance(v, Verdict)}
     slow = sorted(latest.values(), key=lambda v: v.onset_step or 0)
@@ -879,10 +881,11 @@ def test_a_slowdown_waits_for_link_samples_that_stopped_only_link_wait_ms() -> N
     localisation back only ``link_wait_ms`` of event time; the culprit is the same."""
     run = build("slow-gpu", scale="tiny", seed=0)
     recs = list(run.records())
-    in_time = [v for v in _incidents(recs).values() if v.kind == VerdictKind.SLOWDOWN]
+    now = DetectSettings(settle_s=0.0)  # the wait alone, not the settle time's too
+    in_time = [v for v in _incidents(recs, now).values() if v.kind == VerdictKind.SLOWDOWN]
     assert len(in_time) == 1 and in_time[0].rank == run.labels[0].rank
     start_ns = min(s.ts_ns for s in recs if type(s).__name__ == "LinkSample")
-    wait = DetectSettings(link_wait_ms=300.0)
+    wait = DetectSettings(link_wait_ms=300.0, settle_s=0.0)
     held = [
         v
         for v in _incidents(_links_late(recs, 0, until_ns=start_ns), wait).values()
@@ -1127,7 +1130,9 @@ def test_a_snapshot_from_before_the_incident_trackers_resumes_with_the_same_verd
 
     cut = 62_000  # the snapshot was taken after this record of the scenario
     records = list(build("mixed", scale="tiny", seed=1, steps=40).records())
-    fresh = Replay()
+    # that version reported a shift as soon as it settled, with no least time (settle_s):
+    # the verdicts it told before the cut are those of a run without one
+    fresh = Replay(DetectSettings(settle_s=0.0))
     for r in records[: cut + 1]:
         fresh.update(r)
     expected = [*(v for r in records[cut + 1 :] for v in fresh.update(r)), *fresh.finish()]
@@ -1135,6 +1140,7 @@ def test_a_snapshot_from_before_the_incident_trackers_resumes_with_the_same_verd
     resumed = pickle.loads(gzip.decompress(blob.read_bytes()))
     (job,) = resumed.jobs.values()
     assert job.slowdowns.open and job.links.edges  # the old incidents, in their trackers
+    job.slowdowns.settle_s = 0.0
     got = [*(v for r in records[cut + 1 :] for v in resumed.update(r)), *resumed.finish()]
 
     def said(out: list) -> list:  # the rows and verdicts, as they would be stored
