@@ -104,7 +104,8 @@ class JobAnalyzer:
         self.slowdowns = SlowdownTracker(
             self.book, self.ledger, self.links, self.gpu_wait, warmup=st.warmup_steps,
             node_margin=st.node_margin, alpha=st.alpha, host_lead_drop=st.host_lead_drop,
-            link_wait_ms=st.link_wait_ms, settle_s=st.settle_s, cpu=self.cpu,
+            link_wait_ms=st.link_wait_ms, settle_s=st.settle_s,
+            transient_min_lost_ms=st.transient_min_lost_ms, cpu=self.cpu,
         )  # fmt: skip
         self.hangs = HangWatch()
         # per node: link samples against each link's baseline (the flow sends digests made

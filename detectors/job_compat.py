@@ -71,7 +71,7 @@ def _trackers(state: dict[str, Any]) -> None:
     slowdowns = SlowdownTracker(
         book, ledger, links, gpu_wait, warmup=st.warmup_steps, node_margin=st.node_margin,
         alpha=st.alpha, host_lead_drop=st.host_lead_drop, link_wait_ms=st.link_wait_ms,
-        settle_s=st.settle_s,
+        settle_s=st.settle_s, transient_min_lost_ms=st.transient_min_lost_ms,
     )  # fmt: skip
     slowdowns.localizer = state.pop("localizer")
     slowdowns.open = [Culprit.parse(k) for k in state.pop("slow_open")]

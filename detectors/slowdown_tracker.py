@@ -74,6 +74,9 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
     transient_floor
         A burst is a transient straggler only this far above the baseline (and twice
         the bar a shift must clear): one that stands out of the noise.
+    transient_min_lost_ms
+        ... and only where it cost the job this much time or more (a few of the host
+        scheduler's time slices cost less).
     cpu
         The job's ranks' CPU wait (:class:`~detectors.cpu_wait.CpuWaits`), where its
         heartbeats carry it: ranks or a host starved of CPU since a shift are its cause.
@@ -114,6 +117,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         link_wait_ms: float = 1000.0,
         gpu_wait_confirms: float = 3.0,
         transient_floor: float = 0.3,
+        transient_min_lost_ms: float = 50.0,
         held_share: float = 0.25,
         amplifies: float = 2.0,
         look_beats: int = 8,
@@ -127,8 +131,11 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
             )
         if settle_s < 0:
             raise ValueError(f"settle_s must be 0 or more, not {settle_s}")
-        if transient_floor <= 0:
-            raise ValueError(f"transient_floor must be positive, not {transient_floor}")
+        if transient_floor <= 0 or transient_min_lost_ms < 0:
+            raise ValueError(
+                "transient_floor must be positive and transient_min_lost_ms 0 or more, not "
+                f"{transient_floor}, {transient_min_lost_ms}"
+            )
         if not 0 < held_share <= 1 or amplifies < 1 or look_beats < 2:
             raise ValueError(
                 "held_share must be in (0, 1], amplifies at least 1 and look_beats at least "
@@ -141,7 +148,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         self.settle_s = settle_s
         self.link_wait_ms = link_wait_ms
         self.gpu_wait_confirms = gpu_wait_confirms
-        self.transient_floor = transient_floor
+        self.transient_floor, self.transient_min_lost_ms = transient_floor, transient_min_lost_ms
         self.held_share = held_share
         self.amplifies, self.look_beats = amplifies, look_beats
         self.cpu = cpu

@@ -5,6 +5,12 @@ A burst counts well clear of the job's noise (twice the change-point detector's 
 or where its rank, the last to arrive, made the others wait a good share of its steps
 longer than it used to: no noise does that, and the floor alone is its bar.
 
+A burst that cost the job less than ``transient_min_lost_ms`` is none: a rank the host's
+scheduler kept waiting for a few of its time slices loses tens of milliseconds, and in a
+job of 20 ms steps that is a step 2-3x slower, as often as every few hundred steps on a
+busy host; a straggler worth a verdict costs more (a GPU twice as slow for one step
+costs its step, 0.1 s or more in training).
+
 A burst is judged once as many steps as confirm a shift have followed it: slow steps
 that come back within them and stay are the first of a slowdown (a CPU quota lets a
 fast step through now and then), reported as that slowdown alone; another burst within
@@ -46,6 +52,8 @@ class Stragglers:
     bursts: dict[Culprit, list[tuple[int, float, int]]]
     transient_floor: float
     held_share: float
+    #: for a tracker pickled before it had it
+    transient_min_lost_ms: float = 50.0
 
     shift: ShiftDetector
     localizer: SlowdownLocalizer
@@ -121,11 +129,27 @@ class Stragglers:
             bar = 0.0
         if ratio < 1.0 + 2 * bar:
             return []
+        if sum(max(0.0, r.duration_ns - level) for r in reps) < self.transient_min_lost_ms * 1e6:
+            return []  # a few of the host scheduler's time slices: no straggler's cost
         bursts = self.bursts.setdefault(inc.culprit, [])
         bursts.append((onset, ratio, length))
+        if self._recurs(inc, bursts, rep):
+            return self._intermittent(inc, bursts, rep)
+        return self._transient(inc, onset, ratio, length, rep, bar, reps, level)
+
+    def _recurs(self, inc: Incident, bursts: list[tuple[int, float, int]], rep: StepReport) -> bool:
+        """Whether ``inc``'s culprit bursting again (``bursts``, the newest last) is an
+        intermittent slowdown: one is open already, or its bursts cost the job what a
+        slowdown must (the change-point detector's least shift) since the first. If not,
+        the earlier ones were stragglers of their own, told already, and are forgotten:
+        a rank that straggled twice in a thousand steps is two transient stragglers."""
         if len(bursts) < 2:
-            return self._transient(inc, onset, ratio, length, rep, bar, reps, level)
-        return self._intermittent(inc, bursts, rep)
+            return False
+        key = (VerdictKind.INTERMITTENT_SLOWDOWN.value, inc.culprit.key)
+        if self.book.current(*key) is not None or _cost(bursts, rep) >= self.shift.min_shift:
+            return True
+        del bursts[:-1]
+        return False
 
     def _intermittent(
         self, inc: Incident, bursts: list[tuple[int, float, int]], rep: StepReport
@@ -133,9 +157,7 @@ class Stragglers:
         """``inc``'s culprit burst again (``bursts``, the newest last): an intermittent
         slowdown, opened or revised."""
         first = bursts[0][0]
-        span = max(1, rep.step - first + 1)
-        extra = sum((r - 1) * n for _, r, n in bursts)
-        severity = extra / (span + extra)
+        severity = _cost(bursts, rep)
         mean_ratio = float(np.mean([r for _, r, _ in bursts]))
         inc.evidence = {
             **inc.evidence,
@@ -195,7 +217,7 @@ class Stragglers:
                 out.append(told)
             bursts = self.bursts.setdefault(culprit, [])
             bursts.append((onset, ratio, calm - onset))
-            if len(bursts) >= 2:
+            if self._recurs(inc, bursts, rep):
                 out += self._intermittent(inc, bursts, rep)
         return out
 
@@ -282,6 +304,14 @@ def _one(a: Incident | None, b: Incident) -> bool:
     if a is None or a.culprit == b.culprit:
         return True
     return {a.culprit.kind, b.culprit.kind} <= {"node", "rank"} and a.node == b.node is not None
+
+
+def _cost(bursts: list[tuple[int, float, int]], rep: StepReport) -> float:
+    """The share of the job's time that ``bursts`` (onset, ratio, steps) added from the
+    first of them to step ``rep``."""
+    span = max(1, rep.step - bursts[0][0] + 1)
+    extra = sum((r - 1) * n for _, r, n in bursts)
+    return extra / (span + extra)
 
 
 __all__ = ["Stragglers"]

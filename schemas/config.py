@@ -135,6 +135,9 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     (event time): a host's own hiccups (the scheduler, memory reclaim, a collection
     pause) last up to about a second whatever the job's step; one over sooner is judged
     as a straggler's burst.
+    ``transient_min_lost_ms``: a straggler for a step or a few is reported only where it
+    cost the job this much time (a rank the host's scheduler kept waiting for a few of
+    its time slices loses less; a GPU twice as slow for a step loses its step).
     ``part_shards``: the flow merges the communicators' step parts under this many
     keys per job before the job's analysis (that step's parallelism).
     """
@@ -151,6 +154,7 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     partial_timeout_ms: float = 200.0
     link_wait_ms: float = 5000.0
     settle_s: float = 1.0
+    transient_min_lost_ms: float = 50.0
     part_shards: int = 16
 
     def __post_init__(self) -> None:

@@ -3,11 +3,13 @@ loop, 2,500 steps each (`megatrace lab --case ddp-healthy --case zero-healthy --
 custom-healthy --steps 2500`), in ``tests/corpus/soak/run1``. Their steps take about
 20 ms on a 2-core machine shared with the broker, the flow and ClickHouse, and the
 host's own hiccups slow a rank or the whole job for up to half a second now and then:
-25 steps of a job this fast, as many as a fault makes. What the detectors say of them is
-scored here as ``megatrace eval --corpus tests/corpus/soak/run1 --no-simulator`` scores
-it: no slowdown and no degraded link (each lasted under the second a shift must last);
-the single slow steps of a rank or a host, 1.6-3.1x, are real stragglers and told as
-transient ones, no more of them than now."""
+25 steps of a job this fast, as many as a fault makes; and the scheduler keeps a rank
+waiting a few of its time slices, a single step 1.6-3.1x slower (20-40 ms lost). What
+the detectors say of them is scored here as ``megatrace eval --corpus
+tests/corpus/soak/run1 --no-simulator`` scores it: nothing (each spell lasted under the
+second a shift must last, each single slow step cost under the 50 ms a straggler must
+cost; before either rule, 3 slowdowns, 2 degraded links, 6 transient stragglers and an
+intermittent slowdown)."""
 
 from __future__ import annotations
 
@@ -35,5 +37,5 @@ def test_a_healthy_soak_has_no_slowdown_and_no_degraded_link(scored: Score) -> N
         assert kind not in scored.kinds or scored.kinds[kind].fp == 0, kind
 
 
-def test_a_healthy_soaks_single_slow_steps_are_no_more_alarms_than_now(scored: Score) -> None:
-    assert scored.healthy_alarms <= 7
+def test_a_healthy_soaks_single_slow_steps_are_no_stragglers(scored: Score) -> None:
+    assert scored.healthy_alarms == 0
