@@ -34,8 +34,8 @@ def test_a_spike_alone_is_still_a_burst_and_a_steady_shift_no_spike() -> None:
     assert events == [("burst", 8), ("shift", 13)]
 
 
-def _incidents(faults: list[SlowGPU], **layout: int) -> list[Verdict]:
-    run = Run("two", scale_spec("tiny", job="two", seed=3, **layout), faults, steps=30)
+def _incidents(faults: list[SlowGPU], steps: int = 30, **layout: int) -> list[Verdict]:
+    run = Run("two", scale_spec("tiny", job="two", seed=3, **layout), faults, steps=steps)
     last = {v.verdict_id: v for v in Replay().run(run.records()) if isinstance(v, Verdict)}
     return list(last.values())
 
@@ -119,6 +119,26 @@ def test_a_rank_of_64_computing_a_tenth_slower_is_named() -> None:
     (label,) = run.labels
     assert 0.05 < label.throughput_cost < 0.08
     assert {(v.kind, v.rank, v.onset_step) for v in found} == {(VerdictKind.SLOWDOWN, 28, 15)}
+
+
+@pytest.mark.parametrize(("apart", "intermittent"), [(100, False), (10, True)])
+def test_a_rank_straggling_again_is_intermittent_only_where_it_costs_the_job(
+    apart: int, intermittent: bool
+) -> None:
+    """A GPU 3x slower for one step, three times: 100 steps apart they cost the job a few
+    percent of its time, three transient stragglers (as many stragglers as there were);
+    10 apart, a tenth of it, an intermittent slowdown (a slowdown must cost 5%)."""
+    from producers.sim.faults import TransientGPU
+
+    onsets = [12 + i * apart for i in range(3)]
+    faults = [TransientGPU(onset_step=s, end_step=s + 1, rank=1, factor=3.0) for s in onsets]
+    told = _incidents(faults, steps=onsets[-1] + 10)
+    kinds = {(v.kind, v.rank) for v in told}
+    if intermittent:
+        assert (VerdictKind.INTERMITTENT_SLOWDOWN, 1) in kinds
+    else:
+        assert kinds == {(VerdictKind.TRANSIENT_STRAGGLER, 1)}
+        assert sorted(v.onset_step for v in told) == onsets
 
 
 def test_a_small_burst_after_a_transient_straggler_does_not_make_it_intermittent() -> None:
