@@ -251,12 +251,13 @@ class StepTimeLedger:
         return self._level(culprit) or self.baseline
 
     def level_now(self, culprits: list[Culprit]) -> float:
-        """The step time now: the mean of the complete steps kept since the first of open
-        incidents ``culprits`` began. Throughput is steps over time, so a CPU quota that
-        lets fast steps through between slow ones costs their mean; a median, or any one
-        step, flaps between its cost and nothing as the fast ones come and go."""
+        """The step time now: the mean of the complete steps kept since the newest of open
+        incidents ``culprits`` began (the steps before it ran at the level it added to).
+        Throughput is steps over time, so a CPU quota that lets fast steps through between
+        slow ones costs their mean; a median, or any one step, flaps between its cost and
+        nothing as the fast ones come and go."""
         onsets = [at[0] for c in culprits if (at := self.onset_at.get(c)) and at[0] is not None]
-        return self.mean_since(min(onsets, default=0)) or float(self.recent[-1].duration_ns)
+        return self.mean_since(max(onsets, default=0)) or float(self.recent[-1].duration_ns)
 
     def ratio_since(self, onset: int) -> float | None:
         """:meth:`mean_since` over the baseline; None: no step kept, or no baseline yet."""

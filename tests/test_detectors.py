@@ -763,15 +763,15 @@ def test_a_send_that_names_no_peer_still_meets_its_recv_on_a_pair() -> None:
 def test_two_gpus_slowing_one_after_the_other_are_two_incidents_sharing_the_loss() -> None:
     """Rank 1 slows the job from step 8, rank 6 slows it further from step 20: two
     incidents, each keeping its onset, both open, and what each costs is the step time
-    it added, so the two severities add up to the throughput lost (not twice it), once
-    the second's has settled (it is told a second after its onset, and its cost is
-    measured over the steps after that)."""
+    it added, so the two severities add up to the throughput lost (not twice it), from
+    when the second is told (the step time now is that of the steps since the newest
+    onset: the mean since the first one's lags behind for as many steps again)."""
     from producers.sim.faults import SlowGPU
     from producers.sim.scenarios import Run, scale_spec
     from schemas.records import StepSummary
 
     faults = [SlowGPU(onset_step=8, rank=1, factor=1.5), SlowGPU(onset_step=20, rank=6, factor=2.0)]
-    run = Run("two-gpus", scale_spec("tiny"), faults, steps=40)
+    run = Run("two-gpus", scale_spec("tiny"), faults, steps=30)
     out = list(Replay().run(run.records()))
     latest = {v.verdict_id: v for v in out if isinstance(v, Verdict)}
     slow = sorted(latest.values(), key=lambda v: v.onset_step or 0)
