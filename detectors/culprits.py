@@ -26,6 +26,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from detectors.incidents import Culprit, Incident
@@ -39,7 +40,7 @@ def first_culprit(
     link_ends: set[int],
     increase: float,
     topo: Topology,
-    named: frozenset[int] = frozenset(),
+    named: AbstractSet[int] = frozenset(),
 ) -> Incident | None:
     """The incident the first standing finding of ``found`` names (None: none stands).
     ``link_ends``: ranks a degraded link explains; ``increase``: the step time the shift

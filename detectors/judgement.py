@@ -32,7 +32,7 @@ from detectors.changepoint import ShiftDetector
 from detectors.cpu_wait import CpuWaits
 from detectors.cpu_wait import findings as cpu_findings
 from detectors.culprits import first_culprit
-from detectors.incidents import Culprit, Incident, StepTimeLedger
+from detectors.incidents import Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
 from detectors.slowdown import SlowdownFinding, SlowdownLocalizer
 from detectors.steps import StepReport
@@ -45,7 +45,6 @@ class Judgement:
 
     ledger: StepTimeLedger
     links: LinkTracker
-    open: list[Culprit]
     localizer: SlowdownLocalizer
     cpu: CpuWaits | None
     pending: tuple[int, float, int] | None
@@ -56,6 +55,7 @@ class Judgement:
     settle_s: float = 1.0
 
     _slowdown: Callable[..., list[msgspec.Struct]]
+    explained: Callable[[], tuple[set[int], set[str]]]
 
     shift: ShiftDetector
 
@@ -74,9 +74,9 @@ class Judgement:
             return []
         reps = self.ledger.since(onset)
         found = None
-        if not final and reps and rep.end_ns - reps[0].start_ns < self.settle_s * 1e9:
-            return []  # not yet longer than a host's own hiccups last
         if not final:
+            if reps and rep.end_ns - reps[0].start_ns < self.settle_s * 1e9:
+                return []  # not yet longer than a host's own hiccups last
             found = self.locate(reps, topo)
             # who waits for whom takes a few steps to show: a network, a host or nobody,
             # named from the first steps of a shift, is only believed once it settled
@@ -107,7 +107,7 @@ class Judgement:
         # before its own link did is still the culprit of what it began
         link_ends = self.links.ends_before(reps[0].end_ns if reps else 0)
         increase = float(np.mean([r.duration_ns for r in reps])) - self.ledger.level_before(reps)
-        named = frozenset(int(c.name) for c in self.open if c.kind == "rank")
+        named, _ = self.explained()
         found = self.findings(reps, topo, increase)
         return first_culprit(found, link_ends, increase, topo, named)
 

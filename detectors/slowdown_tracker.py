@@ -245,9 +245,8 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         if kind == "recovered":
             out = []
             if self.pending is not None:  # over before it was believed: a burst
-                first = self.pending[0]
-                self.pending = None
-                out += self._hold_burst(first, ratio, onset - first, rep, topo)
+                (first, high, _), self.pending = self.pending, None
+                out += self._hold_burst(first, high, onset - first, rep, topo)
             out += self._short_episode(onset, rep)  # those it retold are resolved already
             for culprit in self.open:
                 if v := self.book.resolve(culprit.verdict_kind.value, culprit.key, rep.end_ns):

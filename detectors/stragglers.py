@@ -129,7 +129,7 @@ class Stragglers:
             bar = 0.0
         if ratio < 1.0 + 2 * bar:
             return []
-        if sum(max(0.0, r.duration_ns - level) for r in reps) < self.transient_min_lost_ms * 1e6:
+        if _lost(reps, level) < self.transient_min_lost_ms * 1e6:
             return []  # a few of the host scheduler's time slices: no straggler's cost
         bursts = self.bursts.setdefault(inc.culprit, [])
         bursts.append((onset, ratio, length))
@@ -248,7 +248,7 @@ class Stragglers:
     ) -> str:
         """A straggler's steps ``reps`` from ``onset``, ``ratio`` times ``level``: the time
         they lost and their level in ``inc``'s evidence, and its summary."""
-        lost = sum(max(0.0, r.duration_ns - level) for r in reps)
+        lost = _lost(reps, level)
         inc.evidence = {
             **inc.evidence,
             "time_lost_ns": float(lost),
@@ -304,6 +304,11 @@ def _one(a: Incident | None, b: Incident) -> bool:
     if a is None or a.culprit == b.culprit:
         return True
     return {a.culprit.kind, b.culprit.kind} <= {"node", "rank"} and a.node == b.node is not None
+
+
+def _lost(reps: list[StepReport], level: float) -> float:
+    """The time steps ``reps`` took beyond ``level`` (ns)."""
+    return sum(max(0.0, r.duration_ns - level) for r in reps)
 
 
 def _cost(bursts: list[tuple[int, float, int]], rep: StepReport) -> float:

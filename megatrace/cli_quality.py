@@ -167,11 +167,10 @@ def lab(obj: _Ctx, names: tuple[str, ...], quick: bool, listing: bool, out: str 
     the operating system, scored like the simulator (needs root and PyTorch)."""
     from infra.netlab import LabError
     from infra.netlab import cleanup as lab_cleanup
-    from megatrace.lab import CASES, MIN_STEPS, QUICK
+    from megatrace.lab import CASES, QUICK, too_few_steps
 
-    if steps is not None and steps < MIN_STEPS:  # before anything starts
-        raise click.BadParameter(f"{steps}: a case needs {MIN_STEPS} steps or more (its "
-                                 "fault comes at step 8 or 12)", param_hint="--steps")  # fmt: skip
+    if why := too_few_steps(steps):  # before anything starts
+        raise click.BadParameter(why, param_hint="--steps")
     state = Path(obj.settings.stack.state_dir) / "lab"
     if cleanup:
         removed = lab_cleanup(state)

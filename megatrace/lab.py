@@ -113,6 +113,18 @@ CASES: dict[str, Case] = {c.name: c for c in _cases()}
 QUICK = ("ddp-healthy", "ddp-slow-link", "ddp-slow-rank", "ddp-hang")
 #: the fewest steps a case may be run for (``megatrace lab --steps``)
 MIN_STEPS = 30
+
+
+def too_few_steps(steps: int | None) -> str | None:
+    """Why a case cannot run for ``steps`` steps (None: it can, or the case's own)."""
+    if steps is None or steps >= MIN_STEPS:
+        return None
+    return (
+        f"{steps} steps: a case needs {MIN_STEPS} steps or more (its fault comes at step 8 "
+        "or 12, and the detectors need steps before it and after it)"
+    )
+
+
 #: how long a hung job is left hung before the lab ends it
 HANG_S = 8.0
 #: the Flight Recorder ring every rank keeps (entries)
@@ -408,4 +420,5 @@ __all__ = [
     "inject",
     "labels_of",
     "step_ns",
+    "too_few_steps",
 ]

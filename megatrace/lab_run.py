@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.netlab import LabError, NetLab, missing
-from megatrace.lab import CASES, MIN_STEPS, CaseRun, Ranks, inject, labels_of, step_ns
+from megatrace.lab import CASES, CaseRun, Ranks, inject, labels_of, step_ns, too_few_steps
 from schemas.config import AgentSettings, Settings
 from schemas.records import Iteration, Verdict, event_time
 
@@ -37,11 +37,8 @@ def run_lab(
     Ctrl-C."""
     from infra.stack import Stack
 
-    if steps is not None and steps < MIN_STEPS:
-        raise LabError(
-            f"{steps} steps: a case needs {MIN_STEPS} or more (its fault comes at step 8 or "
-            "12, and the detectors need steps before it and after it)"
-        )
+    if why := too_few_steps(steps):
+        raise LabError(why)
     why = missing()
     if why:
         raise LabError(why)
