@@ -37,12 +37,48 @@ host busier) varies by more than its warm-up did, and its own spikes are no new 
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
-from river.drift import PageHinkley
+import river
+
+
+def _page_hinkley() -> type:
+    """River's ``PageHinkley``, loaded without the rest of ``river.drift``.
+
+    The package's own import also loads KSWIN (``scipy.stats``) and its datasets
+    (``scipy.io``): half a second for every command, for classes megatrace never uses.
+    The module itself imports only ``river.base`` and ``river.stats``; it is registered
+    under its own name, so a later ``import river.drift`` (or unpickling) finds the same
+    class. Where River's layout differs, the package import is the fallback.
+    """
+    name = "river.drift.page_hinkley"
+    loaded = sys.modules.get(name) or sys.modules.get("river.drift")
+    if loaded is not None:
+        return loaded.PageHinkley
+    spec = importlib.util.spec_from_file_location(
+        name, Path(river.__file__).parent / "drift" / "page_hinkley.py"
+    )
+    if spec is None or spec.loader is None or not Path(str(spec.origin)).is_file():
+        from river.drift import PageHinkley as fallback
+
+        return fallback
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        del sys.modules[name]
+        raise
+    return module.PageHinkley
+
+
+PageHinkley = _page_hinkley()
 
 #: the signal's noise is this many of its recent normal values' robust spread
 _NOISE_WINDOW = 32

@@ -175,12 +175,25 @@ class Route:
 
     # ------------------------------------------------------------------ records
     def update(self, rec: Any) -> list[msgspec.Struct]:
+        stage = _ENTRY.get(type(rec)) or entry(rec)
+        if stage == "comm" and self.poll is not None:  # most records: gathered, and no
+            gathered = self._pending.get(("comm", (rec.job, rec.comm_hash)))  # poll yet
+            if gathered is not None:
+                now = self.jobs[rec.job].now_ns  # (its job's analyzer came with the list)
+                t = getattr(rec, "arrival_ns", 0)
+                t = max(t, self._poll_ns)
+                if (self._seen + 1) % self.poll and max(t, now) < self._flush_at:
+                    gathered.append(rec)
+                    self._seen += 1
+                    self._poll_ns = t
+                    if now > self.now_ns:
+                        self.now_ns = now
+                    return []
         job = getattr(rec, "job", None)
         if job is None:
             return []
         analyzer = self._job(job)
         out: list[msgspec.Struct] = []
-        stage = entry(rec)
         if stage in ("comm", "node"):
             key = (job, rec.comm_hash) if stage == "comm" else (job, rec.node)
             if self.poll is None:

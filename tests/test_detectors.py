@@ -112,6 +112,30 @@ def test_a_short_excursion_is_a_burst_not_a_shift() -> None:
     assert kinds == ["burst"]
 
 
+def test_the_change_detector_is_rivers_page_hinkley_without_scipy_and_pickles_as_it() -> None:
+    """River's drift package also loads KSWIN (scipy.stats) and its datasets: half a second
+    of every command. The change detector loads Page-Hinkley alone, as the class that a
+    later ``import river.drift`` and unpickling find."""
+    import subprocess
+    import sys
+
+    code = (
+        "import pickle, sys\n"
+        "from detectors.changepoint import ShiftDetector\n"
+        "assert 'scipy.stats' not in sys.modules and 'river.drift' not in sys.modules\n"
+        "det = ShiftDetector()\n"
+        "for i in range(30): det.update(100.0 + i % 3, i)\n"
+        "blob = pickle.dumps(det)\n"
+        "import river.drift\n"
+        "assert type(det._ph) is river.drift.PageHinkley\n"
+        "again = pickle.loads(blob)\n"
+        "assert [again.update(150.0, 30 + i) for i in range(6)] == "
+        "[det.update(150.0, 30 + i) for i in range(6)]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_shift_inside_the_noise_is_confirmed_only_where_a_cause_explains_it() -> None:
     """Steps varying by a quarter hide a shift of 200 to 300 from the noise bar (three
     times their spread); steps that a cause explains (one rank holding the others up)
