@@ -303,13 +303,10 @@ def follow_dir(
             if kind == "training":
                 training.iterations += parse_training_log(text).iterations
                 continue
-            for raw in text.splitlines():
-                if not raw.strip():
-                    continue
-                try:
-                    batch.append(parse_line(raw))
-                except LogFormatError:
-                    report.skipped_lines[path.name] += 1
+            calls, other = parse_text(text)  # read as a whole file is (the same lines)
+            batch += calls
+            if other:
+                report.skipped_lines[path.name] += other
         batch.sort(key=lambda c: c.ts_ns)
         report.lines += len(batch)
         if batch:
