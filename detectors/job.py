@@ -129,9 +129,10 @@ class JobAnalyzer:
 
     # ------------------------------------------------------------------ inputs
     def update(self, item: Any) -> Out:
-        handle = _HANDLERS.get(type(item))
+        kind = type(item)
+        handle = _HANDLERS.get(kind)
         if handle is not None and self.topo is not None and not self._early:
-            if (refused := self._outside(item)) is not None:
+            if kind in _CHECKED and (refused := self._outside(item)) is not None:
                 return [refused]
             return handle(self, item)  # the usual case: the job is known, nothing held back
         if self.topo is None and not isinstance(item, JobInfo):
@@ -391,5 +392,7 @@ _HANDLERS: dict[type, Callable[[JobAnalyzer, Any], Out]] = {
     RankInfo: JobAnalyzer._meta_in,
     CommInfo: JobAnalyzer._meta_in,
 }
+#: the kinds whose ranks are checked against the layout (the rest name none)
+_CHECKED = frozenset(k for k in _HANDLERS if refusals.speaks_of_ranks(k))
 
 __all__ = ["EARLY_HELD", "JobAnalyzer"]

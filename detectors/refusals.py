@@ -92,6 +92,11 @@ def _letter(item: Any, reason: DeadLetterReason, error: str, fld: str | None = N
     )
 
 
+def speaks_of_ranks(kind: type) -> bool:
+    """Items of ``kind`` name ranks (:func:`outside` has something to check)."""
+    return kind in _RANKS
+
+
 def ranks_of(item: Any) -> tuple[int, ...]:
     """The ranks an item speaks of (checked against the layout)."""
     speaks = _RANKS.get(type(item))
