@@ -15,18 +15,18 @@ log's arguments, or a ``config.yaml`` in the directory.
 
 from __future__ import annotations
 
-import csv
 import heapq
 import operator
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
 from producers.megatrace_lines import CallLine, LogFormatError, parse_line, parse_text
+from producers.megatrace_links import LINK_COLUMNS, link_samples, read_link_csv
 from producers.megatrace_logs import MegatraceLogReader
 from producers.megatron_config import (
     ConfigFormatError,
@@ -39,20 +39,8 @@ from producers.megatron_config import (
     read_training_log,
 )
 from producers.tail import new_lines
-from schemas.enums import CollOp
-from schemas.layout import Layout, nic_name
-from schemas.records import CommInfo, JobInfo, LinkSample, RankInfo
+from schemas.records import CommInfo, JobInfo, RankInfo
 
-_CSV_FUNCS = {
-    0: CollOp.BROADCAST,
-    1: CollOp.REDUCE,
-    2: CollOp.ALL_GATHER,
-    3: CollOp.REDUCE_SCATTER,
-    4: CollOp.ALL_REDUCE,
-    5: CollOp.SEND,
-    6: CollOp.SEND,
-    7: CollOp.RECV,
-}
 #: how far into a file its kind is decided (a training log's arguments come after some
 #: hundreds of lines of start-up messages)
 _SNIFF_LINES = 4000
@@ -67,6 +55,8 @@ class RunReport:
     inferred: Counter[str] = field(default_factory=Counter)
     skipped_files: dict[str, str] = field(default_factory=dict)  # file -> why
     skipped_lines: Counter[str] = field(default_factory=Counter)  # file -> how many
+    bad_rows: Counter[str] = field(default_factory=Counter)  # throughput log -> how many
+    link_samples: int = 0
     config_from: str = ""
     training_log: str = ""
     iterations: int = 0
@@ -88,6 +78,13 @@ class RunReport:
             out.append(f"skipped file {name}: {why}")
         for name, n in sorted(self.skipped_lines.items()):
             out.append(f"skipped {n:,} line{'' if n == 1 else 's'} of {name}: not call lines")
+        if self.link_samples:
+            out.append(f"throughput: {self.link_samples:,} samples from the NICs' logs")
+        for name, n in sorted(self.bad_rows.items()):
+            out.append(
+                f"skipped {n:,} row{'' if n == 1 else 's'} of {name}: torn, or not numbers "
+                "where the collector writes numbers"
+            )
         for rank, n in sorted(self.outside.items()):
             out.append(
                 f"skipped {n:,} call{'' if n == 1 else 's'} of rank {rank}: "
@@ -99,10 +96,15 @@ class RunReport:
 def sniff(path: Path) -> str:
     """What a file of a run directory holds: ``calls``, ``csv``, ``training``,
     ``config``, or why it is none of these."""
-    if path.suffix == ".csv":
+    try:  # the NICs' throughput logs are named <host>_<NIC>_Port<i>_A.log and _B.log
         with open(path, errors="replace") as f:
-            head = f.readline()
-        return "csv" if "FromRank" in head and "Bandwidth" in head else "a CSV without FromRank"
+            head = f.readline(4096)
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    if "FromRank" in head and "Bandwidth" in head:
+        return "csv"
+    if path.suffix == ".csv":
+        return "a CSV without FromRank"
     if path.suffix in (".yaml", ".yml", ".json"):
         try:
             read_megatron_config(path, world_size=1)
@@ -143,46 +145,6 @@ def read_call_log(path: Path, report: RunReport) -> list[CallLine]:
         report.skipped_lines[path.name] += other
     report.lines += len(calls)
     return calls
-
-
-def read_link_csv(path: Path, job: str, cfg: MegatronConfig) -> Iterator[LinkSample]:
-    """The per-NIC throughput CSV (bandwidth in Gb/s)."""
-    lay = Layout(cfg.world_size, gpus_per_node=cfg.gpus_per_node)
-    with open(path, newline="") as f:
-        for n, row in enumerate(csv.DictReader(f), 2):
-            try:
-                src, dst = int(row["FromRank"]), int(row["ToRank"])
-                dev = int(row["DevIndex"])
-                yield LinkSample(
-                    job=job,
-                    node=lay.node(src),
-                    rank=src,
-                    ts_ns=_timestamp_ns(row["Timestamp"] or row["Time"]),
-                    window_ns=0,
-                    nic=nic_name(dev),
-                    src_rank=src,
-                    dst_rank=dst,
-                    dst_node=lay.node(dst),
-                    dst_nic=nic_name(dev),
-                    comm_hash=int(row["Group"]) & (2**64 - 1) if row.get("Group") else None,
-                    func=_CSV_FUNCS.get(int(row["Func"])) if row.get("Func") else None,
-                    throughput_gbps=float(row["Bandwidth"]),
-                    wr_posted=int(row.get("SendWrCounter") or 0),
-                    outstanding_bytes=int(row.get("RemainWrDataSize") or 0),
-                )
-            except (KeyError, ValueError) as e:
-                raise LogFormatError(f"{path}:{n}: bad throughput row ({e})") from None
-
-
-def _timestamp_ns(text: str) -> int:
-    if "." in text:
-        sec, frac = text.split(".", 1)
-        return int(sec) * 1_000_000_000 + int((frac + "000000000")[:9])
-    v = int(text)
-    for limit, scale in ((10**17, 1), (10**14, 1_000), (10**11, 1_000_000)):
-        if v > limit:
-            return v * scale
-    return v * 1_000_000_000
 
 
 @dataclass
@@ -256,7 +218,11 @@ def import_dir(
     records += reader.finish()
     report.inferred, report.outside = reader.inferred, reader.outside
     for csv_path in files.csvs:
-        records += list(read_link_csv(csv_path, job, cfg))
+        samples, bad = read_link_csv(csv_path, job, cfg)
+        records += samples
+        report.link_samples += len(samples)
+        if bad:
+            report.bad_rows[csv_path.name] += bad
     if log is not None and log.iterations and per_file:
         last_call = max(f[-1].ts_ns for f in per_file if f)
         marks, report.utc_offset_s = iteration_marks(log, job, last_call, rank=cfg.world_size - 1)
@@ -279,29 +245,41 @@ def follow_dir(
     report: RunReport | None = None,
 ) -> int:
     """Tail a run directory as it grows (new files too) until ``stop()``: call logs as
-    calls, the training log as iteration markers; hand the records of each poll to
-    ``emit``; return how many call lines were read."""
+    calls, the training log as iteration markers, the NICs' throughput logs as link
+    samples; hand the records of each poll to ``emit``; return how many call lines were
+    read."""
     report = report or RunReport()
     offsets: dict[str, int] = {}
     kinds: dict[Path, str] = {}
+    columns: dict[Path, tuple[str, ...]] = {}  # a throughput log's, from its header
     training = TrainingLog()
     told = 0
     last_call = 0
     while True:
         stopping = stop()  # asked before reading, so what was written before is read
         batch: list[CallLine] = []
+        links: list[msgspec.Struct] = []
         for path in sorted(p for p in Path(directory).iterdir() if p.is_file()):
             if path not in kinds or kinds[path] not in ("calls", "training", "csv", "config"):
                 kinds[path] = sniff(path)  # a file too new to tell may be told later
             kind = kinds[path]
-            if kind not in ("calls", "training"):
-                if kind not in ("csv", "config"):
+            if kind not in ("calls", "training", "csv"):
+                if kind != "config":
                     report.skipped_files[path.name] = kind
                 continue
             report.skipped_files.pop(path.name, None)
             text = new_lines(path, offsets).decode(errors="replace")
             if kind == "training":
                 training.iterations += parse_training_log(text).iterations
+                continue
+            if kind == "csv":
+                found, columns[path], bad = link_samples(
+                    text, reader.job, reader.cfg, columns.get(path, LINK_COLUMNS)
+                )
+                links += found
+                report.link_samples += len(found)
+                if bad:
+                    report.bad_rows[path.name] += bad
                 continue
             calls, other = parse_text(text)  # read as a whole file is (the same lines)
             batch += calls
@@ -311,7 +289,7 @@ def follow_dir(
         report.lines += len(batch)
         if batch:
             last_call = max(last_call, batch[-1].ts_ns)
-        out: list[msgspec.Struct] = reader.feed(batch)
+        out: list[msgspec.Struct] = reader.feed(batch) + sorted(links, key=_time)
         if len(training.iterations) > told and last_call:
             marks, report.utc_offset_s = iteration_marks(training, reader.job, last_call)
             out += [m for m in marks if m.step > told]
@@ -335,4 +313,4 @@ def _time(r: msgspec.Struct) -> int:
     return getattr(r, "enqueue_ns", None) or getattr(r, "end_ns", None) or getattr(r, "ts_ns", 0)
 
 
-__all__ = ["RunReport", "follow_dir", "import_dir", "read_link_csv", "sniff", "survey"]
+__all__ = ["RunReport", "follow_dir", "import_dir", "sniff", "survey"]

@@ -65,14 +65,18 @@ def write_logs(
             by_rank[c.rank].append(format_line(loss, stream=base + 1, ids=ids))
     for rank, lines in by_rank.items():
         (directory / f"rank_{rank}.log").write_text("\n".join(lines) + "\n")
-    rows = [CSV_HEADER]
+    # each node's NIC ports' throughput, as the collector logs it: a file per port named
+    # <host>_<NIC>_Port<i>_A.log, the time local to the second, the bandwidth whole Gb/s,
+    # the window's last send completion in ns
+    ports: dict[str, list[str]] = {}
     for s in (r for r in records if isinstance(r, LinkSample)):
-        rows.append(
-            f"{s.ts_ns / 1e9:.3f},{s.comm_hash},{s.src_rank},{s.dst_rank},{s.src_rank % 8},6,1,"
-            f"10.0.0.{s.src_rank},10.0.0.{s.dst_rank},{s.throughput_gbps},50,0,"
-            f"{s.ts_ns // 1000}"
+        local = time.strftime("%Y%m%d%H%M%S", time.gmtime(s.ts_ns // 10**9))
+        ports.setdefault(f"{s.node}_mlx5_{s.src_rank % 8}_Port0_A.log", [CSV_HEADER]).append(
+            f"{local},{s.comm_hash},{s.src_rank},{s.dst_rank},{s.src_rank % 8},6,1,"
+            f"10.0.0.{s.src_rank},10.0.0.{s.dst_rank},{round(s.throughput_gbps)},50,0,{s.ts_ns}"
         )
-    (directory / "nic_throughput.csv").write_text("\n".join(rows) + "\n")
+    for name, rows in ports.items():
+        (directory / name).write_text("\n".join(rows) + "\n")
     config = directory.parent / f"{directory.name}-megatron.json"
     config.write_text(json.dumps(megatron_args(sp)))
     return config
@@ -124,6 +128,21 @@ def test_links_and_inferred_communicators_are_marked(slow_run, tmp_path: Path) -
     assert not isinstance(got[-1], CommInfo)
 
 
+def test_a_torn_or_broken_throughput_row_is_skipped_and_counted(slow_run, tmp_path: Path) -> None:
+    """A killed job's collector stops mid-row; the rest of the run is read all the same."""
+    run, records = slow_run
+    config = write_logs(run, records, tmp_path / "logs", ids=False, save_count=False)
+    port = sorted((tmp_path / "logs").glob("*_Port0_A.log"))[0]
+    rows = port.read_text().splitlines()
+    broken = [rows[1].replace(",6,1,", ",6,x,"), "20250508143000,1,2,oops,0,6,1,a,b,9,1,0,1"]
+    port.write_text("\n".join([*rows, *broken, rows[1][:30]]))  # no newline: torn
+    got, report = import_dir(tmp_path / "logs", read_megatron_config(config), "j")
+    links = [r for r in got if isinstance(r, LinkSample)]
+    assert len(links) == sum(isinstance(r, LinkSample) for r in records) + 1  # FuncTimes unread
+    assert report.bad_rows == {port.name: 2}
+    assert f"skipped 2 rows of {port.name}: torn" in "\n".join(report.lines_out())
+
+
 def test_megatron_flags_as_text(tmp_path: Path) -> None:
     args = tmp_path / "train.sh"
     args.write_text(
@@ -161,6 +180,7 @@ def test_following_growing_logs(slow_run, tmp_path: Path) -> None:
     live = tmp_path / "live"
     live.mkdir()
     files = {p.name: p.read_text().splitlines(keepends=True) for p in src.glob("*.log")}
+    calls = sum(len(lines) for name, lines in files.items() if name.startswith("rank_"))
     got: list = []
     done = threading.Event()
 
@@ -177,8 +197,12 @@ def test_following_growing_logs(slow_run, tmp_path: Path) -> None:
     reader = MegatraceLogReader(read_megatron_config(config), "j", eager=True)
     n = follow_dir(live, reader, got.extend, done.is_set, poll_s=0.01)
     t.join()
-    assert n == sum(map(len, files.values()))
+    assert n == calls
     assert sum(isinstance(r, Collective) for r in got) == n
+    # the NICs' throughput logs are tailed too: every sample, once
+    samples = sorted((s.ts_ns, s.src_rank) for s in records if isinstance(s, LinkSample))
+    tailed = sorted((s.ts_ns, s.src_rank) for s in got if isinstance(s, LinkSample))
+    assert samples and tailed == samples
 
 
 # --------------------------------------------------------------------------- a run as released
