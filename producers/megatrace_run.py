@@ -59,6 +59,7 @@ class RunReport:
     link_samples: int = 0
     config_from: str = ""
     training_log: str = ""
+    no_clock: str = ""  # why the training log's iterations mark no steps
     iterations: int = 0
     utc_offset_s: int | None = None
     outside: dict[int, int] = field(default_factory=dict)  # rank outside the world -> calls
@@ -66,7 +67,12 @@ class RunReport:
     def lines_out(self) -> list[str]:
         """The report as a person reads it."""
         out = [f"config from {self.config_from}"] if self.config_from else []
-        if self.training_log:
+        if self.training_log and self.no_clock:
+            out.append(
+                f"iteration clock: none from {self.training_log}: {self.no_clock}; the steps "
+                "are placed by the calls' own cycle"
+            )
+        elif self.training_log:
             tz = self.utc_offset_s or 0
             out.append(
                 f"iteration clock: {self.iterations} iterations from {self.training_log} "
@@ -228,6 +234,7 @@ def import_dir(
         marks, report.utc_offset_s = iteration_marks(log, job, last_call, rank=cfg.world_size - 1)
         records += marks
         report.training_log, report.iterations = files.training.name, len(marks)  # type: ignore[union-attr]
+        report.no_clock = log.no_clock() or ""
     layout = (JobInfo, RankInfo, CommInfo)
     first: list[msgspec.Struct] = []
     rest: list[msgspec.Struct] = []
@@ -271,6 +278,7 @@ def follow_dir(
             text = new_lines(path, offsets).decode(errors="replace")
             if kind == "training":
                 training.iterations += parse_training_log(text).iterations
+                report.training_log = path.name
                 continue
             if kind == "csv":
                 found, columns[path], bad = link_samples(
@@ -291,7 +299,10 @@ def follow_dir(
             last_call = max(last_call, batch[-1].ts_ns)
         out: list[msgspec.Struct] = reader.feed(batch) + sorted(links, key=_time)
         if len(training.iterations) > told and last_call:
-            marks, report.utc_offset_s = iteration_marks(training, reader.job, last_call)
+            marks, report.utc_offset_s = iteration_marks(
+                training, reader.job, last_call, rank=reader.cfg.world_size - 1
+            )  # Megatron's training log is its last rank's
+            report.no_clock = training.no_clock() or ""
             out += [m for m in marks if m.step > told]
             told = len(training.iterations)
         if out:

@@ -35,6 +35,7 @@ import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -203,8 +204,9 @@ def _flags(text: str) -> dict[str, Any]:
 _ARGS_START = "------------------------ arguments ------------------------"
 _ARGS_END = "end of arguments"
 _ARG = re.compile(r"^\s+(\w+) \.+ (.*?)\s*$")
+#: an iteration line; older Megatron releases print no time before it
 _ITER = re.compile(
-    r"\[(?P<when>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\]\s+iteration\s+(?P<step>\d+)\s*/\s*\d+\s*\|"
+    r"(?:\[(?P<when>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\]\s+)?iteration\s+(?P<step>\d+)\s*/\s*\d+\s*\|"
     r".*?elapsed time per iteration \(ms\): (?P<ms>[\d.]+)"
 )
 
@@ -212,8 +214,8 @@ _ITER = re.compile(
 @dataclass(frozen=True)
 class LoggedIteration:
     step: int
-    local: datetime  # as printed: local time, to the second
-    elapsed_ms: float
+    local: datetime | None  # as printed: local time, to the second (None: none printed)
+    elapsed_ms: float  # the mean over the iterations since the line before
 
 
 @dataclass
@@ -226,6 +228,20 @@ class TrainingLog:
     @property
     def is_training_log(self) -> bool:
         return bool(self.arguments or self.iterations)
+
+    def no_clock(self) -> str | None:
+        """Why its iteration lines cannot mark the job's steps (None: they can). They can
+        where each iteration has its line, one after another, with its time: Megatron
+        prints one every ``log_interval`` iterations (100 unless told), with their mean
+        time, and a restarted job's log goes back to its checkpoint's iteration."""
+        if any(i.local is None for i in self.iterations):
+            return "its iteration lines carry no time (an older Megatron)"
+        gaps = {b.step - a.step for a, b in pairwise(self.iterations)} - {1}
+        if not gaps:
+            return None
+        if len(gaps) == 1 and (gap := gaps.pop()) > 1:
+            return f"it has a line every {gap} iterations (log_interval {gap}), not one each"
+        return "its iterations do not follow one another (a restart from a checkpoint?)"
 
 
 def parse_training_log(text: str | Iterable[str]) -> TrainingLog:
@@ -244,7 +260,7 @@ def parse_training_log(text: str | Iterable[str]) -> TrainingLog:
                 log.arguments[m[1]] = m[2]
             continue
         if "iteration" in line and (m := _ITER.search(line)):
-            local = datetime.strptime(m["when"], "%Y-%m-%d %H:%M:%S")
+            local = datetime.strptime(m["when"], "%Y-%m-%d %H:%M:%S") if m["when"] else None
             log.iterations.append(LoggedIteration(int(m["step"]), local, float(m["ms"])))
     return log
 
@@ -263,11 +279,12 @@ def iteration_marks(
     ``calls_end_ns`` is the last call the logs hold (it is near the last iteration's
     end). The printed second of each iteration is its true end truncated, so the ends
     ``e_k = e_0 + sum(elapsed)`` are placed by the tightest constant ``e_0`` that keeps
-    every ``e_k`` at or after its printed second."""
+    every ``e_k`` at or after its printed second. No markers where its lines cannot mark
+    the steps (:meth:`TrainingLog.no_clock` says why)."""
     its = sorted(log.iterations, key=lambda i: i.step)
-    if not its:
+    if not its or log.no_clock() is not None:
         return [], 0
-    naive = [i.local.replace(tzinfo=UTC).timestamp() for i in its]
+    naive = [i.local.replace(tzinfo=UTC).timestamp() for i in its if i.local is not None]
     offset = round((naive[-1] - calls_end_ns / 1e9) / 900) * 900  # whole quarter hours
     printed = [t - offset for t in naive]
     run, ends = 0.0, []

@@ -208,9 +208,12 @@ def test_following_growing_logs(slow_run, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- a run as released
 
 
-def _training_log(args: dict, ends_ns: list[int], utc_offset_h: int) -> str:
+def _training_log(
+    args: dict, ends_ns: list[int], utc_offset_h: int, every: int = 1, timed: bool = True
+) -> str:
     """A Megatron training log as it writes one: start-up noise, the arguments block,
-    then an iteration line a step, its time local and to the second."""
+    then an iteration line every ``every`` steps (``log_interval``), its time local and to
+    the second (an older Megatron: no time) and the mean time of the steps since."""
     from datetime import UTC, datetime, timedelta
 
     lines = ["Global variable initialized: Initialized"] * 40
@@ -220,10 +223,13 @@ def _training_log(args: dict, ends_ns: list[int], utc_offset_h: int) -> str:
     lines.append("-------------------- end of arguments ---------------------")
     lines += ["> building GPT2BPETokenizer tokenizer ...", "[Rank 0] (after 1 iterations) memory"]
     for k, end in enumerate(ends_ns[1:], 1):
+        if k % every:
+            continue
         local = datetime.fromtimestamp(end / 1e9, UTC) + timedelta(hours=utc_offset_h)
-        ms = (end - ends_ns[k - 1]) / 1e6
+        ms = (end - ends_ns[k - every]) / 1e6 / every
+        when = f" [{local:%Y-%m-%d %H:%M:%S}]" if timed else ""
         lines.append(
-            f" [{local:%Y-%m-%d %H:%M:%S}] iteration {k:8d}/{len(ends_ns) - 1:8d} | consumed "
+            f"{when} iteration {k:8d}/{len(ends_ns) - 1:8d} | consumed "
             f"samples: {64 * k:12d} | elapsed time per iteration (ms): {ms:.1f} | learning "
             f"rate: 1.000000E-05 | global batch size:    64 |"
         )
@@ -269,6 +275,35 @@ def test_a_run_directory_imports_as_the_tool_leaves_it(slow_run, tmp_path: Path)
         found.append(sorted((v["kind"], v["rank"], v["onset_step"])
                             for v in latest_verdicts(res.stdout)))  # fmt: skip
     assert found[0] == found[1] and found[0][0][:2] == ("slowdown", run.labels[0].rank)
+
+
+@pytest.mark.parametrize(
+    ("every", "timed", "why"),
+    [(4, True, "a line every 4 iterations (log_interval 4)"), (1, False, "carry no time")],
+    ids=["log-interval", "no-time"],
+)
+def test_a_training_log_that_cannot_mark_steps_leaves_them_to_the_calls(
+    slow_run, tmp_path: Path, every: int, timed: bool, why: str
+) -> None:
+    """Megatron prints a line every ``log_interval`` iterations (100 unless told) with their
+    mean time, and older releases print no time: such lines mark no steps (a "step" of
+    100 iterations would hide what happens in each); the calls' own cycle does."""
+    from schemas.records import Iteration
+
+    run, records = slow_run
+    d = tmp_path / "run"
+    config = write_logs(run, records, d, ids=False, save_count=False)
+    ends = sorted({r.end_ns for r in records if isinstance(r, Collective) and r.end_ns})[::50]
+    args = json.loads(config.read_text())
+    (d / "training_performance.log").write_text(_training_log(args, ends, 0, every, timed))
+    got, report = import_dir(d, None, "run")
+    assert not [r for r in got if isinstance(r, Iteration)]
+    assert why in report.no_clock
+    assert "the steps are placed by the calls' own cycle" in "\n".join(report.lines_out())
+    res = CliRunner().invoke(cli, ["analyze", str(d), "--json"])
+    assert res.exit_code == 0, res.output
+    (slow,) = [v for v in latest_verdicts(res.stdout) if v["kind"] == "slowdown"]
+    assert slow["rank"] == run.labels[0].rank
 
 
 @pytest.mark.parametrize(
