@@ -16,7 +16,10 @@ What the logs do not say is inferred, and every inference is reported
 
 - point-to-point peers (the logs have none): from Megatron's 1F1B order on the
   rank's pipeline stage, the n-th Send of a step goes down after a forward and
-  up after a backward; they go on a two-rank communicator per pair of ranks;
+  up after a backward; they go on a two-rank communicator per pair of ranks. The
+  interleaved schedule (a virtual pipeline) orders its transfers otherwise, and a
+  stage's last chunk sends to the first stage: its Sends and Recvs are left out,
+  counted (:attr:`MegatraceLogReader.unpaired`), rather than paired by a wrong order;
 - without ``groupHash``, collectives' communicators: PyTorch gives every process
   group its own NCCL stream, so a rank's calls on one stream are one communicator's.
   Stream pointers are per process, so which communicator a stream is comes from what
@@ -99,6 +102,8 @@ class MegatraceLogReader:
         self.inferred: Counter[str] = Counter()
         #: calls of ranks outside the configured world (left out), per rank
         self.outside: dict[int, int] = {}
+        #: point-to-point calls left out, their peers unknown (the interleaved schedule)
+        self.unpaired = 0
         self._ranks: dict[int, _RankState] = {}
         self._announced: set[int] = set()
         self._groups: dict[tuple[int, CommRole], tuple[int, tuple[int, ...]]] = {}
@@ -194,6 +199,9 @@ class MegatraceLogReader:
         return out
 
     def _p2p(self, c: CallLine, st: _RankState) -> list[msgspec.Struct]:
+        if self.cfg.vpp > 1:
+            self.unpaired += 1
+            return []
         sending = c.op == CollOp.SEND
         stage = self.stage(c.rank)
         order = self._p2p_order(stage, sending)

@@ -63,6 +63,8 @@ class RunReport:
     iterations: int = 0
     utc_offset_s: int | None = None
     outside: dict[int, int] = field(default_factory=dict)  # rank outside the world -> calls
+    unpaired: int = 0  # point-to-point calls left out: their peers unknown
+    vpp: int = 1
 
     def lines_out(self) -> list[str]:
         """The report as a person reads it."""
@@ -90,6 +92,12 @@ class RunReport:
             out.append(
                 f"skipped {n:,} row{'' if n == 1 else 's'} of {name}: torn, or not numbers "
                 "where the collector writes numbers"
+            )
+        if self.unpaired:
+            out.append(
+                f"skipped {self.unpaired:,} point-to-point calls: the interleaved schedule "
+                f"(a virtual pipeline of {self.vpp}) orders them otherwise than 1F1B, and the "
+                "logs name no peer (the pipeline's transfers are not analysed)"
             )
         for rank, n in sorted(self.outside.items()):
             out.append(
@@ -223,6 +231,7 @@ def import_dir(
     records = reader.feed(heapq.merge(*per_file, key=_CALL_TIME))
     records += reader.finish()
     report.inferred, report.outside = reader.inferred, reader.outside
+    report.unpaired, report.vpp = reader.unpaired, cfg.vpp
     for csv_path in files.csvs:
         samples, bad = read_link_csv(csv_path, job, cfg)
         records += samples
@@ -312,6 +321,7 @@ def follow_dir(
             if tail:
                 emit(tail)
             report.inferred, report.outside = reader.inferred, reader.outside
+            report.unpaired, report.vpp = reader.unpaired, reader.cfg.vpp
             return report.lines
         time.sleep(poll_s)
 

@@ -39,7 +39,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from schemas.enums import DType
+from schemas.enums import DType, Schedule
 from schemas.layout import Layout
 from schemas.records import Iteration, JobInfo, RankInfo
 
@@ -62,6 +62,8 @@ class MegatronConfig:
     distributed_optimizer: bool = False
     dtype: DType = DType.BFLOAT16
     gpus_per_node: int = 8
+    #: model chunks per pipeline stage (Megatron's interleaved 1F1B where more than one)
+    vpp: int = 1
 
     @property
     def dp(self) -> int:
@@ -90,6 +92,8 @@ class MegatronConfig:
             sequence_parallel=self.sequence_parallel,
             distributed_optimizer=self.distributed_optimizer,
             gpus_per_node=self.gpus_per_node,
+            vpp=self.vpp,
+            schedule=Schedule.INTERLEAVED_1F1B if self.vpp > 1 else Schedule.ONE_F_ONE_B,
         )
 
     def rank_record(self, job: str, ts_ns: int, rank: int, node: str) -> RankInfo:
@@ -120,6 +124,7 @@ _KEYS = {
     "sequence_parallel": ("sequence_parallel", "isSP"),
     "distributed_optimizer": ("use_distributed_optimizer", "distributed_optimizer"),
     "gpus_per_node": ("gpus_per_node", "nproc_per_node", "GPUS_PER_NODE"),
+    "vpp": ("virtual_pipeline_model_parallel_size", "vpp", "VPP"),
 }
 _TRUE = (True, "true", "True", 1, "1")
 
@@ -135,6 +140,15 @@ def config_from_arguments(
             if k in raw and raw[k] not in (None, "None"):
                 values[name] = raw[k]
                 break
+    per_chunk = raw.get("num_layers_per_virtual_pipeline_stage")
+    if "vpp" not in values and per_chunk not in (None, "None") and "num_layers" in values:
+        try:  # the older way to ask for the interleaved schedule
+            values["vpp"] = int(values["num_layers"]) // int(values.get("pp", 1)) // int(per_chunk)
+        except (TypeError, ValueError, ZeroDivisionError):
+            raise ConfigFormatError(
+                f"{where}: num_layers_per_virtual_pipeline_stage {per_chunk!r} is not a "
+                "number of layers"
+            ) from None
     if "world_size" not in values:
         if world_size is None:
             raise ConfigFormatError(
@@ -156,6 +170,8 @@ def config_from_arguments(
         )
     except (TypeError, ValueError) as e:
         raise ConfigFormatError(f"{where}: {e}") from None
+    if cfg.vpp < 1:
+        raise ConfigFormatError(f"{where}: a virtual pipeline of {cfg.vpp} model chunks")
     if cfg.tp < 1 or cfg.pp < 1 or cfg.world_size < 1 or cfg.world_size % (cfg.tp * cfg.pp):
         raise ConfigFormatError(
             f"{where}: world size {cfg.world_size} is not a multiple of TP x PP = "

@@ -307,6 +307,43 @@ def test_a_training_log_that_cannot_mark_steps_leaves_them_to_the_calls(
 
 
 @pytest.mark.parametrize(
+    "interleaved",
+    ["virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage"],
+    ids=["vpp", "layers-per-chunk"],
+)
+def test_an_interleaved_schedule_leaves_transfers_out_rather_than_pair_them_by_1f1b(
+    slow_run, tmp_path: Path, interleaved: str
+) -> None:
+    """Logs name no peer of a Send or Recv; under Megatron's interleaved schedule (a virtual
+    pipeline) the 1F1B order would pair them wrongly, and a transfer paired with the wrong
+    peer waits for ever: a false hang. They are left out, counted and said."""
+    from producers.megatron_config import config_from_arguments
+
+    run, records = slow_run
+    config = write_logs(run, records, tmp_path / "logs", ids=False, save_count=False)
+    args = json.loads(config.read_text())
+    chunks = 2  # model chunks a stage: as many, or as few layers each
+    per_stage = args["num_layers"] // args["pipeline_model_parallel_size"]
+    args[interleaved] = chunks if interleaved.startswith("virtual") else per_stage // chunks
+    cfg = config_from_arguments(args, "args")
+    assert cfg.vpp == 2
+    got, report = import_dir(tmp_path / "logs", cfg, "j")
+    p2p = sum(isinstance(r, Collective) and r.op.is_p2p for r in records)
+    assert report.unpaired == p2p > 0
+    assert not [r for r in got if isinstance(r, Collective) and r.op.is_p2p]
+    assert "the interleaved schedule (a virtual pipeline of 2)" in "\n".join(report.lines_out())
+    (job,) = [r for r in got if r.__class__.__name__ == "JobInfo"]
+    assert job.vpp == 2 and job.schedule.value == "interleaved_1f1b"
+    out = tmp_path / "records.jsonl"
+    out.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in got))
+    res = CliRunner().invoke(cli, ["analyze", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    verdicts = latest_verdicts(res.stdout)
+    assert [v["kind"] for v in verdicts] == ["slowdown"]
+    assert verdicts[0]["rank"] == run.labels[0].rank
+
+
+@pytest.mark.parametrize(
     "line",
     [
         "[1746686438.086167380] [Rank 4] Fun AllReduce Data 1 stream 0x55c685f62020",
