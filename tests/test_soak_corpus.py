@@ -9,7 +9,12 @@ the detectors say of them is scored here as ``megatrace eval --corpus
 tests/corpus/soak/run1 --no-simulator`` scores it: nothing (each spell lasted under the
 second a shift must last, each single slow step cost under the 50 ms a straggler must
 cost; before either rule, 3 slowdowns, 2 degraded links, 6 transient stragglers and an
-intermittent slowdown)."""
+intermittent slowdown).
+
+A second soak of the same jobs, ``tests/corpus/soak/run2``, was recorded after those
+rules were in, and seen by nothing before them: one alarm, DDP's rank 1 held up for 3
+steps (2.6x, 0.08 s lost), as much as the lab's injected transients cost. Its bar holds
+that one and no more."""
 
 from __future__ import annotations
 
@@ -20,22 +25,27 @@ import pytest
 from detectors.scoring import Score
 from megatrace.evaluate import Results, corpus, score
 
-SOAK = Path(__file__).parent / "corpus" / "soak" / "run1"
+SOAKS = Path(__file__).parent / "corpus" / "soak"
+#: each kept soak's alarms: the first's rules were made after seeing it, the second
+#: was held out
+ALARMS = {"run1": 0, "run2": 1}
 
 
-@pytest.fixture(scope="module")
-def scored() -> Score:
+@pytest.fixture(scope="module", params=sorted(ALARMS))
+def scored(request: pytest.FixtureRequest) -> tuple[str, Score]:
     res = Results()
-    res.add(score(corpus(SOAK), baselines=False, progress=lambda _: None))
+    res.add(score(corpus(SOAKS / request.param), baselines=False, progress=lambda _: None))
     assert res.cases == 3
-    return res.scores["megatrace"]
+    return request.param, res.scores["megatrace"]
 
 
-def test_a_healthy_soak_has_no_slowdown_and_no_degraded_link(scored: Score) -> None:
-    assert scored.healthy_steps == 7500
+def test_a_healthy_soak_has_no_slowdown_and_no_degraded_link(scored: tuple[str, Score]) -> None:
+    _, score_ = scored
+    assert score_.healthy_steps == 7500
     for kind in ("slowdown", "link_degradation", "hang"):
-        assert kind not in scored.kinds or scored.kinds[kind].fp == 0, kind
+        assert kind not in score_.kinds or score_.kinds[kind].fp == 0, kind
 
 
-def test_a_healthy_soaks_single_slow_steps_are_no_stragglers(scored: Score) -> None:
-    assert scored.healthy_alarms == 0
+def test_a_healthy_soaks_single_slow_steps_are_no_stragglers(scored: tuple[str, Score]) -> None:
+    run, score_ = scored
+    assert score_.healthy_alarms <= ALARMS[run]
