@@ -58,7 +58,22 @@ class _Sent:
 
 
 def level_of(v: Verdict, settings: AlertSettings) -> AlertLevel:
-    """Hangs are critical; otherwise by the throughput the incident costs."""
+    """Hangs are critical; a transient straggler is information (it was over when it
+    was told: its severity is the share of its few steps it cost, and a pager woken
+    for a step's hiccup learns nothing to act on; its return is an intermittent
+    slowdown, levelled by what it costs over time); otherwise by the throughput the
+    incident costs.
+
+    >>> from schemas.enums import Cause
+    >>> def v(kind, sev):
+    ...     return Verdict(job="j", verdict_id="x", revision=0, kind=kind, cause=Cause.COMPUTE,
+    ...                    rank=3, onset_ns=0, detected_ns=0, severity=sev)
+    >>> [level_of(v(k, 0.4), AlertSettings()).value for k in
+    ...  (VerdictKind.SLOWDOWN, VerdictKind.TRANSIENT_STRAGGLER, VerdictKind.INTERMITTENT_SLOWDOWN)]
+    ['critical', 'info', 'critical']
+    """
+    if v.kind == VerdictKind.TRANSIENT_STRAGGLER:
+        return AlertLevel.INFO
     if v.kind == VerdictKind.HANG or v.severity >= settings.critical:
         return AlertLevel.CRITICAL
     if v.severity >= settings.warning:

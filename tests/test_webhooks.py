@@ -191,9 +191,13 @@ def test_routing_by_level_and_kind(hook: Hook) -> None:
     d.submit(alert(verdict(vid="a", sev=0.06)))  # warning slowdown: nobody
     d.submit(alert(verdict(vid="b", sev=1.0, kind=VerdictKind.HANG)))  # pager
     d.submit(alert(verdict(vid="c", sev=0.06, kind=VerdictKind.LINK_DEGRADATION)))  # links
+    # a step's hiccup, over when told, wakes no pager whatever share of its steps it
+    # cost; its return as an intermittent slowdown does
+    d.submit(alert(verdict(vid="d", sev=0.6, kind=VerdictKind.TRANSIENT_STRAGGLER)))
+    d.submit(alert(verdict(vid="e", sev=0.3, kind=VerdictKind.INTERMITTENT_SLOWDOWN)))
     assert d.wait_idle(10)
-    assert sorted(b["verdict"]["verdict_id"] for b in hook.bodies()) == ["b", "c"]
-    assert {n: s.delivered for n, s in d.stats().items()} == {"pager": 1, "links": 1}
+    assert sorted(b["verdict"]["verdict_id"] for b in hook.bodies()) == ["b", "c", "e"]
+    assert {n: s.delivered for n, s in d.stats().items()} == {"pager": 2, "links": 1}
 
 
 # --------------------------------------------------------------------------- delivery
