@@ -46,16 +46,6 @@ static inline int literal(const char **p, const char *e, const char *lit, Py_ssi
     return 1;
 }
 
-static inline int digits(const char **p, const char *e, span *out) {
-    const char *q = *p;
-    while (q < e && is_digit((unsigned char)*q)) q++;
-    if (q == *p) return 0;
-    out->p = *p;
-    out->n = q - *p;
-    *p = q;
-    return 1;
-}
-
 static inline int token(const char **p, const char *e, span *out, int (*ok)(unsigned char)) {
     const char *q = *p;
     while (q < e && ok((unsigned char)*q)) q++;
@@ -68,6 +58,12 @@ static inline int token(const char **p, const char *e, span *out, int (*ok)(unsi
 
 static int not_space(unsigned char c) { return !is_space(c); }
 static int word(unsigned char c) { return is_word(c); }
+static int a_digit(unsigned char c) { return is_digit(c); }
+
+/* \d+ at *p */
+static inline int digits(const char **p, const char *e, span *out) {
+    return token(p, e, out, a_digit);
+}
 
 typedef struct {
     span sec, frac, rank, fun, data, stream, opc, gh;
