@@ -1,5 +1,5 @@
-"""Read the original MEGATRACE collector's logs: per-rank NCCL call logs, the per-NIC
-throughput CSV, and the Megatron configuration.
+"""Read the original MEGATRACE collector's per-rank NCCL call logs, with the Megatron
+configuration (its NICs' throughput logs are :mod:`producers.megatrace_links`).
 
 Call logs have one line per NCCL call, as the original tool writes them::
 

@@ -1,7 +1,8 @@
 """A run of the original MEGATRACE collector, as the tool leaves it in a directory.
 
 A run directory holds, side by side: one call log per rank (``rank_N.log``, any name:
-files are told apart by what they hold), the per-NIC throughput CSVs, Megatron's
+files are told apart by what they hold), the NICs' throughput logs
+(:mod:`producers.megatrace_links`), Megatron's
 training log (``training_performance.log``: its ``arguments`` block is the run's own
 configuration, its iteration lines the job's iteration clock), and perhaps the
 analyser's ``config.yaml``. :func:`import_dir` reads it all as it is found: a file
