@@ -41,8 +41,8 @@ def outside(job: str, topo: Topology, item: Any) -> DeadLetter | None:
     if kind is EdgeThroughput:
         if item.src_rank < world and item.dst_rank < world:
             return None
-    elif kind is Heartbeat and item.rank < world:
-        return None
+    elif (kind is Heartbeat and item.rank < world) or (kind is NodeDigest and not item.links):
+        return None  # (a node's batch in which no link changed names no rank)
     ranks = ranks_of(item)
     if not ranks:
         return None
