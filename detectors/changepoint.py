@@ -61,10 +61,9 @@ def _page_hinkley() -> type:
     loaded = sys.modules.get(name) or sys.modules.get("river.drift")
     if loaded is not None:
         return loaded.PageHinkley
-    spec = importlib.util.spec_from_file_location(
-        name, Path(river.__file__).parent / "drift" / "page_hinkley.py"
-    )
-    if spec is None or spec.loader is None or not Path(str(spec.origin)).is_file():
+    path = Path(river.__file__).parent / "drift" / "page_hinkley.py"
+    spec = importlib.util.spec_from_file_location(name, path) if path.is_file() else None
+    if spec is None or spec.loader is None:
         from river.drift import PageHinkley as fallback
 
         return fallback

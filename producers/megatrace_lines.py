@@ -154,24 +154,13 @@ def _call(
     )
 
 
-def _core() -> ModuleType | None:
-    """The compiled reader; None where it was not built (no C compiler at install time:
-    :func:`parse_calls` does the same, slower)."""
-    try:
-        from producers import _calllog
-    except ImportError:
-        return None
-    return _calllog
-
-
-_native = _core()
-
-
-def core_name() -> str:
-    """Which code reads call logs (what a benchmark's numbers were measured with)."""
-    if _native is not None:
-        return "compiled (producers/_calllog.c)"
-    return "Python (the compiled reader was not built: no C compiler at install)"
+#: the compiled reader (None where it was not built, no C compiler at install time:
+#: :func:`parse_calls` does the same, slower)
+_native: ModuleType | None
+try:
+    from producers import _calllog as _native
+except ImportError:
+    _native = None
 
 
 def format_line(

@@ -40,7 +40,7 @@ from producers.megatron_config import (
     read_training_log,
 )
 from producers.tail import new_lines
-from schemas.records import CommInfo, JobInfo, RankInfo
+from schemas.records import CommInfo, JobInfo, LinkSample, RankInfo
 
 #: how far into a file its kind is decided (a training log's arguments come after some
 #: hundreds of lines of start-up messages)
@@ -66,6 +66,17 @@ class RunReport:
     outside: dict[int, int] = field(default_factory=dict)  # rank outside the world -> calls
     unpaired: int = 0  # point-to-point calls left out: their peers unknown
     vpp: int = 1
+
+    def read_links(self, name: str, samples: list[LinkSample], bad: int) -> None:
+        """A throughput log's samples read, and its rows left out."""
+        self.link_samples += len(samples)
+        if bad:
+            self.bad_rows[name] += bad
+
+    def took(self, reader: MegatraceLogReader) -> None:
+        """What the reader inferred and left out, once it finished."""
+        self.inferred, self.outside = reader.inferred, reader.outside
+        self.unpaired, self.vpp = reader.unpaired, reader.cfg.vpp
 
     def lines_out(self) -> list[str]:
         """The report as a person reads it."""
@@ -231,14 +242,11 @@ def import_dir(
     report.call_logs = len(per_file)
     records = reader.feed(heapq.merge(*per_file, key=_CALL_TIME))
     records += reader.finish()
-    report.inferred, report.outside = reader.inferred, reader.outside
-    report.unpaired, report.vpp = reader.unpaired, cfg.vpp
+    report.took(reader)
     for csv_path in files.csvs:
         samples, bad = read_link_csv(csv_path, job, cfg)
         records += samples
-        report.link_samples += len(samples)
-        if bad:
-            report.bad_rows[csv_path.name] += bad
+        report.read_links(csv_path.name, samples, bad)
     if log is not None and log.iterations and per_file:
         last_call = max(f[-1].ts_ns for f in per_file if f)
         marks, report.utc_offset_s = iteration_marks(log, job, last_call, rank=cfg.world_size - 1)
@@ -295,9 +303,7 @@ def follow_dir(
                     text, reader.job, reader.cfg, columns.get(path, LINK_COLUMNS)
                 )
                 links += found
-                report.link_samples += len(found)
-                if bad:
-                    report.bad_rows[path.name] += bad
+                report.read_links(path.name, found, bad)
                 continue
             calls, other = parse_text(text)  # read as a whole file is (the same lines)
             batch += calls
@@ -321,8 +327,7 @@ def follow_dir(
             tail = reader.finish()
             if tail:
                 emit(tail)
-            report.inferred, report.outside = reader.inferred, reader.outside
-            report.unpaired, report.vpp = reader.unpaired, reader.cfg.vpp
+            report.took(reader)
             return report.lines
         time.sleep(poll_s)
 

@@ -19,7 +19,7 @@ from producers.megatrace_run import follow_dir, import_dir
 from producers.megatron_config import read_megatron_config
 from producers.sim.scenarios import build
 from schemas.enums import CollOp
-from schemas.records import Collective, CommInfo, LinkSample
+from schemas.records import Collective, CommInfo, JobInfo, LinkSample
 from tests.helpers import latest_verdicts, megatron_args
 
 CSV_HEADER = (
@@ -332,7 +332,7 @@ def test_an_interleaved_schedule_leaves_transfers_out_rather_than_pair_them_by_1
     assert report.unpaired == p2p > 0
     assert not [r for r in got if isinstance(r, Collective) and r.op.is_p2p]
     assert "the interleaved schedule (a virtual pipeline of 2)" in "\n".join(report.lines_out())
-    (job,) = [r for r in got if r.__class__.__name__ == "JobInfo"]
+    (job,) = [r for r in got if isinstance(r, JobInfo)]
     assert job.vpp == 2 and job.schedule.value == "interleaved_1f1b"
     out = tmp_path / "records.jsonl"
     out.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in got))
