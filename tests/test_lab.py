@@ -128,7 +128,7 @@ def test_the_throttled_ranks_heartbeats_carry_the_time_its_quota_held_it_back(ru
 
 def test_a_transient_quota_costs_a_step_or_two_then_nothing(runs) -> None:
     """A rank held to a tenth of a CPU for twice the job's usual step (in 10 ms periods,
-    so that it bites at once): the kernel throttled it (a period's worth or more: a quota
+    so that it bites at once): the kernel throttled it (most of a period's worth: a quota
     in longer periods may hold a rank that waits in collectives back not at all), the steps
     it spans took longer by about a usual step or more, and once it is lifted the kernel
     holds the rank back no more, as its heartbeats read from its cgroup say. The job's step
@@ -140,7 +140,9 @@ def test_a_transient_quota_costs_a_step_or_two_then_nothing(runs) -> None:
     (label,) = run.labels
     assert (label.kind.value, label.rank, label.node) == ("transient_straggler", 1, "lab-n0")
     assert inj.ended_ns is not None and inj.throttled is not None
-    assert inj.throttled[0] >= 10_000_000, inj.throttled
+    # a 10 ms period with 1 ms of CPU throttles a rank 9 ms at most: most of one period's
+    # worth (the period refreshes on the kernel's timer, not on the rank's first run)
+    assert inj.throttled[0] >= 0.5 * 9_000_000, inj.throttled
     steps = sorted((m.end_ns, m.duration_ns) for m in run.marks if m.duration_ns)
     usual = float(np.median([d for t, d in steps if t < inj.onset_ns][-10:]))
     spanned = [d for t, d in steps if inj.onset_ns < t][:3]
