@@ -52,45 +52,46 @@ def instance_row(
     """:func:`aligned_record` from what its caller already knows: the communicator's
     record, and the instance's first and last arrival and last end (a communicator's
     folder computes them once an instance, for the step part too)."""
-    ranks, end = inst.ranks, inst.end
-    if inst.receiver >= 0:  # a transfer on a larger communicator: its two ends
-        expected: Sequence[int] = [r for r in (inst.sender, inst.receiver) if r >= 0]
+    # the instance's fields by unpacking (one step), not by name: a row an instance
+    _, comm_hash, seq, op, sender, comm_size, size_bytes, ranks, _, arrival, end, receiver = inst
+    if receiver >= 0:  # a transfer on a larger communicator: its two ends
+        expected: Sequence[int] = [r for r in (sender, receiver) if r >= 0]
     else:
         expected = info.ranks if info else ranks
     n, n_arrived = len(expected), len(ranks)
-    complete = n_arrived == inst.comm_size and min(end) >= 0
+    complete = n_arrived == comm_size and min(end) >= 0
     end_ns = x = bw = None
     if complete:
         end_ns = e_max
         x = e_max - a_max if e_max > a_max else 0
-        factor = _BUSBW_FACTOR.get(inst.op)
+        factor = _BUSBW_FACTOR.get(op)
         if x and factor is not None and n > 1:
-            bw = inst.size_bytes * factor(n) / x * 8  # Gb/s
-        elif x and inst.sender >= 0:
-            bw = inst.size_bytes / x * 8
+            bw = size_bytes * factor(n) / x * 8  # Gb/s
+        elif x and sender >= 0:
+            bw = size_bytes / x * 8
     whole = complete and n == n_arrived
     if pos is None:
         step = microbatch = phase = pp_stage = None
     else:
-        step, microbatch, pp_stage = pos.step, pos.microbatch, pos.pp_stage
-        phase = _PHASE[pos.phase]
+        step, phase_name, microbatch, pp_stage, _ = pos
+        phase = _PHASE[phase_name]
     return AlignedCollective(
         job=job,
-        comm_hash=inst.comm_hash,
+        comm_hash=comm_hash,
         role=info.role if info else CommRole.OTHER,
-        seq=inst.seq,
-        op=inst.op,
+        seq=seq,
+        op=op,
         n_ranks=n if n > 1 else 1,
         n_arrived=n_arrived,
-        size_bytes=inst.size_bytes,
+        size_bytes=size_bytes,
         first_arrival_ns=a_min,
         last_arrival_ns=a_max,
-        last_rank=ranks[inst.arrival.index(a_max)],
+        last_rank=ranks[arrival.index(a_max)],
         end_ns=end_ns,
         transfer_ns=x,
         busbw_gbps=bw,
-        sender=inst.sender,
-        receiver=inst.receiver,
+        sender=sender,
+        receiver=receiver,
         missing_ranks=[] if whole else sorted(set(expected) - set(ranks)),
         unfinished_ranks=[] if complete else inst.unfinished(),
         step=step,

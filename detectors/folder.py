@@ -153,7 +153,7 @@ class StepFolder(PartSealing):
         that came before it, folded now: (stored rows, items for the job)."""
         topo = Topology.from_job(schedule.job)
         topo.add(schedule.comm)
-        self.topo, self.role = topo, schedule.comm.role
+        self.topo, self.role, self._coords = topo, schedule.comm.role, None
         self.comm_hash, self.job = schedule.comm.comm_hash, schedule.comm.job
         early, self._early = self._early, []
         rows: list[AlignedCollective] = []
@@ -245,7 +245,8 @@ class StepFolder(PartSealing):
         """Place ``inst`` or hold it; its row and what it released go to ``rows`` and
         ``out``: "folded" (the parts done not sent yet), "sent" (it released held ones,
         and the parts done were sent) or "held"."""
-        self._name(inst)
+        if self.comm_hash < 0:
+            self._name(inst)
         arrival = inst.arrival
         ext = (min(arrival), max(arrival), max(inst.end))
         if ext[1] > self._last_arrival:
@@ -256,7 +257,8 @@ class StepFolder(PartSealing):
             out += self._before_schedule(inst)
             return "held"
         seq_key = (inst.sender, inst.receiver)
-        self._last_call_ns = max(self._last_call_ns, ext[0])
+        if ext[0] > self._last_call_ns:
+            self._last_call_ns = ext[0]
         hint = (
             0
             if seq_key in self.clock.cycles
@@ -350,9 +352,24 @@ class StepFolder(PartSealing):
         return rows, self._done(final)
 
     def _place(self, inst: Instance, step: int) -> Position:
+        """:func:`~detectors.step_clock.place`, from what it said of the same place in an
+        earlier step: a step's hundreds of instances sit where the step before's did."""
         assert self.topo is not None
-        agrees = self.clock.agree.get((inst.sender, inst.receiver), False)
-        return place(self.topo, self.comm_hash, self.role, agrees, inst, step)
+        sender, receiver = inst.sender, inst.receiver
+        agrees = self.clock.agree.get((sender, receiver), False)
+        where = self._where
+        if where is None or where[0] is not self.topo:  # (re)built with the topology
+            placer = self.topo.placer(self.comm_hash)
+            where = self._where = (self.topo, placer.period if placer else 1, {})
+        key = (sender, receiver, inst.seq % where[1] if agrees else -1)
+        got = where[2].get(key)
+        if got is None:
+            got = where[2][key] = place(self.topo, self.comm_hash, self.role, agrees, inst, 0)
+        return Position(step, got[1], got[2], got[3], got[4])
+
+    #: where the folder's instances sit in a step, by place (see :meth:`_place`): (the
+    #: topology it holds for, the placer's period, place -> position)
+    _where: tuple[Topology, int, dict[tuple[int, int, int], Position]] | None = None
 
     def _fold(self, inst: Instance, ext: Extent, step: int, rows: list[AlignedCollective]) -> None:
         topo = self.topo
@@ -361,11 +378,21 @@ class StepFolder(PartSealing):
         part = self._parts.get(step)
         if part is None:
             part = self._parts[step] = StepPart(step, inst.comm_hash, inst.job)
-        part.fold(inst, pos.phase, pos.microbatch, self.role, topo, ext)
+        first = inst.ranks[0]
+        coords = self._coords.get(first) if self._coords is not None else None
+        if coords is None:
+            if self._coords is None:
+                self._coords = {}
+            coords = self._coords[first] = topo.coords(first)
+        part.fold(inst, pos.phase, pos.microbatch, self.role, topo, ext, coords)
         if step > self._newest:
             self._newest = step
         if self.keep_rows:
             rows.append(instance_row(inst.job, topo.comms.get(inst.comm_hash), inst, pos, *ext))
+
+    #: the pipeline coordinates of the communicator's members, by rank (the job's layout
+    #: fixes them; the topology a folder learns is its job's)
+    _coords: dict[int, tuple[int, int, int]] | None = None
 
     def _name(self, inst: Instance) -> None:
         if self.comm_hash < 0:  # no schedule yet: the first instance says whose folder this is

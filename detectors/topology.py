@@ -215,6 +215,17 @@ class Placer(NamedTuple):
     order: tuple[tuple[str, int], ...]  # the stage's 1F1B nodes, for TP, EP and CP
     microbatches: int
 
+    @property
+    def period(self) -> int:
+        """Instances after which :meth:`at` repeats itself a step later: where an instance
+        sits in its step depends on its sequence number modulo this (and on a transfer's
+        direction) alone."""
+        if self.per_layer and self.per_step:
+            return self.per_step
+        if self.role is CommRole.PP:
+            return max(1, self.microbatches)
+        return 1
+
     def at(
         self, seq: int, sender_stage: int | None = None, receiver_stage: int | None = None
     ) -> Position:
