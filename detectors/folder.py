@@ -129,6 +129,10 @@ class StepFolder(PartSealing):
 
     _announced = True  # (one resumed from a version that placed by the layout sent parts)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the caches rebuild themselves: a snapshot keeps what was learned, not them
+        return {k: v for k, v in self.__dict__.items() if k not in ("_where", "_coords")}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "cycles" in state:  # its clock kept in the folder itself
             clock = state["clock"] = StepClock(state.pop("_trust_layout", False))
