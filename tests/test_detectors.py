@@ -15,7 +15,7 @@ from detectors.hang import diagnose_hang
 from detectors.replay import Replay
 from producers.sim.scenarios import build
 from schemas.config import DetectSettings
-from schemas.enums import Cause, CollOp, Direction, VerdictKind
+from schemas.enums import Cause, CollOp, Direction, Phase, VerdictKind
 from schemas.records import ProxySummary, StepSummary, Verdict
 
 
@@ -1001,6 +1001,33 @@ def test_a_communicator_pickled_before_its_counts_existed_resumes_counting() -> 
     old.update(mine[100:150] + mine[:3])  # three of them again: late
     (s,) = old.stats()
     assert (s.records, s.late_records) == (53, 3)
+
+
+def test_a_folders_snapshot_keeps_what_it_learned_not_its_placement_cache() -> None:
+    """A communicator's folder remembers where a step's instances sit (a step has hundreds,
+    in the same places each step); a flow's snapshot leaves that out, and the resumed
+    folder places the next steps' instances exactly as the one that went on."""
+    from detectors.comm import CommAnalyzer
+    from detectors.schedule import ScheduleBook
+    from schemas.codec import encode
+    from schemas.enums import CommRole
+    from schemas.records import Collective, CommInfo, JobInfo
+
+    recs = list(build("healthy", scale="tiny", seed=0, steps=8).records())
+    book = ScheduleBook()
+    schedules = [s for r in recs if isinstance(r, JobInfo | CommInfo) for s in book.update(r)]
+    sched = next(s for s in schedules if s.comm.role is CommRole.TP)
+    mine = [r for r in recs if isinstance(r, Collective) and r.comm_hash == sched.comm.comm_hash]
+    half = len(mine) // 2
+    comm = CommAnalyzer()
+    comm.update([sched, *mine[:half]])
+    assert comm.folder._where is not None and comm.folder._where[2]  # places remembered
+    raw = pickle.dumps(comm)
+    assert b"_where" not in raw and b"_coords" not in raw
+    resumed = pickle.loads(raw)
+    went_on, after = comm.update(mine[half:]), resumed.update(mine[half:])
+    assert [encode(r) for r in after[0]] == [encode(r) for r in went_on[0]]
+    assert {r.phase for r in after[0]} >= {Phase.FORWARD, Phase.BACKWARD}
 
 
 def test_a_folder_pickled_by_a_version_that_placed_by_the_layout_goes_on_so() -> None:
