@@ -8,11 +8,13 @@ with the PyTorch collector in every rank and a node agent per node, through the 
 broker and the dataflow into ClickHouse: the production path. Faults come from
 outside the job: ``tbf`` on a node's link, a cgroup CPU quota on a rank or on a node's
 ranks (for good; or on a rank for twice the job's usual step time: a transient
-straggler), ``SIGSTOP``, ``SIGKILL``; each is injected
-when rank 0 reaches a given step, and its label (kind, culprit, onset time) is written
-from what was done. The verdicts the flow stored are scored with
-:mod:`detectors.scoring`, beside the peers' rules; every case is also kept as a
-labelled recording (``records.jsonl``, ``labels.jsonl``) for ``megatrace eval --corpus``.
+straggler), the cgroup ``freezer`` on a rank now and then (a rank that stalls, as a GPU
+that drops its clocks for a moment: intermittent), ``SIGSTOP``, ``SIGKILL``; each is
+injected when rank 0 reaches a given step, and its label (kind, culprit, onset time) is
+written from what was done (:mod:`megatrace.lab_labels`). The verdicts the flow stored
+are scored with :mod:`detectors.scoring`, beside the peers' rules; every case is also
+kept as a labelled recording (``records.jsonl``, ``labels.jsonl``) for ``megatrace eval
+--corpus``.
 """
 
 from __future__ import annotations
@@ -28,10 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from infra.netlab import NetLab, Node
-from schemas.enums import Cause, VerdictKind
 from schemas.records import FaultLabel, Iteration, Verdict
 
 Say = Callable[[str], None]
@@ -41,12 +40,17 @@ Say = Callable[[str], None]
 class Fault:
     """One fault: what, on whom (a rank, or a node's index), from which step of rank 0."""
 
-    kind: str  # slow_link | slow_rank | slow_node | hang | kill | transient
+    kind: str  # slow_link | slow_rank | slow_node | hang | kill | transient | stall
     target: int
     at_step: int = 12
-    #: a transient straggler's rank is held to its quota for this many of the job's usual
-    #: steps
+    #: a transient straggler's rank is held to its quota, and a stalled rank frozen, for
+    #: this many of the job's usual steps
     stall_steps: float = 2.0
+    #: a stalled rank's stalls: this many, ``every`` steps of rank 0's apart, each at least
+    #: ``stall_min_s`` (a job of short steps loses what a straggler must cost to count)
+    times: int = 1
+    every: int = 0
+    stall_min_s: float = 0.1
     cpus: float = 0.1  # the CPU quota of a slow rank or node
     rate_mbit: float = 60.0  # a slow link's rate
 
@@ -96,6 +100,13 @@ def _cases() -> list[Case]:
                     ranks,
                     steps=steps,
                     faults=(Fault("transient", 1, at),),
+                ),
+                Case(
+                    f"{wl}-intermittent",
+                    wl,
+                    ranks,
+                    steps=steps,
+                    faults=(Fault("stall", 1, at, times=4, every=15 if wl == "ddp" else 8),),
                 ),
                 Case(
                     f"{wl}-link-and-rank",
@@ -302,6 +313,17 @@ def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
             time.sleep(f.stall_steps * (ranks.usual_step_s() or 0.1))
             _lift(lab, group, inj)
             inj.ended_ns = time.time_ns()
+        elif f.kind == "stall":  # frozen, as a GPU stalls: late, yet waiting for nothing
+            group = lab.cgroup(f"{case.name[:20]}-{i}", ranks.pids([f.target]))
+            for k in range(f.times):
+                if k and not ranks.wait_step(f.at_step + k * f.every, timeout_s=300):
+                    break
+                lab.freeze(group)
+                try:
+                    time.sleep(max(f.stall_min_s, f.stall_steps * (ranks.usual_step_s() or 0.1)))
+                finally:
+                    lab.freeze(group, False)
+            inj.ended_ns = time.time_ns()
         elif f.kind == "hang":
             NetLab.signal(ranks.pids([f.target])[0], signal.SIGSTOP)
             stopped.add(f.target)
@@ -330,84 +352,6 @@ def _lift(lab: NetLab, group: str, inj: Injected) -> None:
     lab.quota(group, None)
 
 
-# --------------------------------------------------------------------------- labels
-
-
-def labels_of(run: CaseRun, nodes: list[Node]) -> list[FaultLabel]:
-    """The ground truth, from what was injected and the job's own step markers."""
-    marks = sorted(run.marks, key=lambda m: m.end_ns)
-    out = []
-    for i, inj in enumerate(run.injected):
-        f = inj.fault
-        onset_step = next((m.step for m in marks if m.end_ns >= inj.onset_ns), f.at_step)
-        per_node = run.case.per_node
-        common: dict[str, Any] = {}
-        if f.kind == "slow_link":
-            kind, cause = VerdictKind.LINK_DEGRADATION, Cause.NETWORK_LINK
-            common["node"] = nodes[f.target].name
-        elif f.kind == "slow_node":
-            kind, cause = VerdictKind.SLOWDOWN, Cause.HOST_CPU
-            common["node"] = nodes[f.target].name
-        else:
-            kind = {
-                "slow_rank": VerdictKind.SLOWDOWN,
-                "transient": VerdictKind.TRANSIENT_STRAGGLER,
-                "hang": VerdictKind.HANG,
-                "kill": VerdictKind.HANG,
-            }[f.kind]
-            cause = Cause.COMPUTE
-            common.update(rank=f.target, node=nodes[f.target // per_node].name)
-        out.append(
-            FaultLabel(
-                job=run.job,
-                fault_id=f"{run.case.name}-{i}",
-                kind=kind,
-                cause=cause,
-                onset_step=onset_step,
-                onset_ns=inj.onset_ns,
-                magnitude=_magnitude(f),
-                throughput_cost=1.0 if kind is VerdictKind.HANG else _cost(marks, inj),
-                note=f"{f.kind} from step {f.at_step} of rank 0",
-                **common,
-            )
-        )
-    return out
-
-
-def _magnitude(f: Fault) -> float:
-    """A quota's CPUs; a transient straggler's longest step, in the job's usual steps (one,
-    and the time its rank was held, were it held back all of it)."""
-    if f.kind == "transient":
-        return 1.0 + f.stall_steps
-    return f.cpus if "slow" in f.kind else 0.0
-
-
-def _cost(marks: list[Iteration], inj: Injected) -> float:
-    """The throughput the fault cost: 1 - the step time before it / the step time during it.
-    A CPU quota cost at most the share of the time the kernel held its ranks back: a job
-    slowed by another fault at once (a slow link) may leave a quota nothing to hold back,
-    and the step time it lost is that fault's."""
-    durations = [(m.end_ns, m.duration_ns) for m in marks if m.duration_ns]
-    before = [d for t, d in durations if t < inj.onset_ns][-10:]
-    end = 1 << 62
-    if inj.ended_ns is not None:  # the steps it lasted: up to the first to end after it
-        end = next((t for t, _ in durations if t >= inj.ended_ns), inj.ended_ns)
-    during = [d for t, d in durations if inj.onset_ns < t <= end]
-    if not before or not during:
-        return 0.0
-    cost = float(max(0.0, 1 - np.median(before) / np.median(during)))
-    if inj.throttled is not None and inj.throttled[1] > inj.onset_ns:
-        held, read_ns = inj.throttled
-        cost = min(cost, held / (read_ns - inj.onset_ns))
-    return cost
-
-
-def step_ns(marks: list[Iteration]) -> float:
-    """The job's usual step time (its median), from its markers."""
-    d = [m.duration_ns for m in marks if m.duration_ns]
-    return float(np.median(d)) if d else 0.0
-
-
 __all__ = [
     "CASES",
     "MIN_STEPS",
@@ -418,7 +362,5 @@ __all__ = [
     "Injected",
     "Ranks",
     "inject",
-    "labels_of",
-    "step_ns",
     "too_few_steps",
 ]

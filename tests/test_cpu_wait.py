@@ -275,51 +275,6 @@ def test_a_cpu_quota_shows_as_waiting_for_a_cpu() -> None:
     assert free_wait < waited - 0.4 and free_held < 0.1
 
 
-def test_a_quota_another_fault_left_nothing_to_hold_back_is_labelled_at_what_it_held() -> None:
-    """The lab labels a fault with the throughput it cost. A rank's CPU quota during a
-    slow link: every step 17x as long, but the kernel held the rank back 4% of the time,
-    so the quota cost at most that (the link's label carries the loss); a quota alone that
-    held its rank back most of the time is labelled at the step time it added."""
-    from megatrace.lab import Fault, Injected, _cost
-    from schemas.records import Iteration
-
-    def marks(before_ms: float, during_ms: float) -> list[Iteration]:
-        out, t = [], 0
-        for step in range(40):
-            d = int((before_ms if step < 20 else during_ms) * 1e6)
-            t += d
-            out.append(Iteration(job="j", step=step, end_ns=t, duration_ns=d, rank=0))
-        return out
-
-    slow = marks(24, 410)
-    onset = slow[19].end_ns + 1
-    masked = Injected(
-        Fault("slow_rank", 3, 20), onset, throttled=(int(0.04 * 8.2e9), onset + int(8.2e9))
-    )
-    assert _cost(slow, masked) == pytest.approx(0.04)
-    alone = marks(24, 96)
-    onset = alone[19].end_ns + 1
-    binding = Injected(
-        Fault("slow_rank", 1, 20), onset, throttled=(int(1.6e9), onset + int(1.92e9))
-    )
-    assert _cost(alone, binding) == pytest.approx(0.75)
-
-
-def test_a_quota_for_a_step_is_labelled_at_the_steps_it_lasted() -> None:
-    """A transient quota's label: the step time it added while it lasted (steps 20-21 at
-    2x), not diluted by the normal steps after it."""
-    from megatrace.lab import Fault, Injected, _cost
-    from schemas.records import Iteration
-
-    out, t = [], 0
-    for step in range(60):
-        d = int((50 if step in (20, 21) else 25) * 1e6)
-        t += d
-        out.append(Iteration(job="j", step=step, end_ns=t, duration_ns=d, rank=0))
-    onset, ended = out[19].end_ns + 1, out[21].end_ns - 1
-    assert _cost(out, Injected(Fault("transient", 1, 20), onset, ended_ns=ended)) == 0.5
-
-
 def test_a_snapshot_from_before_the_rings_reads_the_same() -> None:
     """A worker's snapshot kept each rank's samples newest last, without the throttled
     counter: restored, it gives the same shares and takes new heartbeats after them."""
