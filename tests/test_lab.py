@@ -30,8 +30,8 @@ def _leftovers(prefix: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, broker, clickhouse_url: str):
-    """The CI subset, a killed rank and a transient straggler, through the real broker and
-    ClickHouse."""
+    """The CI subset, a killed rank, a transient straggler and a rank that stalls now and
+    then, through the real broker and ClickHouse."""
     from infra.clickhouse import connect, init_db
     from megatrace.lab import QUICK
     from megatrace.lab_run import run_lab
@@ -46,7 +46,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, broker, clickhouse_url: str):
             "stack": {"state_dir": str(state)},
         }
     )
-    done = run_lab(settings, [*QUICK, "ddp-killed", "ddp-transient"], state / "runs", print)
+    cases = [*QUICK, "ddp-killed", "ddp-transient", "ddp-intermittent"]
+    done = run_lab(settings, cases, state / "runs", print)
     assert _leftovers("mtlab") == [], "the lab left namespaces or cgroups behind"
     return {r.case.name: r for r in done}
 
@@ -156,6 +157,25 @@ def test_a_transient_quota_costs_a_step_or_two_then_nothing(runs) -> None:
     assert held[-1] == held[0], held  # nothing more after the lift
     assert held[0] > 0  # what it was held back while it lasted, as the rank read it
     assert label.magnitude == 3.0 and label.throughput_cost > 0
+
+
+def test_a_rank_frozen_now_and_then_holds_the_job_up_each_time(runs) -> None:
+    """Four stalls of rank 1 (its cgroup frozen for a tenth of a second or two usual steps,
+    every 15 steps): the job lost about the time its rank was frozen, in four separate
+    spells, and the label is an intermittent slowdown of rank 1 from the first."""
+    run = runs["ddp-intermittent"]
+    (inj,) = run.injected
+    (label,) = run.labels
+    assert (label.kind.value, label.rank, label.node) == ("intermittent_slowdown", 1, "lab-n0")
+    assert inj.ended_ns is not None
+    steps = sorted((m.end_ns, m.duration_ns) for m in run.marks if m.duration_ns)
+    usual = float(np.median([d for t, d in steps if t < inj.onset_ns][-10:]))
+    spanned = [d for t, d in steps if inj.onset_ns < t <= inj.ended_ns + 2 * usual]
+    frozen = 4 * max(inj.fault.stall_min_s * 1e9, 2 * usual)
+    assert sum(spanned) - len(spanned) * usual > 0.7 * frozen, (spanned, usual)
+    spells = [d for d in spanned if d > usual + 0.4 * frozen / 4]
+    assert 4 <= len(spells) <= 8, spanned  # each stall in one step, or split over two
+    assert label.throughput_cost > 0.05
 
 
 def test_a_stopped_rank_goes_silent_while_the_others_go_on(runs) -> None:
