@@ -30,7 +30,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from detectors.incidents import Culprit, Incident
-from detectors.slowdown import TOGETHER, SlowdownFinding
+from detectors.slowdown import APART, TOGETHER, SlowdownFinding
 from detectors.topology import Topology
 from schemas.enums import Cause, Phase
 
@@ -57,7 +57,7 @@ def first_culprit(
         growth = f.evidence.get("rank_lateness_growth_ns")
         if (
             growth is not None
-            and growth < 0.25 * increase
+            and growth < APART * increase
             and not _dominant(growth, growths, increase)
         ):
             continue  # too little of the lost time is this rank's own lateness
@@ -65,7 +65,11 @@ def first_culprit(
                                      phase=Phase(f.phase) if f.phase else None,
                                      evidence=dict(f.evidence))  # fmt: skip
         if f.rank is not None:
-            ranks = _together(f, found, link_ends | named, 0.25 * increase)
+            if f.together:  # ranks the evidence cannot tell apart, less those explained
+                ranks = tuple(r for r in f.together if r == f.rank or r not in link_ends | named)
+                ranks = ranks if len(ranks) > 1 else ()
+            else:
+                ranks = _together(f, found, link_ends | named, APART * increase)
             return Incident(Culprit.rank(f.rank), f.cause, rank=f.rank,
                             gpu=topo.gpu(f.rank), ranks=ranks, **where)  # fmt: skip
         if f.link is not None:  # the network between nodes

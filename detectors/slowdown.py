@@ -38,6 +38,9 @@ from schemas.enums import Cause
 
 #: a rank whose lateness grew this much of the latest arriver's is a culprit with it
 TOGETHER = 0.5
+#: the share of the step time added a rank's own lateness (or blame) must have grown by to
+#: be told apart from others the evidence names with it
+APART = 0.25
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class SlowdownFinding:
     critical: bool
     evidence: dict[str, float] = field(default_factory=dict)
     link: str | None = None  # the network between nodes, where that is the cause
+    #: ranks the evidence cannot tell ``rank`` apart from: one incident names them all
+    together: tuple[int, ...] = ()
 
 
 class SlowdownLocalizer:
@@ -240,10 +245,11 @@ class SlowdownLocalizer:
         or more. Of the busy ranks, every rank of one node (two or more): that node's
         host; else the one that made the others wait most as the last to arrive (its
         exclusive blame grew most: the members of its own collectives that it held up
-        are busy in them with it). Nobody where nobody waited for the time added (it
-        went into transfers: a network, or, where the collectives run on the CPU, as
-        Gloo's do, a rank slow at them too), or where the busy ranks are many (a quarter
-        of the job; half, all on one node)."""
+        are busy in them with it), with those its blame does not tell it apart from.
+        Nobody where nobody waited for the time added (it went into transfers: a
+        network, or, where the collectives run on the CPU, as Gloo's do, a rank slow at
+        them too), or where the busy ranks are many (a quarter of the job; half, all on
+        one node)."""
         reps = [r for r in reports if r.complete] or list(reports)
         base = getattr(self, "base_wait", None)
         if not reps or base is None or increase <= 0 or len(base) < 2:
@@ -271,21 +277,34 @@ class SlowdownLocalizer:
         if not more and len(busy) >= 2 and busy == on_node:
             return [SlowdownFinding(Cause.HOST_CPU, None, node, None, None, None,
                                     critical=True, evidence=evidence)]  # fmt: skip
-        r = busy[0] if len(busy) == 1 else self._most_blamed(reps, busy)
+        r, together = (busy[0], ()) if len(busy) == 1 else self._most_blamed(reps, busy, increase)
         if r is None:
             return []
         evidence["rank_wait_growth_ns"] = float(grew[r])
         return [SlowdownFinding(Cause.COMPUTE, r, topo.node(r), None, None, None,
-                                critical=True, evidence=evidence)]  # fmt: skip
+                                critical=True, evidence=evidence, together=together)]  # fmt: skip
 
-    def _most_blamed(self, reps: Sequence[StepReport], busy: list[int]) -> int | None:
+    def _most_blamed(
+        self, reps: Sequence[StepReport], busy: list[int], increase: float
+    ) -> tuple[int | None, tuple[int, ...]]:
         """Of several ``busy`` ranks, the one whose exclusive blame as the last arriver grew
-        most (None: none grew)."""
+        most (None: none grew), and those it cannot be told apart from: every one of them
+        where that growth is under :data:`APART` of the step time added, else those whose
+        blame grew nearly as much (:data:`TOGETHER`). Ranks held up together inside one
+        collective (one of them stopped in the middle of a transfer) come to the next ones
+        within moments of each other, and who came last by those moments says nothing of
+        who held the job up."""
         blame = self.blame_grew(reps)
         if blame is None:
-            return None
+            return None, ()
         top = max(busy, key=lambda r: blame[r])
-        return top if blame[top] > 0 else None
+        if blame[top] <= 0:
+            return None, ()
+        if blame[top] < APART * increase:
+            return top, tuple(busy)
+        # any nearly as blamed as the most (two held the others up as much)
+        with_top = tuple(r for r in busy if r == top or blame[r] >= TOGETHER * blame[top])
+        return top, (with_top if len(with_top) > 1 else ())
 
     def blame_grew(self, reps: Sequence[StepReport]) -> np.ndarray | None:
         """Per rank, how much longer a step it made the others wait as the last to arrive

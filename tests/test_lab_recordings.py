@@ -61,6 +61,21 @@ def test_a_one_step_straggler_in_a_pipeline_is_named_with_the_time_it_cost(order
     assert 3.2 < v.evidence["step_time_ratio"] < 3.7
 
 
+@pytest.mark.parametrize("order", ORDERS)
+def test_ranks_held_up_together_inside_one_collective_are_named_together(order: str) -> None:
+    """Case megatron-intermittent: the same job, rank 1 frozen (its cgroup's freezer) for
+    0.3 s at steps 9, 17, 25 and 33. At step 17 the freeze caught it inside a tensor-
+    parallel all-reduce with rank 0, which took 390 ms: both had come to it on time, and
+    came out of it within 5 ms of each other. Everybody else waited for the two; which
+    of them came last to the calls after it (rank 0, by milliseconds) tells nothing of
+    which one stopped. The stalls recur, so it is an intermittent slowdown: of ranks 0
+    and 1, never of rank 0 alone. The same in whatever order the records come."""
+    vs = last_verdicts("lab_megatron_intermittent_rank1.jsonl.gz", order)
+    (v,) = [v for v in vs if v.kind.value == "intermittent_slowdown"]
+    assert (sorted(v.culprit_ranks), v.onset_step) == ([0, 1], 17)
+    assert all(1 in v.culprit_ranks for v in vs), [(v.kind, v.culprit_ranks) for v in vs]
+
+
 def test_what_follows_a_one_step_straggler_is_priced_against_the_level_before_it() -> None:
     """The same recording: after the straggler, steps 10-12 ran 1.2x slower than before it
     (291-300 ms against 245 ms). Whatever that is called, its cost is the time it added
