@@ -131,7 +131,7 @@ class StepFolder(PartSealing):
 
     def __getstate__(self) -> dict[str, Any]:
         # the caches rebuild themselves: a snapshot keeps what was learned, not them
-        return {k: v for k, v in self.__dict__.items() if k not in ("_where", "_coords")}
+        return {k: v for k, v in self.__dict__.items() if k != "_where"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "cycles" in state:  # its clock kept in the folder itself
@@ -157,7 +157,7 @@ class StepFolder(PartSealing):
         that came before it, folded now: (stored rows, items for the job)."""
         topo = Topology.from_job(schedule.job)
         topo.add(schedule.comm)
-        self.topo, self.role, self._coords = topo, schedule.comm.role, None
+        self.topo, self.role = topo, schedule.comm.role
         self.comm_hash, self.job = schedule.comm.comm_hash, schedule.comm.job
         early, self._early = self._early, []
         rows: list[AlignedCollective] = []
@@ -382,21 +382,11 @@ class StepFolder(PartSealing):
         part = self._parts.get(step)
         if part is None:
             part = self._parts[step] = StepPart(step, inst.comm_hash, inst.job)
-        first = inst.ranks[0]
-        coords = self._coords.get(first) if self._coords is not None else None
-        if coords is None:
-            if self._coords is None:
-                self._coords = {}
-            coords = self._coords[first] = topo.coords(first)
-        part.fold(inst, pos.phase, pos.microbatch, self.role, topo, ext, coords)
+        part.fold(inst, pos.phase, pos.microbatch, self.role, topo, ext)
         if step > self._newest:
             self._newest = step
         if self.keep_rows:
             rows.append(instance_row(inst.job, topo.comms.get(inst.comm_hash), inst, pos, *ext))
-
-    #: the pipeline coordinates of the communicator's members, by rank (the job's layout
-    #: fixes them; the topology a folder learns is its job's)
-    _coords: dict[int, tuple[int, int, int]] | None = None
 
     def _name(self, inst: Instance) -> None:
         if self.comm_hash < 0:  # no schedule yet: the first instance says whose folder this is

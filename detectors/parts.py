@@ -64,7 +64,6 @@ class StepPart:
         role: CommRole,
         topo: Topology,
         extent: tuple[int, int, int] | None = None,
-        coords: tuple[int, int, int] | None = None,
     ) -> None:
         """Add one complete instance placed at (phase, micro-batch) of this step.
 
@@ -72,8 +71,7 @@ class StepPart:
         per-rank figures (arrivals, host lead, waits, the TP wait-time model) are
         computed for all the part's instances together, as arrays, when they are read
         (:func:`figures`): a part folds hundreds of instances a step. ``extent`` is the
-        instance's (first arrival, last arrival, last end) and ``coords`` its first
-        member's (:meth:`~detectors.topology.Topology.coords`) where the caller has them."""
+        instance's (first arrival, last arrival, last end) where the caller has it."""
         if self.sealed is not None:
             raise ValueError(f"step {self.step}'s part was sealed: it takes no more instances")
         self.n += 1
@@ -105,7 +103,7 @@ class StepPart:
         self.folded.append((inst, adds))
         if not grouped:
             return
-        stage, replica, _ = coords or topo.coords(inst.ranks[0])
+        stage, replica, _ = topo.coords(inst.ranks[0])
         key = (stage, phase, mb if mb is not None else -1)
         # the node runs from the moment its whole TP group met at a collective: a member
         # that came early (its peer was held up upstream) waited, it did not compute
