@@ -136,6 +136,9 @@ def too_few_steps(steps: int | None) -> str | None:
     )
 
 
+#: what a transient quota (a tenth of a CPU in 10 ms periods) throttles its rank before
+#: it is lifted: most of the 9 ms one period can hold back
+BITE_NS = 8_000_000
 #: how long a hung job is left hung before the lab ends it
 HANG_S = 8.0
 #: the Flight Recorder ring every rank keeps (entries)
@@ -310,7 +313,13 @@ def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
         elif f.kind == "transient":
             group = lab.cgroup(f"{case.name[:20]}-{i}", ranks.pids([f.target]))
             lab.quota(group, f.cpus, period_us=10_000)
-            time.sleep(f.stall_steps * (ranks.usual_step_s() or 0.1))
+            held_s = f.stall_steps * (ranks.usual_step_s() or 0.1)
+            time.sleep(held_s)
+            # a rank waiting in its collectives may not spend its quota at once: held on
+            # (at most as long again) until the kernel throttled it most of a period
+            deadline = time.monotonic() + held_s
+            while (NetLab.throttled_ns(group) or 0) < BITE_NS and time.monotonic() < deadline:
+                time.sleep(0.002)
             _lift(lab, group, inj)
             inj.ended_ns = time.time_ns()
         elif f.kind == "stall":  # frozen, as a GPU stalls: late, yet waiting for nothing
