@@ -50,9 +50,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from detectors.slowdown import SlowdownFinding
 from detectors.steps import StepReport
 from detectors.topology import Topology
+from detectors.who_waits import SlowdownFinding
 from schemas.enums import Cause
 
 #: seconds waited per second by which starved ranks stand apart from the others, and

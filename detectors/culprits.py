@@ -6,11 +6,13 @@ wait, the transfers between nodes); :func:`first_culprit` picks the incident the
 name. A host starved of CPU comes first (as MEGATRACE checks a host first); a rank at
 the end of a degraded link is that link's, unless it is starved of CPU; a rank whose
 own lateness grew by too little of the time the step lost is passed over, unless it
-dominates; ranks whose lateness grew together are one incident naming them all.
+dominates; ranks whose lateness grew together are one incident naming them all, unless
+they are too much of the job to be its culprits (:func:`~detectors.who_waits.too_many`):
+then no rank is.
 
 It is pure: the findings come in, an :class:`~detectors.incidents.Incident` goes out.
 
->>> from detectors.slowdown import SlowdownFinding
+>>> from detectors.who_waits import SlowdownFinding
 >>> from schemas.records import JobInfo
 >>> topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=4, dp=4, gpus_per_node=2))
 >>> late = SlowdownFinding(Cause.COMPUTE, 3, "node-1", 0, None, None, True,
@@ -30,8 +32,8 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from detectors.incidents import Culprit, Incident
-from detectors.slowdown import APART, TOGETHER, SlowdownFinding
 from detectors.topology import Topology
+from detectors.who_waits import APART, TOGETHER, SlowdownFinding, too_many
 from schemas.enums import Cause, Phase
 
 
@@ -51,7 +53,10 @@ def first_culprit(
     found.sort(key=lambda f: f.cause is not Cause.HOST_CPU)
     growths = sorted((g for f in found if (g := f.evidence.get("rank_lateness_growth_ns"))
                       is not None), reverse=True)  # fmt: skip
+    spread = False
     for f in found:
+        if spread and f.rank is not None:
+            continue
         if f.rank is not None and f.rank in link_ends and f.cause is not Cause.HOST_CPU:
             continue  # (a slow link makes nobody wait for a CPU, nor spends a quota)
         growth = f.evidence.get("rank_lateness_growth_ns")
@@ -70,6 +75,9 @@ def first_culprit(
                 ranks = ranks if len(ranks) > 1 else ()
             else:
                 ranks = _together(f, found, link_ends | named, APART * increase)
+            if too_many(ranks, topo):
+                spread = True  # the job's own: no rank found after it is its culprit
+                continue
             return Incident(Culprit.rank(f.rank), f.cause, rank=f.rank,
                             gpu=topo.gpu(f.rank), ranks=ranks, **where)  # fmt: skip
         if f.link is not None:  # the network between nodes

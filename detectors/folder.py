@@ -51,10 +51,10 @@ from typing import Any
 
 from detectors.align import Instance, Key, Passed
 from detectors.aligned_rows import instance_row
+from detectors.folder_compat import restore
 from detectors.parts import StepPart
 from detectors.sealing import PartSealing
 from detectors.step_clock import (
-    OLD_CLOCK_STATE,
     StepClock,
     by_role,
     layout_hint,
@@ -134,22 +134,7 @@ class StepFolder(PartSealing):
         return {k: v for k, v in self.__dict__.items() if k != "_where"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if "cycles" in state:  # its clock kept in the folder itself
-            clock = state["clock"] = StepClock(state.pop("_trust_layout", False))
-            for old, new in OLD_CLOCK_STATE.items():
-                if old in state:
-                    setattr(clock, new, state.pop(old))
-        if "clock" in state:
-            self.__dict__.update(state)
-            return
-        # pickled by a version that placed every instance by the layout: it goes on so
-        self._reset()
-        self.clock.trust_layout = True
-        kept = ("topo", "comm_hash", "job", "role", "_parts", "_newest", "_partial",
-                "_last_arrival", "_last_end", "_reported")  # fmt: skip
-        for name in kept:
-            if name in state:
-                setattr(self, name, state[name])
+        restore(self, state)
 
     # ------------------------------------------------------------------ inputs
     def learn(self, schedule: Any) -> tuple[list[AlignedCollective], list[Any]]:

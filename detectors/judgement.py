@@ -34,9 +34,10 @@ from detectors.cpu_wait import findings as cpu_findings
 from detectors.culprits import first_culprit
 from detectors.incidents import Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
-from detectors.slowdown import SlowdownFinding, SlowdownLocalizer
+from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepReport
 from detectors.topology import Topology
+from detectors.who_waits import SlowdownFinding
 
 
 class Judgement:

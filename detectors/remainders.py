@@ -35,9 +35,9 @@ from detectors.cpu_wait import findings as cpu_findings
 from detectors.culprits import first_culprit
 from detectors.incidents import Culprit, Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
-from detectors.slowdown import SlowdownFinding
 from detectors.steps import StepReport
 from detectors.topology import Topology
+from detectors.who_waits import SlowdownFinding
 from schemas.enums import Cause
 
 

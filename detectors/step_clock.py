@@ -288,16 +288,8 @@ def structure_note(
     )
 
 
-#: the clock's state, as a folder that kept it in itself pickled it
-OLD_CLOCK_STATE = {
-    "cycles": "cycles", "_agree": "agree", "_told": "told", "_mark_ends": "mark_ends",
-    "_mark_step": "mark_step", "_marker_rank": "marker_rank", "_offset": "offset",
-    "_votes": "votes", "_distrust": "distrust",
-}  # fmt: skip
-
 __all__ = [
     "MARKS_KEPT",
-    "OLD_CLOCK_STATE",
     "StepClock",
     "by_role",
     "layout_hint",

@@ -65,6 +65,20 @@ def test_one_slow_gpu_of_a_job_without_data_parallelism_is_named_alone() -> None
     assert (v.rank, v.culprit_ranks) == (2, [])
 
 
+@pytest.mark.parametrize("ranks", [(0, 2, 4, 6), (1, 3, 5, 7)], ids=["first", "second"])
+def test_one_rank_of_every_tensor_parallel_group_slower_for_a_step_is_no_straggler(
+    ranks: tuple[int, ...],
+) -> None:
+    """The same member of every tensor-parallel group 2.5x slower for one step (what
+    every rank of one role does at once: loading the batch, logging) is half the job on
+    both nodes: the job's own pause, not four stragglers (a real Megatron job's healthy
+    steps did this twice in 20,000). Two of its ranks doing it are named together."""
+    faults = [SlowGPU(onset_step=12, rank=r, factor=2.5, end_step=13) for r in ranks]
+    assert _incidents(faults) == []
+    (v,) = _incidents([SlowGPU(onset_step=12, rank=r, factor=2.5, end_step=13) for r in ranks[:2]])
+    assert v.kind is VerdictKind.TRANSIENT_STRAGGLER and sorted(v.culprit_ranks) == list(ranks[:2])
+
+
 def _report(step: int, wait_ms: list[float], blame_ms: list[float], dur_ms: float) -> StepReport:
     n = len(wait_ms)
     ms = lambda xs: np.array(xs, dtype=float) * 1e6  # noqa: E731
