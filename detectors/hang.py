@@ -14,11 +14,14 @@ stopped consuming it (RecvGPUWait).
 This is a pure function over tables: it returns one diagnosis, not a list of
 every waiting rank.
 
->>> from detectors.align import Instance
+>>> from detectors.align import Instance, Key
 >>> from schemas.enums import CollOp
 >>> waiting = Instance("j", 5, 7, CollOp.ALL_REDUCE, -1, 2, 8, (0,), (10,), (12,), (-1,))
 >>> diagnose_hang([waiting], []).culprit_rank
 1
+>>> in_it = lambda rank, inst: rank == 1  # its heartbeat: issued seq 7, not completed
+>>> diagnose_hang([waiting], [], in_call=in_it).cause.value  # both in it: a transfer
+'network_link'
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from detectors.align import Instance
+from detectors.align import Instance, Key
 from detectors.edges import edge_cause
 from schemas.enums import Cause, CollOp, Direction
 from schemas.records import Heartbeat, ProxySummary
@@ -78,12 +81,16 @@ def diagnose_hang(
     stuck_proxies: Sequence[ProxySummary],
     member_of: dict[int, tuple[int, ...]] | None = None,
     went_past: Callable[[int, Instance], bool] | None = None,
+    in_call: Callable[[int, Instance], bool] | None = None,
 ) -> HangDiagnosis | None:
     """One diagnosis for the set of incomplete instances (None if there is none).
 
     ``member_of`` maps a communicator hash to its member ranks (from the job metadata).
     ``went_past(rank, inst)``: whether ``rank`` is known to have finished ``inst`` (its
     heartbeats say so) although no record of its call arrived: not missing from it.
+    ``in_call(rank, inst)``: whether ``rank`` is known to have issued ``inst`` and not
+    finished it (its heartbeats say so; a source that writes a call's record once it
+    ends has none of it yet): waiting in it, not missing from it.
     """
     if went_past is not None:  # a call whose every missing member went past it: no hang's
         open_instances = [i for i in open_instances if not _passed(i, member_of, went_past)]
@@ -91,10 +98,14 @@ def diagnose_hang(
         return None
     waiting: set[int] = set()
     missing_in: dict[int, list[Instance]] = {}
+    joined_in: dict[Key, set[int]] = {}  # members in a call by their heartbeats alone
     for inst in open_instances:
         waiting.update(inst.unfinished())
         for r in set(_members(inst, member_of)) - set(inst.ranks):
-            if went_past is None or not went_past(r, inst):
+            if in_call is not None and in_call(r, inst):
+                waiting.add(r)
+                joined_in.setdefault(inst.key, set()).add(r)
+            elif went_past is None or not went_past(r, inst):
                 missing_in.setdefault(r, []).append(inst)
     culprits = {r: insts for r, insts in missing_in.items() if r not in waiting}
     if culprits:
@@ -120,7 +131,10 @@ def diagnose_hang(
             },
         )
     # everybody joined somewhere and waits: a transfer that never completed
-    full = [i for i in open_instances if set(_members(i, member_of)) <= set(i.ranks)]
+    full = [
+        i for i in open_instances
+        if set(_members(i, member_of)) <= set(i.ranks) | joined_in.get(i.key, set())
+    ]  # fmt: skip
     root = min(full or open_instances, key=lambda i: i.first_arrival_ns)
     ev = {"open_instances": float(len(open_instances)), "waiting_ranks": float(len(waiting))}
     stuck = _stuck_edge(root.comm_hash, root.seq, stuck_proxies)

@@ -223,7 +223,7 @@ class HangWatch:
             # (a dead rank's peers may stop beating after it; heartbeats that stopped
             # cannot say who stopped first, the calls' own times can)
             first = diagnose_hang(open_calls, list(self.stuck.ops.values()), members,
-                                  self._went_past)  # fmt: skip
+                                  self._went_past, self._in_call)  # fmt: skip
             if (
                 first is not None
                 and first.culprit_rank is not None
@@ -327,6 +327,20 @@ class HangWatch:
             return False
         done = self.hb_done.get(rank)
         return done is not None and done.get(inst.comm_hash, -1) >= inst.seq
+
+    def _in_call(self, rank: int, inst: Instance) -> bool:
+        """Whether ``rank``'s latest heartbeat, from after the job stopped progressing,
+        says it issued the collective ``inst`` and has not completed it: it waits in it (a
+        source that writes a call's record when the call ends has sent none of it yet).
+        A rank that stopped beating is not waiting, whatever it was in. Transfers are not
+        judged so (as in :meth:`_went_past`)."""
+        hb = self.hb_latest.get(rank)
+        if inst.sender >= 0 or hb is None or hb.ts_ns < self.hb_progress_ns:
+            return False
+        return any(
+            cp.comm_hash == inst.comm_hash and cp.completed_seq < inst.seq <= cp.issued_seq
+            for cp in hb.comms
+        )
 
     def _partial(self, comm_hash: int, sender: int, seq: int) -> Instance | None:
         """The partial instance ``seq`` of ``comm_hash`` sent by ``sender`` (to any peer)."""

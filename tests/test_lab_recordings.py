@@ -118,6 +118,20 @@ def test_a_rank_stopped_inside_a_call_every_member_joined_is_named_not_the_netwo
 
 
 @pytest.mark.parametrize("order", ORDERS)
+def test_a_rank_stopped_inside_a_call_its_peer_waits_in_is_named_not_the_peer(
+    order: str,
+) -> None:
+    """Case megatron-hang: rank 2 SIGSTOPped at step 8, inside a tensor-parallel
+    all-reduce (seq 147) it had posted. Its peer rank 3 posted it too and waited in it,
+    but the PyTorch collector writes a call's record when the call ends: rank 3's came
+    only when the job was torn down, 8 s later. Its heartbeats said it all along
+    (issued 147, completed 146): rank 3 waited in the call, it did not miss it. Rank 2,
+    whose heartbeats stopped, is the hang's culprit."""
+    (hang,) = last_verdicts("lab_megatron_stopped_rank2.jsonl.gz", order)
+    assert (hang.kind.value, hang.cause.value, hang.rank) == ("hang", "compute", 2)
+
+
+@pytest.mark.parametrize("order", ORDERS)
 def test_a_slow_rank_is_named_not_the_host_its_held_up_peers_share(order: str) -> None:
     """Case megatron-slow-rank: TP 2 x PP 2 x DP 2 on two nodes, rank 1 under a 0.1 CPU
     quota from step 9. Its whole pipeline replica arrives late: its tensor-parallel peer
