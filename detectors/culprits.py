@@ -6,7 +6,8 @@ wait, the transfers between nodes); :func:`first_culprit` picks the incident the
 name. A host starved of CPU comes first (as MEGATRACE checks a host first); a rank at
 the end of a degraded link is that link's, unless it is starved of CPU; a rank whose
 own lateness grew by too little of the time the step lost is passed over, unless it
-dominates; ranks whose lateness grew together are one incident naming them all, unless
+dominates; ranks starved of CPU together, or whose lateness grew together, are one
+incident naming them all, unless
 they are too much of the job to be its culprits (:func:`~detectors.who_waits.too_many`):
 then no rank is.
 
@@ -24,6 +25,11 @@ Culprit(kind='rank', name='3')
 Culprit(kind='node', name='node-0')
 >>> first_culprit([late], {3}, 50e6, topo) is None  # at the end of a degraded link
 True
+>>> topo8 = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=8, dp=8, gpus_per_node=4))
+>>> quota = [SlowdownFinding(Cause.HOST_CPU, r, f"node-{r // 4}", None, None, None, True)
+...          for r in (1, 6)]  # two ranks held to a CPU quota since the same step
+>>> first_culprit(quota, set(), 50e6, topo8).ranks
+(1, 6)
 """
 
 from __future__ import annotations
@@ -73,6 +79,10 @@ def first_culprit(
             if f.together:  # ranks the evidence cannot tell apart, less those explained
                 ranks = tuple(r for r in f.together if r == f.rank or r not in link_ends | named)
                 ranks = ranks if len(ranks) > 1 else ()
+            elif f.cause is Cause.HOST_CPU:  # every rank starved of CPU since the shift
+                more = [g.rank for g in found if g.cause is Cause.HOST_CPU and g.rank
+                        not in (None, f.rank) and g.rank not in named]  # fmt: skip
+                ranks = (f.rank, *more) if more else ()
             else:
                 ranks = _together(f, found, link_ends | named, APART * increase)
             if too_many(ranks, topo):

@@ -132,6 +132,7 @@ class Score:
                 self.add_kind(v.kind.value).fp += 1
             return
         used: set[str] = set()
+        served: dict[str, set[int]] = {}  # a verdict's ranks matched to a label each
         for lab in labels:
             ks = self.add_kind(lab.kind.value)
             if not lab.on_critical_path and lab.kind != VerdictKind.LINK_DEGRADATION:
@@ -143,7 +144,9 @@ class Score:
             match = [
                 v
                 for v in vs
-                if v.kind == lab.kind and v.verdict_id not in used and v.detected_ns >= lab.onset_ns
+                if v.kind == lab.kind
+                and (v.verdict_id not in used or _names_too(v, lab, served))
+                and v.detected_ns >= lab.onset_ns
             ]
             match.sort(key=lambda v: (not _culprit_ok(lab, v), v.detected_ns))
             required = lab.throughput_cost >= required_cost or lab.kind == VerdictKind.HANG
@@ -155,6 +158,8 @@ class Score:
                 continue
             v = match[0]
             used.add(v.verdict_id)
+            if lab.rank is not None:
+                served.setdefault(v.verdict_id, set()).add(lab.rank)
             if required:
                 ks.count(cost, True)
             ks.tp += 1
@@ -216,6 +221,17 @@ def _secs(x: float) -> str:
 
 def _num(x: float) -> str:
     return "-" if np.isnan(x) else f"{x:.1f}"
+
+
+def _names_too(v: Verdict, lab: FaultLabel, served: dict[str, set[int]]) -> bool:
+    """Whether ``v``, matched to another label already, also names ``lab``'s rank among
+    its several culprits, not matched yet: one incident for ranks faulted together (one
+    alert) finds each of them."""
+    return (
+        lab.rank is not None
+        and lab.rank in v.culprit_ranks
+        and lab.rank not in served.get(v.verdict_id, set())
+    )
 
 
 def _culprit_ok(lab: FaultLabel, v: Verdict) -> bool:

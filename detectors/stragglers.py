@@ -89,13 +89,27 @@ class Stragglers:
         return out
 
     def _release_burst(self, rep: StepReport, now: bool = True) -> list[msgspec.Struct]:
-        """The burst held, reported as of step ``rep`` if its time came (or ``now``)."""
+        """The burst held, reported as of step ``rep`` if its time came (or ``now``): once
+        as many steps as confirm a shift followed it, and the job came back to its level
+        (at most as many again: steps slow still after a burst may be the first of a
+        slowdown, in a job whose noise hides them a while)."""
         held = self._held
         if held is None or (not now and rep.step < held[3]):
+            return []
+        if not now and rep.step < held[3] + self.shift.persistence and self._still_slow(held):
             return []
         self._held = None
         onset, ratio, length, _, inc, bar = held
         return self._burst(inc, onset, ratio, length, rep, bar)
+
+    def _still_slow(self, held: tuple[int, float, int, int, Incident, float]) -> bool:
+        """Whether the steps since the held burst ended are slow still: their mean over
+        the level before it not yet back within half the bar a shift must clear (as the
+        change-point detector tells a recovery)."""
+        onset, _, length, _, _, bar = held
+        after = [r.duration_ns for r in self.ledger.since(onset + length) if r.complete]
+        level = self.ledger.level_before_step(onset)
+        return bool(after) and level > 0 and float(np.mean(after)) >= level * (1.0 + bar / 2)
 
     def _burst_before_shift(
         self, onset: int, ratio: float, rep: StepReport

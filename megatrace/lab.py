@@ -116,6 +116,17 @@ def _cases() -> list[Case]:
                     faults=(Fault("slow_link", 0, at), Fault("slow_rank", 3, at)),
                 ),
             ]
+        if wl == "megatron":  # two ranks at once, of two stages on two nodes (two of a
+            # 4-rank job's would be half of it: what the job does, no culprits)
+            out.append(
+                Case(
+                    f"{wl}-two-ranks",
+                    wl,
+                    ranks,
+                    steps=steps,
+                    faults=(Fault("slow_rank", 1, at), Fault("slow_rank", 6, at)),
+                )
+            )
     return out
 
 

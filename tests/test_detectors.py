@@ -384,6 +384,34 @@ def test_the_score_says_what_the_faults_it_missed_cost_and_adds_up_over_folders(
     assert (one.kinds["slowdown"].fn, one.kinds["transient_straggler"].tp) == (1, 1)
 
 
+def test_one_incident_naming_two_faulted_ranks_finds_both_and_nothing_else() -> None:
+    """Two ranks slowed from the same step are two labels; the one slowdown that names
+    them both (one alert) finds each, and is no false alarm. A third rank it does not
+    name is missed, and a verdict naming the first alone does not find the second."""
+    from detectors.scoring import Score
+    from schemas.records import FaultLabel
+
+    def label(rank: int) -> FaultLabel:
+        return FaultLabel(
+            job="j", fault_id=f"f{rank}", kind=VerdictKind.SLOWDOWN, cause=Cause.COMPUTE,
+            rank=rank, onset_step=3, onset_ns=100, throughput_cost=0.2,
+        )  # fmt: skip
+
+    def slowdown(*ranks: int) -> Verdict:
+        return Verdict(
+            job="j", verdict_id="v", kind=VerdictKind.SLOWDOWN, cause=Cause.COMPUTE,
+            rank=ranks[0], culprit_ranks=list(ranks) if len(ranks) > 1 else [], onset_ns=100,
+            detected_ns=200,
+        )  # fmt: skip
+
+    both, alone = Score(), Score()
+    both.add_run([label(1), label(6), label(3)], [slowdown(1, 6)], steps=10, step_ns=10.0)
+    alone.add_run([label(1), label(6)], [slowdown(1)], steps=10, step_ns=10.0)
+    k, a = both.kinds["slowdown"], alone.kinds["slowdown"]
+    assert (k.tp, k.fp, k.fn, k.culprit_ok) == (2, 0, 1, 2)
+    assert (a.tp, a.fp, a.fn, a.culprit_ok) == (1, 0, 1, 1)
+
+
 def test_folding_per_communicator_changes_nothing_the_job_concludes() -> None:
     """The flow folds instances per communicator (StepFolder); feeding the job every
     instance instead must give the same tables and verdicts, record for record."""

@@ -154,3 +154,17 @@ def test_a_rank_that_held_the_others_up_for_two_steps_is_a_transient_straggler(o
     )  # fmt: skip
     assert v.evidence["steps"] == 2 and 0.1e9 < v.evidence["time_lost_ns"] < 0.2e9
     assert v.cause.value == "host_cpu"
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_two_ranks_starved_of_cpu_at_once_are_one_slowdown_naming_both(order: str) -> None:
+    """Case megatron-two-ranks: TP 2 x PP 2 x DP 2, ranks 1 (stage 0, lab-n0) and 6
+    (stage 1, lab-n1) each held to a tenth of a CPU from step 9. The kernel throttled
+    both, and both are named in one slowdown from its onset (one alert). The job's
+    steps vary by three quarters on their own: its first two slow steps stood out as a
+    burst, and the steps after it, slower still though within the noise, made it the
+    slowdown's beginning, not a straggler of its own."""
+    (v,) = last_verdicts("lab_megatron_two_ranks_cpu.jsonl.gz", order)
+    assert (v.kind.value, v.cause.value) == ("slowdown", "host_cpu")
+    assert sorted(v.culprit_ranks) == [1, 6] and v.rank == v.culprit_ranks[0]
+    assert v.onset_step <= 10
