@@ -7,9 +7,8 @@ name. A host starved of CPU comes first (as MEGATRACE checks a host first); a ra
 the end of a degraded link is that link's, unless it is starved of CPU; a rank whose
 own lateness grew by too little of the time the step lost is passed over, unless it
 dominates; ranks starved of CPU together, or whose lateness grew together, are one
-incident naming them all, unless
-they are too much of the job to be its culprits (:func:`~detectors.who_waits.too_many`):
-then no rank is.
+incident naming them all, unless they are too much of the job to be its culprits
+(:func:`~detectors.who_waits.too_many`): then no rank is.
 
 It is pure: the findings come in, an :class:`~detectors.incidents.Incident` goes out.
 

@@ -14,7 +14,7 @@ stopped consuming it (RecvGPUWait).
 This is a pure function over tables: it returns one diagnosis, not a list of
 every waiting rank.
 
->>> from detectors.align import Instance, Key
+>>> from detectors.align import Instance
 >>> from schemas.enums import CollOp
 >>> waiting = Instance("j", 5, 7, CollOp.ALL_REDUCE, -1, 2, 8, (0,), (10,), (12,), (-1,))
 >>> diagnose_hang([waiting], []).culprit_rank
