@@ -78,55 +78,29 @@ def _cases() -> list[Case]:
         ("megatron", 8, 45),
     ):
         at = 12 if wl != "megatron" else 8
+
+        def case(name: str, *faults: Fault, wl: str = wl, ranks: int = ranks,
+                 steps: int = steps) -> Case:  # fmt: skip
+            return Case(f"{wl}-{name}", wl, ranks, steps=steps, faults=faults)
+
         out += [
-            Case(f"{wl}-healthy", wl, ranks, steps=steps),
-            Case(f"{wl}-slow-link", wl, ranks, steps=steps, faults=(Fault("slow_link", 1, at),)),
-            Case(f"{wl}-slow-rank", wl, ranks, steps=steps, faults=(Fault("slow_rank", 1, at),)),
-            Case(f"{wl}-hang", wl, ranks, steps=steps, faults=(Fault("hang", 2, at),)),
+            case("healthy"),
+            case("slow-link", Fault("slow_link", 1, at)),
+            case("slow-rank", Fault("slow_rank", 1, at)),
+            case("hang", Fault("hang", 2, at)),
         ]
         if wl in ("ddp", "megatron"):
+            stall_every = 15 if wl == "ddp" else 8
             out += [
-                Case(
-                    f"{wl}-slow-node",
-                    wl,
-                    ranks,
-                    steps=steps,
-                    faults=(Fault("slow_node", 1, at, cpus=0.25),),
-                ),
-                Case(f"{wl}-killed", wl, ranks, steps=steps, faults=(Fault("kill", 3, at),)),
-                Case(
-                    f"{wl}-transient",
-                    wl,
-                    ranks,
-                    steps=steps,
-                    faults=(Fault("transient", 1, at),),
-                ),
-                Case(
-                    f"{wl}-intermittent",
-                    wl,
-                    ranks,
-                    steps=steps,
-                    faults=(Fault("stall", 1, at, times=4, every=15 if wl == "ddp" else 8),),
-                ),
-                Case(
-                    f"{wl}-link-and-rank",
-                    wl,
-                    ranks,
-                    steps=steps,
-                    faults=(Fault("slow_link", 0, at), Fault("slow_rank", 3, at)),
-                ),
+                case("slow-node", Fault("slow_node", 1, at, cpus=0.25)),
+                case("killed", Fault("kill", 3, at)),
+                case("transient", Fault("transient", 1, at)),
+                case("intermittent", Fault("stall", 1, at, times=4, every=stall_every)),
+                case("link-and-rank", Fault("slow_link", 0, at), Fault("slow_rank", 3, at)),
             ]
         if wl == "megatron":  # two ranks at once, of two stages on two nodes (two of a
             # 4-rank job's would be half of it: what the job does, no culprits)
-            out.append(
-                Case(
-                    f"{wl}-two-ranks",
-                    wl,
-                    ranks,
-                    steps=steps,
-                    faults=(Fault("slow_rank", 1, at), Fault("slow_rank", 6, at)),
-                )
-            )
+            out.append(case("two-ranks", Fault("slow_rank", 1, at), Fault("slow_rank", 6, at)))
     return out
 
 
