@@ -262,14 +262,19 @@ def findings(
     nodes = [topo.node(r) for r in range(topo.job.world_size)]
     out = []
     start = reps[0].start_ns if start_ns is None else start_ns
-    for c in starved(cpu, start, reps[-1].end_ns, nodes):
+    found = starved(cpu, start, reps[-1].end_ns, nodes)
+    # ranks starved since the same shift are its culprits together (one incident)
+    ranks = [c.ranks[0] for c in found if not c.node]
+    for c in found:
         ev = {"cpu_wait_share": c.share, "usual_cpu_wait_share": c.usual}
         if c.throttled is not None and c.usual_throttled is not None:
             ev.update(cpu_throttled_share=c.throttled, usual_cpu_throttled_share=c.usual_throttled)
         rank = None if c.node else c.ranks[0]
         node = c.node or nodes[c.ranks[0]]
-        out.append(SlowdownFinding(Cause.HOST_CPU, rank, node, None, None, None,
-                                   critical=True, evidence=ev))  # fmt: skip
+        several = rank is not None and len(ranks) > 1
+        together = (rank, *(r for r in ranks if r != rank)) if several else ()
+        out.append(SlowdownFinding(Cause.HOST_CPU, rank, node, None, None, None, critical=True,
+                                   evidence=ev, together=together))  # fmt: skip
     return out
 
 

@@ -25,9 +25,9 @@ Culprit(kind='node', name='node-0')
 >>> first_culprit([late], {3}, 50e6, topo) is None  # at the end of a degraded link
 True
 >>> topo8 = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=8, dp=8, gpus_per_node=4))
->>> quota = [SlowdownFinding(Cause.HOST_CPU, r, f"node-{r // 4}", None, None, None, True)
-...          for r in (1, 6)]  # two ranks held to a CPU quota since the same step
->>> first_culprit(quota, set(), 50e6, topo8).ranks
+>>> quota = [SlowdownFinding(Cause.HOST_CPU, r, f"node-{r // 4}", None, None, None, True,
+...                          together=(r, 7 - r)) for r in (1, 6)]  # starved since one step
+>>> first_culprit(quota, set(), 50e6, topo8).ranks  # (as cpu_wait.findings names them)
 (1, 6)
 """
 
@@ -75,13 +75,11 @@ def first_culprit(
                                      phase=Phase(f.phase) if f.phase else None,
                                      evidence=dict(f.evidence))  # fmt: skip
         if f.rank is not None:
-            if f.together:  # ranks the evidence cannot tell apart, less those explained
-                ranks = tuple(r for r in f.together if r == f.rank or r not in link_ends | named)
+            if f.together:  # ranks named together (starved of CPU, or not told apart),
+                # less those explained: by a degraded link (a rank starved of CPU is not)
+                gone = named if f.cause is Cause.HOST_CPU else link_ends | named
+                ranks = tuple(r for r in f.together if r == f.rank or r not in gone)
                 ranks = ranks if len(ranks) > 1 else ()
-            elif f.cause is Cause.HOST_CPU:  # every rank starved of CPU since the shift
-                more = [g.rank for g in found if g.cause is Cause.HOST_CPU and g.rank
-                        not in (None, f.rank) and g.rank not in named]  # fmt: skip
-                ranks = (f.rank, *more) if more else ()
             else:
                 ranks = _together(f, found, link_ends | named, APART * increase)
             if too_many(ranks, topo):
