@@ -91,8 +91,13 @@ def _cases() -> list[Case]:
         ]
         if wl in ("ddp", "megatron"):
             stall_every = 15 if wl == "ddp" else 8
+            # just under the CPU a rank uses here (a DDP one about 0.3, a Megatron one 0.2)
+            mild = 0.25 if wl == "ddp" else 0.15
             out += [
                 case("slow-node", Fault("slow_node", 1, at, cpus=0.25)),
+                # a rank a little slower than its peers: a tenth to a fifth of the job's
+                # throughput, as the lab measures it (it varies with the host's load)
+                case("mild-rank", Fault("slow_rank", 1, at, cpus=mild)),
                 case("killed", Fault("kill", 3, at)),
                 case("transient", Fault("transient", 1, at)),
                 case("intermittent", Fault("stall", 1, at, times=4, every=stall_every)),
