@@ -18,7 +18,13 @@ share cannot: a rank that mostly sleeps in its transfers behind a slow link wait
 little for a CPU, yet its quota holds back what it does compute. It stands apart
 from a tenth of a second a second (:data:`THROTTLED_APART`; the kernel counts each
 CPU the quota held back, so a busy rank on several CPUs can pass 1): below that the
-quota cost less than the least slowdown worth a verdict.
+quota cost less than the least slowdown worth a verdict. A quota that held ranks back
+through most of the time a shift must last (:func:`quota_holds`) is a cause seen beside
+a slower step, as a rank that holds the others up is: the change-point detector judges
+the step against its least shift, not against the job's noise (a rank a little slower
+than its peers, in a job whose steps vary by more than it adds, is found so). A rank's
+own throttled share before is that of the seconds before, or of its quieter times where
+those were held back already.
 
 >>> cpu = CpuWaits()
 >>> for t in range(9):  # 4 ranks, a heartbeat a second; rank 1 starved from t=5 s
@@ -63,6 +69,8 @@ APART = 0.5
 THROTTLED_APART = 0.1
 #: how far back the share before the shift is taken
 BEFORE_NS = 5 * 10**9
+#: a rank's quieter times: this quantile of its throttled shares between heartbeats
+QUIET = 0.25
 
 
 @dataclass(frozen=True)
@@ -164,6 +172,27 @@ class CpuWaits:
         done = waited[rows, b] - waited[rows, a]
         return np.where(ok, done / np.where(ok, span, 1.0), np.nan)
 
+    def held_through(self, start_ns: int, end_ns: int, q: float = 0.5) -> np.ndarray:
+        """Every rank's throttled share over most of the time from ``start_ns`` to
+        ``end_ns``: the lower median of its shares between consecutive heartbeats that
+        end in it (at least half of them, and more than half of an even number, reach
+        it; NaN: none). A quota that held a rank back for a step or two shows in one or
+        two such intervals, one that holds it back still in most of them. (``q``: that
+        quantile of them instead of the median.)"""
+        ts, _, held = self._in_order()
+        kept = np.arange(self.keep) >= (self.keep - np.asarray(self.count, dtype=np.int64))[:, None]
+        span = np.diff(ts, axis=1)
+        pair = kept[:, 1:] & kept[:, :-1] & (ts[:, 1:] > start_ns) & (ts[:, 1:] <= end_ns)
+        pair &= span > 0
+        out = np.where(pair.any(axis=1), 0.0, np.nan)
+        grew = np.clip(np.diff(held, axis=1), 0, None)
+        held_back = np.flatnonzero((pair & (grew > 0)).any(axis=1))  # the few a quota held
+        if len(held_back):
+            p, g, d = pair[held_back], grew[held_back], span[held_back]
+            rate = np.where(p, g / np.where(p, d, 1), np.nan)
+            out[held_back] = np.nanquantile(rate, q, axis=1, method="lower")
+        return out
+
     def beats(self, ranks: Sequence[int], start_ns: int, end_ns: int) -> int:
         """The fewest heartbeats kept of any of ``ranks`` from ``start_ns`` to ``end_ns``
         (their shares over that span are as fine as these are many)."""
@@ -186,6 +215,14 @@ class CpuWaits:
         n = int(np.flatnonzero(self.count).max()) + 1 if not self.empty else 0  # ranks heard
         after = self.rates(start_ns, end_ns, throttled)[:n]
         return after, self.rates(start_ns - BEFORE_NS, start_ns, throttled)[:n]
+
+
+def _held_before(cpu: CpuWaits, start_ns: int, n: int) -> np.ndarray:
+    """Ranks 0..n-1's own throttled share before ``start_ns``: over the seconds before
+    it, or in their quieter times where those were held back already (a quota that
+    began a few steps before a shift did)."""
+    before = cpu.rates(start_ns - BEFORE_NS, start_ns, throttled=True)[:n]
+    return np.fmin(before, cpu.held_through(0, start_ns, QUIET)[:n])
 
 
 def _standing(
@@ -221,8 +258,8 @@ def starved(
     if len(known) * 2 <= n:
         return ()
     waiting, usual = _standing(s, b, known, apart)
-    t_after, t_before = cpu.shares(start_ns, end_ns, throttled=True)
-    t = np.array(t_after[:n])
+    t = np.array(cpu.rates(start_ns, end_ns, throttled=True)[:n])
+    t_before = _held_before(cpu, start_ns, n)
     # a quota already holding a rank back varies with what it runs: it began at the
     # shift only where it at least doubled
     held, usual_t = _standing(t, np.array(t_before[:n]), known, THROTTLED_APART, doubled=True)
@@ -252,6 +289,39 @@ def starved(
     return tuple(found([r], None) for r in top)
 
 
+def quota_holds(cpu: CpuWaits, start_ns: int, end_ns: int) -> bool:
+    """Whether a CPU quota has held ranks back from ``start_ns`` to ``end_ns`` (through
+    most of its heartbeat intervals: :meth:`CpuWaits.held_through`), standing apart from
+    the job's usual share by :data:`THROTTLED_APART` and at least doubled over their own
+    before, as :func:`starved` tells a quota's ranks.
+
+    >>> cpu = CpuWaits()
+    >>> for t in range(12):  # 4 ranks, a heartbeat a second; rank 2 held from t=6 s
+    ...     for r in range(4):
+    ...         cpu.update(r, t * 10**9, 0, int(0.3e9 * max(0, t - 6)) if r == 2 else 0)
+    >>> quota_holds(cpu, 8 * 10**9, 11 * 10**9), quota_holds(cpu, 2 * 10**9, 5 * 10**9)
+    (True, False)
+
+    Held back for one second of three (a transient quota), it did not hold through them:
+
+    >>> cpu = CpuWaits()
+    >>> for t in range(12):
+    ...     for r in range(4):
+    ...         cpu.update(r, t * 10**9, 0, int(0.5e9) if r == 2 and t >= 9 else 0)
+    >>> quota_holds(cpu, 8 * 10**9, 11 * 10**9)
+    False
+    """
+    if cpu.empty or not cpu.throttled.any():  # no quota ever held a rank back: the usual
+        return False
+    n = int(np.flatnonzero(cpu.count).max()) + 1
+    now = cpu.held_through(start_ns, end_ns)[:n]
+    known = np.flatnonzero(~np.isnan(now))
+    if len(known) * 2 <= n:
+        return False
+    held, _ = _standing(now, _held_before(cpu, start_ns, n), known, THROTTLED_APART, doubled=True)
+    return bool((held >= 1).any())
+
+
 def findings(
     cpu: CpuWaits, reps: Sequence[StepReport], topo: Topology, start_ns: int | None = None
 ) -> list[SlowdownFinding]:
@@ -278,4 +348,13 @@ def findings(
     return out
 
 
-__all__ = ["APART", "BEFORE_NS", "THROTTLED_APART", "CpuStarved", "CpuWaits", "findings", "starved"]
+__all__ = [
+    "APART",
+    "BEFORE_NS",
+    "THROTTLED_APART",
+    "CpuStarved",
+    "CpuWaits",
+    "findings",
+    "quota_holds",
+    "starved",
+]

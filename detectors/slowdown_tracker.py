@@ -27,7 +27,7 @@ import msgspec
 
 from detectors import texts
 from detectors.changepoint import ShiftDetector
-from detectors.cpu_wait import CpuWaits
+from detectors.cpu_wait import CpuWaits, quota_holds
 from detectors.gpu_wait import GpuWaitBaseline
 from detectors.incidents import EXPLAINED, JOB, Culprit, Incident, StepTimeLedger
 from detectors.judgement import Judgement
@@ -89,7 +89,8 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         A step in which the rank that made the others wait this share of it longer than
         it used to (as the last to arrive) did so in the step before too is slower for
         that reason, not noise: the change-point detector judges it against its least
-        shift, not the noise.
+        shift, not the noise. So is a slower step while a CPU quota holds ranks back
+        (:func:`~detectors.cpu_wait.quota_holds`, over the last ``settle_s``).
     """
 
     # for one pickled before it had them
@@ -187,7 +188,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         # hide a slow rank otherwise)
         rank, share = self.localizer.held_up(rep)
         held = rank if share >= self.held_share else -1
-        explained = held >= 0 and held == self._held_by
+        explained = (held >= 0 and held == self._held_by) or self._quota_holds(rep)
         self._held_by = held
         ev = self.shift.update(rep.duration_ns, rep.step, explained=explained)
         if not self.localizer.ready or (ev is None and not self.shift.excursion):
@@ -205,6 +206,15 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         if ev is None:
             out += self._release_burst(rep, now=False)
         return out
+
+    def _quota_holds(self, rep: StepReport) -> bool:
+        """Whether step ``rep``, slower than the baseline by the least shift, is so for a
+        CPU quota: one that held ranks back through most of the time a shift must last
+        up to it (``settle_s``; one for a step or two makes a burst, not a shift)."""
+        base = self.shift.baseline
+        if self.cpu is None or base is None or rep.duration_ns < base * (1 + self.shift.min_shift):
+            return False
+        return quota_holds(self.cpu, rep.end_ns - int(self.settle_s * 1e9), rep.end_ns)
 
     def explained(self) -> tuple[set[int], set[str]]:
         """The ranks and hosts its open slowdowns name (what they explain elsewhere)."""
