@@ -204,7 +204,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         if ev is None and self._looks:
             out += self._look(rep, topo)
         if ev is None:
-            out += self._release_burst(rep, now=False)
+            out += self._release_burst(rep, topo, now=False)
         return out
 
     def _quota_holds(self, rep: StepReport) -> bool:
@@ -240,7 +240,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         judged now."""
         if not self.ledger.recent:
             return []
-        out = self._release_burst(self.ledger.recent[-1])
+        out = self._release_burst(self.ledger.recent[-1], topo)
         if self.pending is None:
             return out
         return out + self.judge(self.ledger.recent[-1], topo, final=True)
@@ -249,7 +249,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         self, kind: str, onset: int, ratio: float, length: int, rep: StepReport, topo: Topology
     ) -> list[msgspec.Struct]:
         if kind == "shift":
-            onset, out = self._burst_before_shift(onset, ratio, rep)
+            onset, out = self._burst_before_shift(onset, ratio, rep, topo)
             self.pending = (onset, ratio, rep.start_ns)
             return out + self.judge(rep, topo)
         if kind == "recovered":

@@ -25,6 +25,7 @@ ledger and localisation.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -36,6 +37,7 @@ from detectors.incidents import Culprit, Incident, StepTimeLedger
 from detectors.steps import StepReport
 from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
+from detectors.who_waits import too_many
 from schemas.enums import VerdictKind
 
 if TYPE_CHECKING:
@@ -58,6 +60,9 @@ class Stragglers:
     shift: ShiftDetector
     localizer: SlowdownLocalizer
     locate: Callable[[list[StepReport], Topology], Incident | None]
+    #: each culprit's bursts as last named (a later burst naming one of its ranks, or
+    #: another rank of its host, goes on from them; None: one pickled before)
+    _burst_named: dict[Culprit, Incident] | None = None
     #: a burst waiting to be reported: (onset, ratio, length, the step it is reported
     #: at, its culprit and the change-point detector's bar, as found when it ended)
     _held: tuple[int, float, int, int, Incident, float] | None = None
@@ -82,13 +87,15 @@ class Stragglers:
             first, top, _, _, found, bar = held
             self._held = (first, max(top, ratio), onset + length - first, due, found, bar)
             return []
-        out = self._release_burst(rep)
+        out = self._release_burst(rep, topo)
         if named:
             assert inc is not None
             self._held = (onset, ratio, length, due, inc, self.shift.bar)
         return out
 
-    def _release_burst(self, rep: StepReport, now: bool = True) -> list[msgspec.Struct]:
+    def _release_burst(
+        self, rep: StepReport, topo: Topology, now: bool = True
+    ) -> list[msgspec.Struct]:
         """The burst held, reported as of step ``rep`` if its time came (or ``now``): once
         as many steps as confirm a shift followed it, and the job came back to its level
         (at most as many again: steps slow still after a burst may be the first of a
@@ -100,7 +107,7 @@ class Stragglers:
             return []
         self._held = None
         onset, ratio, length, _, inc, bar = held
-        return self._burst(inc, onset, ratio, length, rep, bar)
+        return self._burst(inc, onset, ratio, length, rep, bar, topo)
 
     def _still_slow(self, held: tuple[int, float, int, int, Incident, float]) -> bool:
         """Whether the steps since the held burst ended are slow still: their mean over
@@ -112,7 +119,7 @@ class Stragglers:
         return bool(after) and level > 0 and float(np.mean(after)) >= level * (1.0 + bar / 2)
 
     def _burst_before_shift(
-        self, onset: int, ratio: float, rep: StepReport
+        self, onset: int, ratio: float, rep: StepReport, topo: Topology
     ) -> tuple[int, list[msgspec.Struct]]:
         """A shift of ``ratio`` since step ``onset`` confirmed while a burst is held: the
         burst was its first steps (the shift's onset is the burst's), unless it towers
@@ -122,12 +129,19 @@ class Stragglers:
         if held is None:
             return onset, []
         if held[1] - 1.0 >= SPIKE_OVER_REST * max(ratio - 1.0, 0.0):
-            return onset, self._release_burst(rep)
+            return onset, self._release_burst(rep, topo)
         self._held = None
         return min(onset, held[0]), []
 
     def _burst(
-        self, inc: Incident, onset: int, ratio: float, length: int, rep: StepReport, bar: float
+        self,
+        inc: Incident,
+        onset: int,
+        ratio: float,
+        length: int,
+        rep: StepReport,
+        bar: float,
+        topo: Topology,
     ) -> list[msgspec.Struct]:
         """A burst of ``inc``'s: a transient straggler, or intermittent if it came before.
         Its steps are judged by their own times against the level before them (what is
@@ -145,11 +159,39 @@ class Stragglers:
             return []
         if _lost(reps, level) < self.transient_min_lost_ms * 1e6:
             return []  # a few of the host scheduler's time slices: no straggler's cost
-        bursts = self.bursts.setdefault(inc.culprit, [])
+        episode = self._episode(inc, topo)
+        bursts = self.bursts.setdefault(episode.culprit, [])
         bursts.append((onset, ratio, length))
-        if self._recurs(inc, bursts, rep):
-            return self._intermittent(inc, bursts, rep)
+        if self._recurs(episode, bursts, rep):
+            self._burst_named[episode.culprit] = episode
+            return self._intermittent(episode, bursts, rep)
+        if episode.culprit != inc.culprit:  # the earlier bursts were told already: this
+            self.bursts[inc.culprit] = [bursts.pop()]  # one begins its own culprit's
+            del self.bursts[episode.culprit]
+        self._burst_named[inc.culprit] = inc
         return self._transient(inc, onset, ratio, length, rep, bar, reps, level)
+
+    def _episode(self, inc: Incident, topo: Topology) -> Incident:
+        """The bursts ``inc``'s burst goes on from: those of a culprit that named a rank it
+        names too (a rank stalled inside a collective comes out of it with its peer, and
+        the bursts name one, the other or both), named as the ranks of both; else
+        ``inc``'s own. Not where the ranks of both would be too many to be culprits
+        (:func:`~detectors.who_waits.too_many`): they are what the job does."""
+        if self._burst_named is None:
+            self._burst_named = {}
+        mine = set(inc.ranks or ([] if inc.rank is None else [inc.rank]))
+        for culprit, earlier in self._burst_named.items():
+            if culprit == inc.culprit or not self.bursts.get(culprit):
+                continue
+            theirs = earlier.ranks or (() if earlier.rank is None else (earlier.rank,))
+            if not mine & set(theirs):
+                continue
+            ranks = tuple(dict.fromkeys([*theirs, *sorted(mine - set(theirs))]))
+            if too_many(ranks, topo):
+                continue
+            return replace(earlier, ranks=ranks if len(ranks) > 1 else (),
+                           evidence={**earlier.evidence, **inc.evidence})  # fmt: skip
+        return inc
 
     def _recurs(self, inc: Incident, bursts: list[tuple[int, float, int]], rep: StepReport) -> bool:
         """Whether ``inc``'s culprit bursting again (``bursts``, the newest last) is an
@@ -180,7 +222,7 @@ class Stragglers:
             "burst_period_steps": float(np.mean(np.diff([b[0] for b in bursts]))),
         }
         reps = [r for r in self.ledger.recent if r.step == first]
-        who = texts.who(inc.rank, inc.gpu, inc.node)
+        who = inc.who
         summary = texts.intermittent_summary(
             who=who, bursts=len(bursts), mean_ratio=mean_ratio, first=first, severity=severity
         )

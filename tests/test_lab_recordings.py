@@ -76,6 +76,20 @@ def test_ranks_held_up_together_inside_one_collective_are_named_together(order: 
     assert all(1 in v.culprit_ranks for v in vs), [(v.kind, v.culprit_ranks) for v in vs]
 
 
+@pytest.mark.parametrize("order", ORDERS)
+def test_bursts_naming_a_rank_then_it_and_its_peer_are_one_intermittent_slowdown(
+    order: str,
+) -> None:
+    """Case megatron-intermittent, another run: rank 1 frozen for two steps now and then
+    from step 9. The first stalls' bursts named its tensor-parallel peer, rank 0 (held up
+    with it), a later one ranks 0 and 1, the last rank 1: one rank's stalls, told as one
+    intermittent slowdown naming the ranks its bursts named, not one of rank 0 and
+    another of rank 1."""
+    vs = last_verdicts("lab_megatron_intermittent_rank1_run2.jsonl.gz", order)
+    (v,) = [v for v in vs if v.kind.value == "intermittent_slowdown"]
+    assert (sorted(v.culprit_ranks), v.onset_step) == ([0, 1], 9)
+
+
 def test_what_follows_a_one_step_straggler_is_priced_against_the_level_before_it() -> None:
     """The same recording: after the straggler, steps 10-12 ran 1.2x slower than before it
     (291-300 ms against 245 ms). Whatever that is called, its cost is the time it added
