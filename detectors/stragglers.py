@@ -60,8 +60,8 @@ class Stragglers:
     shift: ShiftDetector
     localizer: SlowdownLocalizer
     locate: Callable[[list[StepReport], Topology], Incident | None]
-    #: each culprit's bursts as last named (a later burst naming one of its ranks, or
-    #: another rank of its host, goes on from them; None: one pickled before)
+    #: each culprit's bursts as last named (a later burst naming one of its ranks goes
+    #: on from them; None: one pickled before)
     _burst_named: dict[Culprit, Incident] | None = None
     #: a burst waiting to be reported: (onset, ratio, length, the step it is reported
     #: at, its culprit and the change-point detector's bar, as found when it ended)
@@ -179,12 +179,15 @@ class Stragglers:
         (:func:`~detectors.who_waits.too_many`): they are what the job does."""
         if self._burst_named is None:
             self._burst_named = {}
+        named = self._burst_named
         mine = set(inc.ranks or ([] if inc.rank is None else [inc.rank]))
-        for culprit, earlier in self._burst_named.items():
-            if culprit == inc.culprit or not self.bursts.get(culprit):
+        own = [inc.culprit] if inc.culprit in named else []  # its own bursts first
+        for culprit in own + [c for c in named if c != inc.culprit]:
+            earlier = named[culprit]
+            if not self.bursts.get(culprit):
                 continue
             theirs = earlier.ranks or (() if earlier.rank is None else (earlier.rank,))
-            if not mine & set(theirs):
+            if culprit != inc.culprit and not mine & set(theirs):
                 continue
             ranks = tuple(dict.fromkeys([*theirs, *sorted(mine - set(theirs))]))
             if too_many(ranks, topo):
