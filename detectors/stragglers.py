@@ -40,6 +40,10 @@ from detectors.verdicts import VerdictBook
 from detectors.who_waits import too_many
 from schemas.enums import VerdictKind
 
+#: a burst waiting to be reported: (onset, ratio, length, the step it is reported at,
+#: its incident, and the change-point detector's bar when it ended)
+HeldBurst = tuple[int, float, int, int, Incident, float]
+
 if TYPE_CHECKING:
     from detectors.changepoint import ShiftDetector
     from detectors.slowdown import SlowdownLocalizer
@@ -63,9 +67,8 @@ class Stragglers:
     #: each culprit's bursts as last named (a later burst naming one of its ranks goes
     #: on from them; None: one pickled before)
     _burst_named: dict[Culprit, Incident] | None = None
-    #: a burst waiting to be reported: (onset, ratio, length, the step it is reported
-    #: at, its culprit and the change-point detector's bar, as found when it ended)
-    _held: tuple[int, float, int, int, Incident, float] | None = None
+    #: the burst waiting to be reported, if any
+    _held: HeldBurst | None = None
 
     def _hold_burst(
         self, onset: int, ratio: float, length: int, rep: StepReport, topo: Topology
@@ -106,10 +109,9 @@ class Stragglers:
         if not now and rep.step < held[3] + self.shift.persistence and self._still_slow(held):
             return []
         self._held = None
-        onset, ratio, length, _, inc, bar = held
-        return self._burst(inc, onset, ratio, length, rep, bar, topo)
+        return self._burst(held, rep, topo)
 
-    def _still_slow(self, held: tuple[int, float, int, int, Incident, float]) -> bool:
+    def _still_slow(self, held: HeldBurst) -> bool:
         """Whether the steps since the held burst ended are slow still: their mean over
         the level before it not yet back within half the bar a shift must clear (as the
         change-point detector tells a recovery)."""
@@ -133,17 +135,9 @@ class Stragglers:
         self._held = None
         return min(onset, held[0]), []
 
-    def _burst(
-        self,
-        inc: Incident,
-        onset: int,
-        ratio: float,
-        length: int,
-        rep: StepReport,
-        bar: float,
-        topo: Topology,
-    ) -> list[msgspec.Struct]:
-        """A burst of ``inc``'s: a transient straggler, or intermittent if it came before.
+    def _burst(self, held: HeldBurst, rep: StepReport, topo: Topology) -> list[msgspec.Struct]:
+        """A burst (``held``: its onset, ratio, length, due step, incident ``inc`` and the
+        bar when it ended): a transient straggler, or intermittent if it came before.
         Its steps are judged by their own times against the level before them (what is
         reported; the detector's ratio is clipped, and over a noisy job's baseline).
         Only one well clear of the noise (twice ``bar``, as a lone slow value must be)
@@ -151,6 +145,7 @@ class Stragglers:
         its rank held the others up, as the last to arrive, for ``held_share`` of those
         steps more than it used to: the noise is no explanation for that (as for the
         change-point detector's explained steps), and the floor alone is its bar."""
+        onset, ratio, length, _, inc, bar = held
         reps, level, measured = self._over_level(onset, onset + length)
         ratio = measured or ratio
         if self._held_others_up(inc, reps):
