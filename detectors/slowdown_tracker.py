@@ -210,9 +210,12 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
     def _quota_holds(self, rep: StepReport) -> bool:
         """Whether step ``rep``, slower than the baseline by the least shift, is so for a
         CPU quota: one that held ranks back through most of the time a shift must last
-        up to it (``settle_s``; one for a step or two makes a burst, not a shift)."""
+        up to it (``settle_s``; one for a step or two makes a burst, not a shift). In a
+        shift, a faster step is no recovery while the quota holds (it let one through)."""
         base = self.shift.baseline
-        if self.cpu is None or base is None or rep.duration_ns < base * (1 + self.shift.min_shift):
+        if self.cpu is None or base is None:
+            return False
+        if not self.shift.shifted and rep.duration_ns < base * (1 + self.shift.min_shift):
             return False
         return quota_holds(self.cpu, rep.end_ns - int(self.settle_s * 1e9), rep.end_ns)
 

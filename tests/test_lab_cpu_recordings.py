@@ -192,3 +192,15 @@ def test_a_ddp_rank_a_little_slower_under_its_quota_is_a_slowdown(order: str) ->
     which held rank 1 back through most heartbeats from then: a slowdown of rank 1."""
     (v,) = last_verdicts("lab_ddp_mild_rank1_cpu.jsonl.gz", order)
     assert (v.kind.value, v.rank, v.cause.value) == ("slowdown", 1, "host_cpu")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_quota_letting_fast_steps_through_is_no_recovery_while_it_holds(order: str) -> None:
+    """Case ddp-mild-rank: rank 1 held to a quarter of a CPU from step 12 (30% of the
+    throughput lost, by the lab's measure). Its quota's period spans four of the job's
+    steps: slow steps (2-2.7x) came between runs of two or three fast ones (0.5-0.9x),
+    and each such run read as the job back at its level, before the shift had lasted
+    the second it must: nothing was reported. Fast steps while the quota still holds
+    rank 1 back are ones it let through, not a recovery: a slowdown of rank 1."""
+    (v,) = last_verdicts("lab_ddp_mild_rank1_cpu_run2.jsonl.gz", order)
+    assert (v.kind.value, v.rank, v.cause.value) == ("slowdown", 1, "host_cpu")
