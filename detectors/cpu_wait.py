@@ -103,7 +103,8 @@ class CpuWaits:
         self.head: list[int] = []  # each row's next column to write (its oldest, once full)
 
     def __getstate__(self) -> dict[str, object]:
-        return {k: v for k, v in self.__dict__.items() if k != "_ordered"}  # a cache
+        caches = ("_ordered", "_intervals")
+        return {k: v for k, v in self.__dict__.items() if k not in caches}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
@@ -179,19 +180,31 @@ class CpuWaits:
         it; NaN: none). A quota that held a rank back for a step or two shows in one or
         two such intervals, one that holds it back still in most of them. (``q``: that
         quantile of them instead of the median.)"""
-        ts, _, held = self._in_order()
-        kept = np.arange(self.keep) >= (self.keep - np.asarray(self.count, dtype=np.int64))[:, None]
-        span = np.diff(ts, axis=1)
-        pair = kept[:, 1:] & kept[:, :-1] & (ts[:, 1:] > start_ns) & (ts[:, 1:] <= end_ns)
-        pair &= span > 0
+        ends, span, grew, ok = self._held_intervals()
+        pair = ok & (ends > start_ns) & (ends <= end_ns)
         out = np.where(pair.any(axis=1), 0.0, np.nan)
-        grew = np.clip(np.diff(held, axis=1), 0, None)
         held_back = np.flatnonzero((pair & (grew > 0)).any(axis=1))  # the few a quota held
         if len(held_back):
             p, g, d = pair[held_back], grew[held_back], span[held_back]
             rate = np.where(p, g / np.where(p, d, 1), np.nan)
             out[held_back] = np.nanquantile(rate, q, axis=1, method="lower")
         return out
+
+    def _held_intervals(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Between each rank's consecutive heartbeats kept: when the interval ended, how
+        long it was, how long the rank was throttled in it, and whether it is one (both
+        heartbeats kept, time moved); kept with the rings' order (a shift's shares and a
+        step's quota ask several times between two heartbeats)."""
+        ts, _, held = self._in_order()
+        cached = getattr(self, "_intervals", None)
+        if cached is None or cached[0] is not ts:
+            kept = np.arange(self.keep) >= (self.keep - np.asarray(self.count))[:, None]
+            span = np.diff(ts, axis=1)
+            ok = kept[:, 1:] & kept[:, :-1] & (span > 0)
+            grew = np.clip(np.diff(held, axis=1), 0, None)
+            self._intervals = (ts, (ts[:, 1:], span, grew, ok))
+            cached = self._intervals
+        return cached[1]
 
     def beats(self, ranks: Sequence[int], start_ns: int, end_ns: int) -> int:
         """The fewest heartbeats kept of any of ``ranks`` from ``start_ns`` to ``end_ns``
@@ -262,7 +275,7 @@ def starved(
     t_before = _held_before(cpu, start_ns, n)
     # a quota already holding a rank back varies with what it runs: it began at the
     # shift only where it at least doubled
-    held, usual_t = _standing(t, np.array(t_before[:n]), known, THROTTLED_APART, doubled=True)
+    held, usual_t = _standing(t, t_before, known, THROTTLED_APART, doubled=True)
     score = np.maximum(waiting, held)
     top = [int(r) for r in known[np.argsort(-score[known], kind="stable")] if score[r] >= 1]
     if not top:

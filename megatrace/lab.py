@@ -95,8 +95,8 @@ def _cases() -> list[Case]:
             mild = 0.25 if wl == "ddp" else 0.15
             out += [
                 case("slow-node", Fault("slow_node", 1, at, cpus=0.25)),
-                # a rank a little slower than its peers: a tenth to a fifth of the job's
-                # throughput, as the lab measures it (it varies with the host's load)
+                # a rank a little slower than its peers: 5-30% of the job's throughput,
+                # as the lab measures it (it varies with the host's load)
                 case("mild-rank", Fault("slow_rank", 1, at, cpus=mild)),
                 case("killed", Fault("kill", 3, at)),
                 case("transient", Fault("transient", 1, at)),
