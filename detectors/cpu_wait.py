@@ -101,6 +101,10 @@ class CpuWaits:
         self.throttled = np.zeros((0, keep), dtype=np.int64)
         self.count: list[int] = []  # each row's samples
         self.head: list[int] = []  # each row's next column to write (its oldest, once full)
+        # each row's newest time and throttled counter, read by every heartbeat: as plain
+        # numbers, not from the arrays (an element read there costs what a write does)
+        self.last_ts: list[int] = []
+        self.last_throttled: list[int] = []
 
     def __getstate__(self) -> dict[str, object]:
         caches = ("_ordered", "_intervals")
@@ -114,6 +118,10 @@ class CpuWaits:
         self.count = [int(n) for n in self.count]
         if "head" not in state:
             self.head = [0] * len(self.count)
+        if "last_ts" not in state:
+            newest = [(h or self.keep) - 1 for h in self.head]
+            self.last_ts = [int(self.ts[r, c]) for r, c in enumerate(newest)]
+            self.last_throttled = [int(self.throttled[r, c]) for r, c in enumerate(newest)]
 
     @property
     def empty(self) -> bool:
@@ -128,17 +136,19 @@ class CpuWaits:
             self.ts = np.vstack([self.ts, pad])
             self.waits = np.vstack([self.waits, pad])
             self.throttled = np.vstack([self.throttled, pad])
-            self.count += [0] * grow
-            self.head += [0] * grow
-        n, col = self.count[rank], self.head[rank]
-        last = (col or self.keep) - 1
-        if n and ts_ns <= self.ts[rank, last]:
+            for row in (self.count, self.head, self.last_ts, self.last_throttled):
+                row += [0] * grow
+        n = self.count[rank]
+        if n and ts_ns <= self.last_ts[rank]:
             return
         if throttled_ns is None:
-            throttled_ns = int(self.throttled[rank, last]) if n else 0
+            throttled_ns = self.last_throttled[rank]  # 0 before its first
+        col = self.head[rank]
         self.ts[rank, col] = ts_ns
         self.waits[rank, col] = wait_ns
         self.throttled[rank, col] = throttled_ns
+        self.last_ts[rank] = ts_ns
+        self.last_throttled[rank] = throttled_ns
         self.head[rank] = col + 1 if col + 1 < self.keep else 0
         if n < self.keep:
             self.count[rank] = n + 1

@@ -132,9 +132,15 @@ class JobAnalyzer:
         kind = type(item)
         handle = _HANDLERS.get(kind)
         if handle is not None and self.topo is not None and not self._early:
-            if kind in _CHECKED and (refused := self._outside(item)) is not None:
+            # the usual case: the job is known, nothing held back (thousands a step: the
+            # check inline, not through _outside)
+            if (
+                kind in _CHECKED
+                and (refused := refusals.outside(self.job, self.topo, item)) is not None
+            ):
+                self.refused += 1
                 return [refused]
-            return handle(self, item)  # the usual case: the job is known, nothing held back
+            return handle(self, item)
         if self.topo is None and not isinstance(item, JobInfo):
             if isinstance(item, RankInfo | CommInfo):
                 self._pending_meta.append(item)

@@ -285,5 +285,6 @@ def test_a_snapshot_from_before_the_rings_reads_the_same() -> None:
     old.__setstate__({"keep": keep, "ts": ts, "waits": waits, "count": np.array([4, 2])})
     assert old.rates(0, 3 * S).tolist() == pytest.approx([0.1, 0.4])
     old.update(0, 4 * S, 700 * 10**6)
-    assert old.rates(1 * S, 4 * S).tolist()[0] == pytest.approx(0.2)
+    old.update(1, 3 * S, 5 * 10**9)  # not newer than its newest kept: ignored
+    assert old.rates(1 * S, 4 * S).tolist() == pytest.approx([0.2, 0.4])
     assert old.rates(0, 4 * S, throttled=True).tolist() == [0.0, 0.0]
