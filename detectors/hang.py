@@ -282,6 +282,7 @@ def diagnose_from_heartbeats(
     joined = joined or {}
     issued: dict[int, dict[int, int]] = {}
     waiting: set[int] = set()
+    waiting_on: dict[int, set[int]] = {}  # communicator -> its members waiting in a call
     was_in: dict[int, list[tuple[int, int]]] = {}  # a silent rank's open calls (comm, seq)
     completed: dict[int, dict[int, int]] = {}
     for rank, hb in latest.items():
@@ -293,6 +294,7 @@ def diagnose_from_heartbeats(
             if seq > cp.completed_seq:
                 if rank not in silent:
                     waiting.add(rank)
+                    waiting_on.setdefault(cp.comm_hash, set()).add(rank)
                 else:
                     was_in.setdefault(rank, []).append((cp.comm_hash, seq))
     behind: list[tuple[int, int, int, tuple[int, ...]]] = []  # (rank, comm, seq, waiters)
@@ -309,7 +311,9 @@ def diagnose_from_heartbeats(
         for r in members:
             if by_rank.get(r, -1) < top:
                 behind.append((r, comm, max(by_rank.get(r, -1) + 1, first), at_top))
-        stuck = [r for r in at_top if r in waiting]
+        # members waiting in this communicator's call (one waiting in another's, all
+        # of this one's calls completed, is not stuck here)
+        stuck = [r for r in at_top if r in waiting_on.get(comm, ())]
         if stuck and len(at_top) == len(members):
             stuck_comms.append((comm, top, at_top))
     culprits = [b for b in behind if b[0] not in waiting]

@@ -4,8 +4,10 @@
 the sequence numbers it completed per communicator, the newest completed collective,
 the instances the aligners reported open too long (partial), and the proxy operations
 posted and not completed. :meth:`HangWatch.tick` calls a hang when the job made no
-progress for ``hang_factor`` x its expected step time (at least ``min_hang_ms``; a
-recording's end is silence that goes on), and localises it with
+progress for ``hang_factor`` x its expected step time, or x a silence it came out of
+lately where that was longer (its present pace: a job slowed by a link under a large
+call is silent in it every step; at least ``min_hang_ms``; a recording's end is silence
+that goes on), and localises it with
 :mod:`detectors.hang`: the member missing from the earliest call the others wait in
 (several, if several never joined it), or, where every member joined, the edge whose
 proxy operations never completed and whether the network or a GPU stopped. The verdict
@@ -61,6 +63,10 @@ from detectors.verdicts import VerdictBook
 from schemas.enums import Cause, VerdictKind
 from schemas.records import Heartbeat, ProxySummary
 
+#: how long a silence the job came out of stays its pace, unless another about as long
+#: follows: this many times its length
+SILENCES_KEPT = 4
+
 
 class HangWatch:
     """Liveness of one job, and its hang verdict (see the module docstring)."""
@@ -73,6 +79,7 @@ class HangWatch:
         # snapshots of versions without them
         self.__dict__.setdefault("revisable", False)
         self.__dict__.setdefault("joined", {})
+        self.__dict__.setdefault("silence", (0, 0, 0))
 
     def _reset(self) -> None:
         self.partials: dict[Key, Instance] = {}
@@ -87,12 +94,15 @@ class HangWatch:
         self.final = False  # the hang being judged is at the end of the input
         self.revisable = False  # the open hang may be blamed elsewhere (see _revise)
         self.joined: dict[int, dict[int, int]] = {}  # rank -> comm -> newest partial it joined
+        # the job's pace: a silence it came out of, until when it counts, when it began
+        self.silence = (0, 0, 0)
 
     # ------------------------------------------------------------------ inputs
     def heartbeat(self, hb: Heartbeat, book: VerdictBook) -> list[msgspec.Struct]:
         """Liveness and progress: a completed sequence number that moved is progress (and
         ends an open hang)."""
         ts = hb.ts_ns
+        before = self.hb_latest.get(hb.rank)
         self.hb_latest[hb.rank] = hb
         if ts > self.hb_now_ns:
             self.hb_now_ns = ts
@@ -106,6 +116,10 @@ class HangWatch:
                 moved = True
         if not moved:
             return []
+        if before is not None and before.ts_ns > self.hb_progress_ns > 0:
+            # silent at least from its last progress to this rank's heartbeat before,
+            # which showed none (what came after, up to a heartbeat apart, is not known)
+            self._came_out(self.hb_progress_ns, before.ts_ns - self.hb_progress_ns, ts)
         self.hb_progress_ns = max(self.hb_progress_ns, ts)
         if self.open and ts > self.detected_ns:
             return self._resolve(book, ts)
@@ -116,10 +130,32 @@ class HangWatch:
         with nothing open, that ends a hang)."""
         if end_ns <= self.last_progress_ns:
             return []
+        if self.last_progress_ns and not self.hb_latest:  # (with heartbeats, theirs)
+            self._came_out(self.last_progress_ns, end_ns - self.last_progress_ns, end_ns)
         self.last_progress_ns = end_ns
         if self.open and not self.partials and not self.hb_latest:
             return self._resolve(book, end_ns)
         return []
+
+    def _came_out(self, since_ns: int, gap_ns: int, at_ns: int) -> None:
+        """The job, silent since ``since_ns`` for ``gap_ns`` at least, was seen moving at
+        ``at_ns``: its pace from now on where the silence was at least half as long as
+        the pace kept, or that lapsed (a job slowed down comes out of silences about as
+        long, step after step); the longest account of one silence is kept (each rank's
+        heartbeats see its end at their own time)."""
+        kept, until, began = self.silence
+        if since_ns == began:
+            if gap_ns > kept:
+                self.silence = (gap_ns, at_ns + SILENCES_KEPT * gap_ns, since_ns)
+        elif 2 * gap_ns >= kept or at_ns > until:
+            self.silence = (gap_ns, at_ns + SILENCES_KEPT * gap_ns, since_ns)
+
+    def silence_lately(self, now_ns: int) -> int:
+        """The job's present pace between progress (0: none): the silence it came out of
+        last that set it, until ``SILENCES_KEPT`` times that silence passed. A hang's
+        silence must exceed it, as it must the usual step time."""
+        gap, until, _ = self.silence
+        return gap if now_ns <= until else 0
 
     def partial(self, inst: Instance) -> None:
         """An instance open too long: a hang's evidence, until it completes. Its members
@@ -168,7 +204,13 @@ class HangWatch:
         if self.open:
             return self._revise(view) if self.revisable else []
         st, exp = view.settings, view.expected_ns
-        limit = max(st.hang_factor * exp, st.min_hang_ms * 1e6)
+        # a silence as long as one the job just came out of is no hang: a job that slowed
+        # down (a link degraded under a call of many megabytes) is silent that long every
+        # step, while its usual step time is still its old one
+        pace = self.silence_lately(
+            self.hb_now_ns if self.hb_latest else max(view.coll_now_ns, now_ns)
+        )
+        limit = max(st.hang_factor * max(exp, pace), st.min_hang_ms * 1e6)
         if final:
             limit = max(exp, 0.02 * st.min_hang_ms * 1e6)
         self.final = final

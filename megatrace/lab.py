@@ -76,6 +76,7 @@ def _cases() -> list[Case]:
         ("zero", 4, 90),
         ("custom", 4, 90),
         ("megatron", 8, 45),
+        ("moe", 4, 90),
     ):
         at = 12 if wl != "megatron" else 8
 
@@ -89,20 +90,21 @@ def _cases() -> list[Case]:
             case("slow-rank", Fault("slow_rank", 1, at)),
             case("hang", Fault("hang", 2, at)),
         ]
-        if wl in ("ddp", "megatron"):
+        if wl in ("ddp", "megatron", "moe"):
             stall_every = 15 if wl == "ddp" else 8
-            # just under the CPU a rank uses here (a DDP one about 0.3, a Megatron one 0.2)
-            mild = 0.25 if wl == "ddp" else 0.15
             out += [
                 case("slow-node", Fault("slow_node", 1, at, cpus=0.25)),
-                # a rank a little slower than its peers: 5-30% of the job's throughput,
-                # as the lab measures it (it varies with the host's load)
-                case("mild-rank", Fault("slow_rank", 1, at, cpus=mild)),
                 case("killed", Fault("kill", 3, at)),
                 case("transient", Fault("transient", 1, at)),
                 case("intermittent", Fault("stall", 1, at, times=4, every=stall_every)),
                 case("link-and-rank", Fault("slow_link", 0, at), Fault("slow_rank", 3, at)),
             ]
+        if wl in ("ddp", "megatron"):
+            # a rank a little slower than its peers: just under the CPU a rank uses here
+            # (a DDP one about 0.3, a Megatron one 0.2); 5-30% of the job's throughput, as
+            # the lab measures it (it varies with the host's load)
+            mild = 0.25 if wl == "ddp" else 0.15
+            out.append(case("mild-rank", Fault("slow_rank", 1, at, cpus=mild)))
         if wl == "megatron":  # two ranks at once, of two stages on two nodes (two of a
             # 4-rank job's would be half of it: what the job does, no culprits)
             out.append(case("two-ranks", Fault("slow_rank", 1, at), Fault("slow_rank", 6, at)))

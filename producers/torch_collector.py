@@ -9,7 +9,7 @@ or, with no code change, under torchrun::
 
     torchrun --nproc-per-node 8 -m producers.torch_collector train.py --args ...
 
-(the layout then comes from ``MEGATRACE_TP``/``_PP``/``_DP``/``_LAYERS``/
+(the layout then comes from ``MEGATRACE_TP``/``_PP``/``_DP``/``_EP``/``_LAYERS``/
 ``_MICROBATCHES`` or from Megatron's ``parallel_state`` when it is set up).
 
 The collector wraps the ``torch.distributed`` functions (any backend: NCCL,
@@ -232,11 +232,13 @@ class Collector:
         micro_batch_size: int = 0,
         gpus_per_node: int | None = None,
         distributed_optimizer: bool = False,
+        ep: int = 1,
     ) -> None:
-        """The job's parallel layout (Megatron order); rank 0 publishes the job record."""
+        """The job's parallel layout (Megatron order; ``ep``: expert parallelism, out of
+        data parallelism); rank 0 publishes the job record."""
         dp = dp or self.world // (tp * pp)
         self.tp, self.pp, self.dp = tp, pp, dp
-        self._layout = Layout(self.world, tp, pp, dp)
+        self._layout = Layout(self.world, tp, pp, dp, ep=ep)
         self.layout = self._layout.groups()
         now = time.time_ns()
         if self.rank == 0:
@@ -255,6 +257,7 @@ class Collector:
                     num_microbatches=num_microbatches,
                     gpus_per_node=gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 8)),
                     distributed_optimizer=distributed_optimizer,
+                    ep=ep,
                 )
             )
         stage, d, t = self._layout.coords(self.rank)
@@ -268,6 +271,7 @@ class Collector:
                 tp_rank=t,
                 pp_stage=stage,
                 dp_rank=d,
+                ep_rank=d % ep,
             )
         )
         self._announced.clear()
@@ -740,6 +744,7 @@ def enable(
     num_microbatches: int | None = None,
     kernels: bool | None = None,
     distributed_optimizer: bool = False,
+    ep: int | None = None,
     **kwargs: Any,
 ) -> Collector:
     """Start collecting in this process (after ``init_process_group``); idempotent.
@@ -772,6 +777,7 @@ def enable(
         num_layers=num_layers or int(env.get("MEGATRACE_LAYERS", 0)),
         num_microbatches=num_microbatches or int(env.get("MEGATRACE_MICROBATCHES", 1)),
         distributed_optimizer=distributed_optimizer,
+        ep=ep or int(env.get("MEGATRACE_EP", layout.get("ep", 1))),
     )
     _active = col.install()
     return col
@@ -802,6 +808,8 @@ def _megatron_layout() -> dict[str, int] | None:
     return {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
+        # (older releases have no expert parallelism)
+        "ep": getattr(ps, "get_expert_model_parallel_world_size", lambda: 1)(),
     }
 
 

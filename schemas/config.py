@@ -120,7 +120,8 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Detector thresholds (defaults from the MEGATRACE paper where it gives one).
 
     ``hang_factor``: no progress for this many expected step times is a hang
-    (paper: 1-2). ``min_shift``: smallest step-time increase called a slowdown
+    (paper: 1-2; or this many times a silence the job came out of lately, where that
+    was longer: its present pace). ``min_shift``: smallest step-time increase called a slowdown
     (paper's operating point: below ~90% throughput; a rank of 64 computing 15%
     slower costs a pipeline job about 5%, and a job's own step-to-step noise raises
     the bar where it is noisier). ``node_margin``: a critical

@@ -19,6 +19,8 @@ of the detectors), but names and places ranks the same way.
 >>> groups = lay.groups()
 >>> groups[(0, 1)].value, groups[(0, 2, 4, 6)].value, groups[(0, 8)].value
 ('tp', 'dp', 'pp')
+>>> Layout(world=4, dp=4, ep=2).groups()[(2, 3)].value  # experts: within data parallelism
+'ep'
 >>> one_f_one_b(stage=0, stages=2, microbatches=3)
 [('forward', 0), ('forward', 1), ('backward', 0), ('forward', 2), ('backward', 1), ('backward', 2)]
 """
@@ -44,11 +46,12 @@ class Layout(NamedTuple):
     dp: int = 0
     cp: int = 1
     gpus_per_node: int = 8
+    ep: int = 1
 
     @classmethod
     def of(cls, job: JobInfo) -> Layout:
         """The layout a job record states."""
-        return cls(job.world_size, job.tp, job.pp, job.dp, job.cp, job.gpus_per_node)
+        return cls(job.world_size, job.tp, job.pp, job.dp, job.cp, job.gpus_per_node, job.ep)
 
     @property
     def data(self) -> int:
@@ -75,7 +78,8 @@ class Layout(NamedTuple):
 
     def groups(self) -> dict[tuple[int, ...], CommRole]:
         """Member ranks -> role of Megatron's TP, DP and PP groups (of more than one rank;
-        with context parallelism, DP groups span the whole data axis), and the world."""
+        with context parallelism, DP groups span the whole data axis), its expert-parallel
+        groups (``ep`` consecutive ranks of a stage's data axis), and the world."""
         out: dict[tuple[int, ...], CommRole] = {}
         tp, pp, d = self.tp, self.pp, self.data
         for s in range(pp):
@@ -86,6 +90,12 @@ class Layout(NamedTuple):
         for a in range(d if pp > 1 else 0):
             for t in range(tp):
                 out[tuple(self.rank(s, a, t) for s in range(pp))] = CommRole.PP
+        ep = self.ep if self.ep > 1 and self.cp == 1 else 0  # (Megatron: not with CP)
+        for s in range(pp if ep else 0):
+            for t in range(tp):
+                for g in range(d // ep):
+                    group = tuple(self.rank(s, a, t) for a in range(g * ep, (g + 1) * ep))
+                    out.setdefault(group, CommRole.EP)  # one the size of DP's is DP's
         out.setdefault(tuple(range(self.world)), CommRole.WORLD)
         return out
 

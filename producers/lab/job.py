@@ -15,7 +15,10 @@ called at every iteration's end:
   stages, a DP all-reduce of the gradients;
 * ``custom``: a job shaped like nothing megatrace knows and told no layout: gradient
   accumulation over micro-steps, a metrics all-reduce every few steps, a validation
-  pass every ten.
+  pass every ten;
+* ``moe``: a mixture of experts, expert parallelism carved out of data parallelism:
+  two all-to-alls per MoE layer each way, the dense gradients all-reduced over every
+  rank and each expert's over the ranks holding the same expert.
 
 With ``MEGATRACE_LAB_FR`` (a directory) and ``TORCH_FR_BUFFER_SIZE`` set, the rank keeps
 PyTorch's Flight Recorder ring and dumps it, as the installed torch writes it, to
@@ -38,7 +41,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("ddp", "zero", "megatron", "custom")
+WORKLOADS = ("ddp", "zero", "megatron", "custom", "moe")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,6 +53,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--ep", type=int, default=2)
     p.add_argument("--progress", type=Path)
     return p.parse_args(argv)
 
@@ -220,10 +224,23 @@ def megatron(a: argparse.Namespace) -> None:
     job.close()
 
 
+def moe(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    job = Job(a, {"tp": 1, "pp": 1, "dp": world, "ep": a.ep, "num_layers": 2})
+    from producers.lab.moe import run
+
+    run(job, torch, dist, a, a.ep)
+    job.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse(argv)
+    workloads = {"ddp": ddp, "zero": zero, "megatron": megatron, "custom": custom, "moe": moe}
     try:
-        {"ddp": ddp, "zero": zero, "megatron": megatron, "custom": custom}[a.workload](a)
+        workloads[a.workload](a)
     except Exception:
         if RECORDER is not None:  # the job failed (a peer is gone): what its ring holds
             RECORDER.dump()

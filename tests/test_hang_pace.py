@@ -1,0 +1,87 @@
+"""Hangs against what the job does: the call it is stuck in, and its present pace (a job
+whose link degraded under a large call is silent in it every step, and moves on)."""
+
+from __future__ import annotations
+
+from detectors.hang import diagnose_from_heartbeats
+from detectors.topology import Topology
+from detectors.verdicts import VerdictBook
+from detectors.watchdog import HangWatch, JobView
+from schemas.enums import Cause, CommRole
+from schemas.records import CommInfo, CommProgress, Heartbeat, JobInfo
+
+S = 10**9
+EXPERTS, SYNC = 10, 20  # an expert-parallel pair (0, 1), and a gradient sync (0, 2)
+MEMBERS = {EXPERTS: (0, 1), SYNC: (0, 2)}
+
+
+def beat(rank: int, t: float, calls: dict[int, tuple[int, int]]) -> Heartbeat:
+    """Rank ``rank``'s heartbeat at ``t`` s: communicator -> (issued, completed)."""
+    return Heartbeat(job="j", node=f"n{rank // 2}", rank=rank, ts_ns=int(t * S), comms=[
+        CommProgress(comm_hash=c, issued_seq=i, completed_seq=d) for c, (i, d) in calls.items()
+    ])  # fmt: skip
+
+
+def test_the_call_every_member_waits_in_is_named_not_one_they_all_completed() -> None:
+    """Ranks 0 and 2 both wait in their gradient sync (issued 13, completed 12); rank 0
+    and its expert-parallel peer completed every call of theirs (111). Rank 0 waiting
+    elsewhere leaves nothing of the experts' stuck: the sync is where the job stands."""
+    latest = {
+        0: beat(0, 1, {EXPERTS: (111, 111), SYNC: (13, 12)}),
+        1: beat(1, 1, {EXPERTS: (111, 111)}),
+        2: beat(2, 1, {SYNC: (13, 12)}),
+    }
+    diag = diagnose_from_heartbeats(latest, MEMBERS, [])
+    assert diag is not None
+    assert (diag.cause, diag.comm_hash, diag.seq) == (Cause.NETWORK_LINK, SYNC, 13)
+
+
+def _watch() -> tuple[HangWatch, JobView]:
+    topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=3, dp=3))
+    for comm, ranks in MEMBERS.items():
+        topo.add(CommInfo(job="j", ts_ns=0, comm_hash=comm, role=CommRole.OTHER,
+                          ranks=list(ranks)))  # fmt: skip
+    view = JobView(topo, VerdictBook("j"), expected_ns=0.1 * S, coll_now_ns=0,
+                   place=lambda *_: None)  # fmt: skip
+    return HangWatch(), view
+
+
+def _steps(watch: HangWatch, view: JobView, until: float, silent: list[tuple[float, float]]):
+    """Ranks 0 and 2 complete a sync every 0.1 s up to ``until``, except in the ``silent``
+    spans (start, end), in which both wait in it; rank 1 beats, done with its calls. The
+    verdicts told."""
+    out, seq, t = [], 0, 0.0
+    while t < until:
+        t = round(t + 0.1, 3)
+        waiting = any(a < t < b for a, b in silent)
+        if not waiting:
+            seq += 1
+        calls = {SYNC: (seq + 1, seq) if waiting else (seq, seq)}
+        for r in (0, 2):
+            watch.heartbeat(beat(r, t, calls), view.book)
+        watch.heartbeat(beat(1, t, {EXPERTS: (111, 111)}), view.book)
+        out += watch.tick(int(t * S), view)
+    return out
+
+
+def test_a_job_silent_as_long_as_it_just_was_every_step_is_not_hung() -> None:
+    """Steps of 0.1 s, then a sync that takes 1.5 s (a link degraded under it), then the
+    same every 2 s. The first silence is three times the floor of a hang, and five
+    times the usual step, with nothing yet to say otherwise: a hang, over when the job
+    moves. The next ones are the job's new pace: no hang."""
+    watch, view = _watch()
+    silences = [(2.0 + 2 * k, 3.5 + 2 * k) for k in range(5)]
+    told = _steps(watch, view, 12.0, silences)
+    hangs = [v for v in told if v.kind.value == "hang" and v.status.value == "open"]
+    assert [round(v.detected_ns / S, 1) for v in hangs] == [2.6]
+
+
+def test_a_job_that_stops_after_a_slow_step_is_hung_all_the_same() -> None:
+    """The same job, stopped for good after its first slow sync: a hang, told later
+    than the floor would (the job just came out of a long silence), and no later than
+    twice that silence."""
+    watch, view = _watch()
+    told = _steps(watch, view, 12.0, [(2.0, 3.5), (4.0, 99.0)])
+    hangs = [v for v in told if v.kind.value == "hang" and v.status.value == "open"]
+    assert len(hangs) == 2  # the slow sync, then the stop
+    assert 1.0 <= hangs[1].detected_ns / S - 4.0 <= 2 * 1.6

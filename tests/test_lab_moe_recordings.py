@@ -1,0 +1,40 @@
+"""Verdicts on a real mixture-of-experts job kept from `megatrace lab` (workload `moe`:
+four ranks on two nodes, expert-parallel pairs within a node, each expert's gradients
+all-reduced with the rank holding the same expert on the other node; see
+`producers/lab/moe.py`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.records import CommInfo
+from tests.recordings import ORDERS, last_verdicts, read_records
+
+RECORDING = "lab_moe_slow_link.jsonl.gz"
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_link_degraded_under_a_large_sync_is_that_link_not_a_hang_every_step(
+    order: str,
+) -> None:
+    """Case moe-slow-link: lab-n1's link limited to 100 Mbit/s (tbf) from step 12. The
+    experts' 4.7 MB gradient sync crosses it and takes 1.5 s where a whole step took
+    90 ms: every step, the job is silent three times as long as the floor of a hang,
+    then moves. The first silence, before any slower step was seen, is taken for a hang
+    of that sync, on the network (every member posted it); it stays the only one: the
+    next ones are the job's new pace. The link is found as what slowed the job."""
+    verdicts = last_verdicts(RECORDING, order)
+    links = [v for v in verdicts if v.kind.value == "link_degradation"]
+    assert [(v.link, v.onset_step) for v in links] == [("lab-n0<->lab-n1", 13)]
+    hangs = [v for v in verdicts if v.kind.value == "hang"]
+    assert len(hangs) <= 1
+    roles = {
+        r.comm_hash: (r.role.value, tuple(r.ranks))
+        for r in read_records(RECORDING)
+        if isinstance(r, CommInfo)
+    }
+    # the collector, told ep 2, declared the expert-parallel pairs as such
+    assert {("ep", (0, 1)), ("ep", (2, 3))} <= set(roles.values())
+    for hang in hangs:  # the sync every member waited in, not the experts' exchange
+        assert hang.cause.value == "network_link"
+        assert roles[hang.comm_hash] in (("other", (0, 2)), ("other", (1, 3)))
