@@ -166,6 +166,12 @@ def import_nccl_inspector(obj: _Ctx, paths: tuple[str, ...], job: str, to: str) 
     help="Megatron arguments (JSON, YAML or --flags): places the hang in the schedule.",
 )
 @click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    help="The job's ranks, where no --config says (a rank that wrote no dump, past the "
+    "highest that did, is known only so).",
+)
+@click.option(
     "--to",
     default="kafka",
     show_default=True,
@@ -173,17 +179,24 @@ def import_nccl_inspector(obj: _Ctx, paths: tuple[str, ...], job: str, to: str) 
 )
 @click.pass_obj
 def import_flight_recorder(
-    obj: _Ctx, paths: tuple[str, ...], job: str, megatron_config: str | None, to: str
+    obj: _Ctx,
+    paths: tuple[str, ...],
+    job: str,
+    megatron_config: str | None,
+    world_size: int | None,
+    to: str,
 ) -> None:
     """PyTorch Flight Recorder dumps (one file per rank, or a directory of them)."""
     from producers.flight_recorder import DumpFormatError, import_dumps
     from producers.megatron_config import ConfigFormatError as LogFormatError
-    from producers.megatron_config import read_megatron_config
+    from producers.megatron_config import MegatronConfig, read_megatron_config
     from schemas.codec import write_jsonl
 
     files = [f for p in map(Path, paths) for f in (sorted(p.iterdir()) if p.is_dir() else [p])]
     try:
         cfg = read_megatron_config(Path(megatron_config)) if megatron_config else None
+        if cfg is None and world_size is not None:
+            cfg = MegatronConfig(world_size=world_size)
         records, skipped = import_dumps(files, job, cfg)
     except (DumpFormatError, LogFormatError) as e:
         raise click.ClickException(str(e)) from None

@@ -162,16 +162,19 @@ def _results(run: CaseRun, stack: Any, settings: Settings, lab: NetLab) -> None:
 
 def _flight_recorders(run: CaseRun, fr_dir: Path) -> None:
     """megatrace's verdicts from the ranks' Flight Recorder dumps alone, as an SRE would
-    import them after a hang (``megatrace import flight-recorder``)."""
+    import them after a hang, telling the job's size (``megatrace import flight-recorder
+    --world-size``: a killed rank writes no dump, and Gloo's dumps name no group's
+    members where its groups have no names)."""
     from detectors.replay import Replay
     from producers.flight_recorder import DumpFormatError, import_dumps
+    from producers.megatron_config import MegatronConfig
 
     dumps = sorted(fr_dir.glob("rank_*"), key=lambda p: int(p.name.split("_")[1]))
     run.fr_ranks = [int(p.name.split("_")[1]) for p in dumps]
     if not dumps:
         return
     try:
-        records, _ = import_dumps(dumps, run.job)
+        records, _ = import_dumps(dumps, run.job, MegatronConfig(world_size=run.case.ranks))
     except DumpFormatError as e:
         run.error = f"its Flight Recorder dumps could not be read: {e}"
         return

@@ -379,3 +379,18 @@ def test_real_gloo_dumps_of_a_pipeline_job_name_the_killed_rank(tmp_path: Path) 
     assert (hang.kind.value, hang.rank) == ("hang", 3)
     tp = {c.comm_hash for c in records if isinstance(c, CommInfo) and tuple(c.ranks) == (2, 3)}
     assert hang.comm_hash in tp and hang.seq > 100
+
+
+def test_real_gloo_dumps_name_the_killed_last_rank_once_told_the_jobs_size(tmp_path: Path) -> None:
+    """Case moe-killed of the lab (a mixture of experts, four ranks): rank 3 SIGKILLed at
+    step 12. It is the highest rank, it wrote no dump, and Gloo's dumps name no group's
+    members (its groups have no names): from the dumps alone the job has three ranks,
+    and one of them is blamed. Told four (``--world-size``), its expert-parallel and
+    expert-data-parallel groups, each called on by one rank that dumped, have rank 3
+    as their other member: it is named."""
+    import tarfile
+
+    with tarfile.open(Path(__file__).parent / "data" / "fr_gloo_moe_rank3_killed.tar.gz") as t:
+        t.extractall(tmp_path, filter="data")
+    (told,) = analyze(tmp_path, str(tmp_path / "fr"), "--world-size", "4")
+    assert (told["kind"], told["rank"]) == ("hang", 3)
