@@ -63,8 +63,8 @@ from detectors.verdicts import VerdictBook
 from schemas.enums import Cause, VerdictKind
 from schemas.records import Heartbeat, ProxySummary
 
-#: how long a silence the job came out of stays its pace, unless another about as long
-#: follows: this many times its length
+#: how long the job's pace (a silence it came out of) holds unless another about as long
+#: renews it: this many times its length
 SILENCES_KEPT = 4
 
 
@@ -139,21 +139,23 @@ class HangWatch:
 
     def _came_out(self, since_ns: int, gap_ns: int, at_ns: int) -> None:
         """The job, silent since ``since_ns`` for ``gap_ns`` at least, was seen moving at
-        ``at_ns``: its pace from now on where the silence was at least half as long as
-        the pace kept, or that lapsed (a job slowed down comes out of silences about as
-        long, step after step); the longest account of one silence is kept (each rank's
-        heartbeats see its end at their own time)."""
+        ``at_ns``. Its pace is the longest such silence lately: one at least half as long
+        as the pace kept renews it for ``SILENCES_KEPT`` times its length (a job slowed
+        down comes out of silences about as long, step after step, and each is seen a
+        heartbeat apart or less); shorter ones leave it to lapse. Each rank's heartbeats
+        see the end of one silence at their own time: the longest account counts."""
         kept, until, began = self.silence
-        if since_ns == began:
-            if gap_ns > kept:
-                self.silence = (gap_ns, at_ns + SILENCES_KEPT * gap_ns, since_ns)
-        elif 2 * gap_ns >= kept or at_ns > until:
-            self.silence = (gap_ns, at_ns + SILENCES_KEPT * gap_ns, since_ns)
+        if at_ns > until:
+            kept = 0
+        if since_ns != began and 2 * gap_ns < kept:
+            return
+        pace = max(kept, gap_ns)
+        self.silence = (pace, at_ns + SILENCES_KEPT * pace, since_ns)
 
     def silence_lately(self, now_ns: int) -> int:
-        """The job's present pace between progress (0: none): the silence it came out of
-        last that set it, until ``SILENCES_KEPT`` times that silence passed. A hang's
-        silence must exceed it, as it must the usual step time."""
+        """The job's present pace between progress (0: none, or it lapsed; see
+        :meth:`_came_out`). A hang's silence must exceed it, as it must the usual step
+        time."""
         gap, until, _ = self.silence
         return gap if now_ns <= until else 0
 

@@ -65,13 +65,15 @@ def _steps(watch: HangWatch, view: JobView, until: float, silent: list[tuple[flo
 
 
 def test_a_job_silent_as_long_as_it_just_was_every_step_is_not_hung() -> None:
-    """Steps of 0.1 s, then a sync that takes 1.5 s (a link degraded under it), then the
-    same every 2 s. The first silence is three times the floor of a hang, and five
-    times the usual step, with nothing yet to say otherwise: a hang, over when the job
-    moves. The next ones are the job's new pace: no hang."""
+    """Steps of 0.1 s, then a sync that takes 1.5 s (a link degraded under it), then one
+    every 2.5 s, of 0.85 to 1.9 s. The first silence is three times the floor of a
+    hang, and five times the usual step, with nothing yet to say otherwise: a hang,
+    over when the job moves. The next ones are the job's new pace: no hang, nor where
+    one shorter than half the others is followed by the longest."""
     watch, view = _watch()
-    silences = [(2.0 + 2 * k, 3.5 + 2 * k) for k in range(5)]
-    told = _steps(watch, view, 12.0, silences)
+    lengths = (1.5, 1.5, 0.85, 1.9, 1.5)
+    silences = [(2.0 + 2.5 * k, 2.0 + 2.5 * k + n) for k, n in enumerate(lengths)]
+    told = _steps(watch, view, 14.0, silences)
     hangs = [v for v in told if v.kind.value == "hang" and v.status.value == "open"]
     assert [round(v.detected_ns / S, 1) for v in hangs] == [2.6]
 
