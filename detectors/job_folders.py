@@ -30,7 +30,7 @@ from detectors.folder import StepFolder
 from detectors.hang import HangDiagnosis
 from detectors.schedule import CommSchedule, ScheduleBook
 from detectors.topology import Position, Topology
-from schemas.enums import CollOp
+from schemas.enums import CollOp, Phase
 from schemas.records import AlignedCollective, CommStructure, Iteration
 
 Folded = tuple[list[AlignedCollective], list[Any]]
@@ -38,6 +38,10 @@ Folded = tuple[list[AlignedCollective], list[Any]]
 
 class JobFolders:
     """Per communicator the job has the record of: its folder, made when first needed."""
+
+    #: the end of the newest iteration marker dropped (only the newest are kept): a call
+    #: made before it is in a step the markers kept cannot say
+    forgot_ns: int = 0
 
     def __init__(self) -> None:
         self._reset()
@@ -88,7 +92,8 @@ class JobFolders:
         receiver's): where its folder places its partial instance, else the layout's
         schedule where the calls follow it. Where nothing said yet whether they do (the
         calls' topic read behind the heartbeats'), the job's iteration markers say which
-        step it began in, and the layout's place is kept only if it says the same step."""
+        step it began in, and the layout's place is kept only if it says the same step;
+        not for a call made before the markers kept (they are read far ahead of it)."""
         folder = self.folder(diag.comm_hash, topo)
         note = self.note_of(diag.comm_hash)
         if partial is not None and folder is not None:
@@ -97,6 +102,8 @@ class JobFolders:
             return None
         pos = topo.position(diag.comm_hash, diag.seq, op or CollOp.ALL_REDUCE, *stages)
         if note is None and folder is not None and at_ns:
+            if at_ns <= self.forgot_ns:  # before the markers kept: the layout's, if it knows
+                return pos if pos is not None and pos.phase != Phase.UNKNOWN.value else None
             marked = folder.position_at(at_ns)
             if marked is not None and (pos is None or pos.step != marked.step):
                 return marked
@@ -109,7 +116,8 @@ class JobFolders:
             return
         self.marks[it.step] = (it.end_ns, it.rank)
         if len(self.marks) > ScheduleBook.recent_marks:
-            del self.marks[min(self.marks)]
+            end, _ = self.marks.pop(min(self.marks))
+            self.forgot_ns = max(self.forgot_ns, end)
         for folder in self.folders.values():
             yield folder.mark(it.step, it.end_ns, it.rank)
 

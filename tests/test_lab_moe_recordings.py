@@ -38,3 +38,6 @@ def test_a_link_degraded_under_a_large_sync_is_that_link_not_a_hang_every_step(
     for hang in hangs:  # the sync every member waited in, not the experts' exchange
         assert hang.cause.value == "network_link"
         assert roles[hang.comm_hash] in (("other", (0, 2)), ("other", (1, 3)))
+        # its step, where told: with the markers read first, only the newest 64 are kept,
+        # and the call came before them (its step is not known, not the oldest kept)
+        assert hang.onset_step in (13, None)
