@@ -89,9 +89,9 @@ def report_hang(
         "phase": Phase(pos.phase) if pos else None,
     }
     if rank is not None:
-        fields.update(
-            rank=rank, node=topo.node(rank), gpu=topo.gpu(rank), pp_stage=topo.coords(rank)[0]
-        )
+        stage = topo.coords(rank)[0]  # (none where the job claims no pipeline it has)
+        fields.update(rank=rank, node=topo.node(rank), gpu=topo.gpu(rank),
+                      pp_stage=stage if stage < topo.job.pp else None)  # fmt: skip
     several = [r for r in diag.missing if r is not None]
     if len(several) > 1 and diag.cause == Cause.COMPUTE:
         fields["culprit_ranks"] = several

@@ -87,3 +87,25 @@ def test_a_job_that_stops_after_a_slow_step_is_hung_all_the_same() -> None:
     hangs = [v for v in told if v.kind.value == "hang" and v.status.value == "open"]
     assert len(hangs) == 2  # the slow sync, then the stop
     assert 1.0 <= hangs[1].detected_ns / S - 4.0 <= 2 * 1.6
+
+
+def test_a_job_that_claims_no_layout_has_no_pipeline_stage_in_its_hang() -> None:
+    """A job record that claims no layout (one rank each way, as the collector declares
+    for a job told none): rank 2 never joins a sync rank 0 waits in. The hang names rank
+    2, and no pipeline stage (its rank is not a stage of a pipeline the job has none of)."""
+    topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=3, tp=1, pp=1, dp=1))
+    topo.add(CommInfo(job="j", ts_ns=0, comm_hash=SYNC, role=CommRole.OTHER, ranks=[0, 2]))
+    view = JobView(topo, VerdictBook("j"), expected_ns=0.1 * S, coll_now_ns=0,
+                   place=lambda *_: None)  # fmt: skip
+    watch, told = HangWatch(), []
+    for k in range(1, 31):
+        t = k / 10
+        mine = {SYNC: (k, k) if t <= 1 else (11, 10)}  # rank 0 waits in seq 11 from 1.1 s
+        theirs = {SYNC: (min(k, 10), min(k, 10))}  # rank 2 never issues it
+        watch.heartbeat(beat(0, t, mine), view.book)
+        watch.heartbeat(beat(2, t, theirs), view.book)
+        watch.heartbeat(beat(1, t, {EXPERTS: (5, 5)}), view.book)
+        told += watch.tick(int(t * S), view)
+    (hang,) = [v for v in told if v.kind.value == "hang"]
+    assert (hang.rank, hang.pp_stage) == (2, None)
+    assert "PP stage" not in hang.summary
