@@ -126,6 +126,11 @@ class Incident:
                                          "pp_stage", "microbatch", "phase")  # fmt: skip
 
     @property
+    def named(self) -> tuple[int, ...]:
+        """The ranks it names: its ranks, else its rank (none for a host or the network)."""
+        return self.ranks or (() if self.rank is None else (self.rank,))
+
+    @property
     def who(self) -> str:
         """Whom it is about, in words."""
         c = self.culprit

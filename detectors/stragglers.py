@@ -175,13 +175,13 @@ class Stragglers:
         if self._burst_named is None:
             self._burst_named = {}
         named = self._burst_named
-        mine = set(inc.ranks or ([] if inc.rank is None else [inc.rank]))
+        mine = set(inc.named)
         own = [inc.culprit] if inc.culprit in named else []  # its own bursts first
         for culprit in own + [c for c in named if c != inc.culprit]:
             earlier = named[culprit]
             if not self.bursts.get(culprit):
                 continue
-            theirs = earlier.ranks or (() if earlier.rank is None else (earlier.rank,))
+            theirs = earlier.named
             if culprit != inc.culprit and not mine & set(theirs):
                 continue
             ranks = tuple(dict.fromkeys([*theirs, *sorted(mine - set(theirs))]))
