@@ -30,7 +30,7 @@ from detectors.folder import StepFolder
 from detectors.hang import HangDiagnosis
 from detectors.schedule import CommSchedule, ScheduleBook
 from detectors.topology import Position, Topology
-from schemas.enums import CollOp, Phase
+from schemas.enums import CollOp
 from schemas.records import AlignedCollective, CommStructure, Iteration
 
 Folded = tuple[list[AlignedCollective], list[Any]]
@@ -103,7 +103,7 @@ class JobFolders:
         pos = topo.position(diag.comm_hash, diag.seq, op or CollOp.ALL_REDUCE, *stages)
         if note is None and folder is not None and at_ns:
             if at_ns <= self.forgot_ns:  # before the markers kept: the layout's, if it knows
-                return pos if pos is not None and pos.phase != Phase.UNKNOWN.value else None
+                return pos
             marked = folder.position_at(at_ns)
             if marked is not None and (pos is None or pos.step != marked.step):
                 return marked

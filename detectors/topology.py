@@ -228,9 +228,12 @@ class Placer(NamedTuple):
 
     def at(
         self, seq: int, sender_stage: int | None = None, receiver_stage: int | None = None
-    ) -> Position:
+    ) -> Position | None:
         """The position of instance ``seq`` (a transfer's: ``seq`` counts the transfers
-        from its sender to its receiver, whose stages say which way it goes)."""
+        from its sender to its receiver, whose stages say which way it goes), or None
+        where the layout has no schedule for this communicator (its role is not one the
+        schedule knows, or a data-parallel one's count a step is not known): its step is
+        not known, not step 0."""
         if self.per_layer and self.per_step:
             step, i = divmod(seq, self.per_step)
             node, k = divmod(i, self.per_node)
@@ -245,4 +248,4 @@ class Placer(NamedTuple):
             return Position(step, FWD if downward else BWD, mb, self.stage)
         if self.role is CommRole.DP and self.per_step:
             return Position(seq // self.per_step, Phase.DP_SYNC.value, None, self.stage)
-        return Position(0, Phase.UNKNOWN.value, None, self.stage)
+        return None
