@@ -53,6 +53,7 @@ from detectors.link_tracker import LinkTracker
 from detectors.merge import CommLiveness
 from detectors.node import NodeAnalyzer, NodeDigest
 from detectors.parts import StepPart
+from detectors.saves import Saves
 from detectors.slowdown_tracker import SlowdownTracker
 from detectors.steps import StepAssembler, StepReport, step_tables
 from detectors.topology import Position, Topology
@@ -99,13 +100,14 @@ class JobAnalyzer:
         # per sending rank: how late its sends find their data, against its own baseline
         self.gpu_wait = GpuWaitBaseline()
         self.cpu = CpuWaits()  # per rank: how long its threads waited for a CPU
+        self.saves = Saves()  # per rank: when it saved checkpoints
         self.links = LinkTracker(self.book, self.ledger, self.gpu_wait, st.warmup_steps,
                                  st.link_drop)  # fmt: skip
         self.slowdowns = SlowdownTracker(
             self.book, self.ledger, self.links, self.gpu_wait, warmup=st.warmup_steps,
             node_margin=st.node_margin, alpha=st.alpha, host_lead_drop=st.host_lead_drop,
             link_wait_ms=st.link_wait_ms, settle_s=st.settle_s,
-            transient_min_lost_ms=st.transient_min_lost_ms, cpu=self.cpu,
+            transient_min_lost_ms=st.transient_min_lost_ms, cpu=self.cpu, saves=self.saves,
         )  # fmt: skip
         self.hangs = HangWatch()
         # per node: link samples against each link's baseline (the flow sends digests made
@@ -245,6 +247,8 @@ class JobAnalyzer:
         self.now_ns = max(self.now_ns, hb.ts_ns)
         if hb.cpu_wait_ns is not None:
             self.cpu.update(hb.rank, hb.ts_ns, hb.cpu_wait_ns, hb.cpu_throttled_ns)
+        if hb.save_ns is not None:
+            self.saves.update(hb.rank, hb.ts_ns, hb.save_ns, hb.saving_since_ns)
         return self.hangs.heartbeat(hb, self.book)
 
     def _passed(self, p: Passed) -> Out:

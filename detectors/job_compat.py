@@ -16,6 +16,7 @@ from detectors.gpu_wait import GpuWaitBaseline
 from detectors.incidents import Culprit, Incident, StepTimeLedger
 from detectors.job_folders import JobFolders
 from detectors.link_tracker import LinkTracker
+from detectors.saves import Saves
 from detectors.slowdown_tracker import SlowdownTracker
 from detectors.watchdog import HangWatch
 
@@ -44,6 +45,8 @@ def upgrade(state: dict[str, Any]) -> dict[str, Any]:
         _trackers(state)
     if "cpu" not in state:  # pickled before heartbeats carried the ranks' CPU wait
         state["cpu"] = state["slowdowns"].cpu = CpuWaits()
+    if "saves" not in state:  # pickled before heartbeats carried the ranks' saves
+        state["saves"] = state["slowdowns"].saves = Saves()
     if "own" not in state:  # the job's own folders, kept in the job itself before
         own = state["own"] = JobFolders()
         own.structure = state.pop("structure", {})

@@ -34,6 +34,7 @@ from detectors.judgement import Judgement
 from detectors.link_tracker import LinkTracker
 from detectors.rechecks import Rechecks
 from detectors.remainders import Remainders
+from detectors.saves import Saves
 from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepReport
 from detectors.stragglers import Stragglers
@@ -80,6 +81,9 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
     cpu
         The job's ranks' CPU wait (:class:`~detectors.cpu_wait.CpuWaits`), where its
         heartbeats carry it: ranks or a host starved of CPU since a shift are its cause.
+    saves
+        The job's ranks' checkpoint saves (:class:`~detectors.saves.Saves`), where its
+        heartbeats carry them: a burst the job spent saving a checkpoint is no straggler.
     amplifies, look_beats
         A rank or host starved of CPU explains at most this many times the share of the
         time it was kept from running; once its shares are read over this many
@@ -98,6 +102,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
     _held_by: int = -1
     _unsettled: dict[Culprit, int] | None = None
     cpu: CpuWaits | None = None
+    saves: Saves | None = None
     amplifies: float = 2.0
     look_beats: int = 8
 
@@ -123,6 +128,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         amplifies: float = 2.0,
         look_beats: int = 8,
         cpu: CpuWaits | None = None,
+        saves: Saves | None = None,
     ) -> None:
         if settle_steps < 1 or unexplained_steps < 1 or gpu_wait_confirms <= 1:
             raise ValueError(
@@ -152,7 +158,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         self.transient_floor, self.transient_min_lost_ms = transient_floor, transient_min_lost_ms
         self.held_share = held_share
         self.amplifies, self.look_beats = amplifies, look_beats
-        self.cpu = cpu
+        self.cpu, self.saves = cpu, saves
         self._reset()
 
     def _reset(self) -> None:

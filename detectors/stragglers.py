@@ -11,6 +11,10 @@ job of 20 ms steps that is a step 2-3x slower, as often as every few hundred ste
 busy host; a straggler worth a verdict costs more (a GPU twice as slow for one step
 costs its step, 0.1 s or more in training).
 
+A burst the job spent saving a checkpoint is none either: a rank saving for at least half
+the time the burst lost (:class:`~detectors.saves.Saves`, where the heartbeats carry the
+saves) held the others up at their next collective, as the job was written to.
+
 A burst is judged once as many steps as confirm a shift have followed it: slow steps
 that come back within them and stay are the first of a slowdown (a CPU quota lets a
 fast step through now and then), reported as that slowdown alone; another burst within
@@ -46,6 +50,7 @@ HeldBurst = tuple[int, float, int, int, Incident, float]
 
 if TYPE_CHECKING:
     from detectors.changepoint import ShiftDetector
+    from detectors.saves import Saves
     from detectors.slowdown import SlowdownLocalizer
 
 
@@ -60,6 +65,7 @@ class Stragglers:
     held_share: float
     #: for a tracker pickled before it had it
     transient_min_lost_ms: float = 50.0
+    saves: Saves | None = None
 
     shift: ShiftDetector
     localizer: SlowdownLocalizer
@@ -152,8 +158,11 @@ class Stragglers:
             bar = 0.0
         if ratio < 1.0 + 2 * bar:
             return []
-        if _lost(reps, level) < self.transient_min_lost_ms * 1e6:
+        lost = _lost(reps, level)
+        if lost < self.transient_min_lost_ms * 1e6:
             return []  # a few of the host scheduler's time slices: no straggler's cost
+        if self._saving(reps or [rep], lost):
+            return []
         episode = self._episode(inc, topo)
         bursts = self.bursts.setdefault(episode.culprit, [])
         bursts.append((onset, ratio, length))
@@ -165,6 +174,16 @@ class Stragglers:
             del self.bursts[episode.culprit]
         self._burst_named[inc.culprit] = inc
         return self._transient(inc, onset, ratio, length, rep, bar, reps, level)
+
+    def _saving(self, reps: list[StepReport], lost: float) -> bool:
+        """Whether a rank of the job saved a checkpoint for half the time ``lost`` or more
+        around the steps ``reps``: the job's own pause, not a straggler."""
+        saves = self.saves
+        if saves is None or not (saves.spans or saves.under_way):
+            return False
+        start, end = reps[0].start_ns, reps[-1].end_ns
+        ranks = {*saves.spans, *saves.under_way}
+        return max(saves.saved(r, start, end) for r in ranks) >= lost / 2
 
     def _episode(self, inc: Incident, topo: Topology) -> Incident:
         """The bursts ``inc``'s burst goes on from: those of a culprit that named a rank it

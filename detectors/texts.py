@@ -257,10 +257,16 @@ __all__ = [
     "percent",
     "plural",
     "slowdown_summary",
+    "still_saving",
     "transient_summary",
     "where",
     "who",
 ]
+
+
+def still_saving(for_ns: float) -> str:
+    """What a hang's summary adds for a culprit saving a checkpoint all along."""
+    return f"; it has been saving a checkpoint for {for_ns / 1e9:,.0f} s"
 
 
 def hang_summary(

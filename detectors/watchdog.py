@@ -7,7 +7,9 @@ posted and not completed. :meth:`HangWatch.tick` calls a hang when the job made 
 progress for ``hang_factor`` x its expected step time, or x a silence it came out of
 lately where that was longer (its present pace: a job slowed by a link under a large
 call is silent in it every step; at least ``min_hang_ms``; a recording's end is silence
-that goes on), and localises it with
+that goes on; while a rank saves a checkpoint, at least ``save_hang_s``: the job's own
+pause, which its peers wait out at their next collective, and no pace), and localises it
+with
 :mod:`detectors.hang`: the member missing from the earliest call the others wait in
 (several, if several never joined it), or, where every member joined, the edge whose
 proxy operations never completed and whether the network or a GPU stopped. The verdict
@@ -78,6 +80,7 @@ class HangWatch:
         self.__dict__.update(state)
         # snapshots of versions without them
         self.__dict__.setdefault("revisable", False)
+        self.__dict__.setdefault("saw_save_ns", 0)
         self.__dict__.setdefault("joined", {})
         self.__dict__.setdefault("silence", (0, 0, 0))
 
@@ -96,6 +99,7 @@ class HangWatch:
         self.joined: dict[int, dict[int, int]] = {}  # rank -> comm -> newest partial it joined
         # the job's pace: a silence it came out of, until when it counts, when it began
         self.silence = (0, 0, 0)
+        self.saw_save_ns = 0  # the newest heartbeat that showed a rank saving a checkpoint
 
     # ------------------------------------------------------------------ inputs
     def heartbeat(self, hb: Heartbeat, book: VerdictBook) -> list[msgspec.Struct]:
@@ -104,6 +108,10 @@ class HangWatch:
         ts = hb.ts_ns
         before = self.hb_latest.get(hb.rank)
         self.hb_latest[hb.rank] = hb
+        if hb.save_ns and (hb.saving_since_ns is not None or (
+            before is not None and before.save_ns is not None and hb.save_ns > before.save_ns
+        )):  # fmt: skip
+            self.saw_save_ns = ts
         if ts > self.hb_now_ns:
             self.hb_now_ns = ts
         done = self.hb_done.get(hb.rank)
@@ -116,9 +124,10 @@ class HangWatch:
                 moved = True
         if not moved:
             return []
-        if before is not None and before.ts_ns > self.hb_progress_ns > 0:
+        if before is not None and before.ts_ns > self.hb_progress_ns > max(0, self.saw_save_ns):
             # silent at least from its last progress to this rank's heartbeat before,
-            # which showed none (what came after, up to a heartbeat apart, is not known)
+            # which showed none (what came after, up to a heartbeat apart, is not known);
+            # not a silence a rank spent saving a checkpoint: that is no pace
             self._came_out(self.hb_progress_ns, before.ts_ns - self.hb_progress_ns, ts)
         self.hb_progress_ns = max(self.hb_progress_ns, ts)
         if self.open and ts > self.detected_ns:
@@ -223,6 +232,16 @@ class HangWatch:
             silent = self.hb_now_ns - self.hb_progress_ns
             if not self.hb_progress_ns or silent <= limit:
                 return []
+            if self.saw_save_ns > self.hb_progress_ns:  # a rank saved a checkpoint in it:
+                # the job's own pause, until a save goes on too long; once over, the job's
+                # silence counts from its end (the others' heartbeats show them moving later)
+                if self.saving(limit):
+                    if silent <= st.save_hang_s * 1e9:
+                        return []
+                else:
+                    silent = self.hb_now_ns - self.saw_save_ns
+                    if silent <= limit:
+                        return []
             fresh = sum(hb.ts_ns > self.hb_progress_ns for hb in self.hb_latest.values())
             if fresh < world and silent <= 3 * limit and not final:
                 return []  # wait until every rank reported after the freeze
@@ -244,6 +263,13 @@ class HangWatch:
         if diag is None:
             return []
         return self._verdict(diag, silent, detected, view)
+
+    def saving(self, within_ns: float) -> dict[int, int]:
+        """The ranks whose latest heartbeat, at most ``within_ns`` old, says a checkpoint
+        save is under way, and since when (a rank heard from no more is not saving)."""
+        now = self.hb_now_ns - within_ns
+        return {r: hb.saving_since_ns for r, hb in self.hb_latest.items()
+                if hb.saving_since_ns is not None and hb.ts_ns >= now}  # fmt: skip
 
     def _from_heartbeats(
         self, topo: Topology, members: dict[int, tuple[int, ...]]
@@ -405,6 +431,7 @@ class HangWatch:
             progress_ns=self.hb_progress_ns or self.last_progress_ns,
             reported=self.open,
             ended=self.final,
+            saving=self.saving(silent) if self.hb_latest else {},
         )
         self.open = culprit
         self.detected_ns = detected

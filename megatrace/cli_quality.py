@@ -179,6 +179,8 @@ def lab(obj: _Ctx, names: tuple[str, ...], quick: bool, listing: bool, out: str 
     if listing:
         for name, c in CASES.items():
             faults = ", ".join(f"{f.kind} of {f.target}" for f in c.faults) or "healthy"
+            if c.checkpoint_every:
+                faults += f", a checkpoint every {c.checkpoint_every} steps"
             click.echo(f"{name:<24} {c.workload:<9} {c.ranks} ranks, {faults}")
         return
     try:

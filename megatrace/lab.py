@@ -63,6 +63,8 @@ class Case:
     nodes: int = 2
     steps: int = 80
     faults: tuple[Fault, ...] = ()
+    #: a healthy job's checkpoints, every this many steps (0: none)
+    checkpoint_every: int = 0
 
     @property
     def per_node(self) -> int:
@@ -105,6 +107,8 @@ def _cases() -> list[Case]:
             # the lab measures it (it varies with the host's load)
             mild = 0.25 if wl == "ddp" else 0.15
             out.append(case("mild-rank", Fault("slow_rank", 1, at, cpus=mild)))
+        if wl in ("ddp", "megatron"):  # healthy, saving a checkpoint now and then
+            out.append(Case(f"{wl}-checkpoint", wl, ranks, steps=steps, checkpoint_every=10))
         if wl == "megatron":  # two ranks at once, of two stages on two nodes (two of a
             # 4-rank job's would be half of it: what the job does, no culprits)
             out.append(case("two-ranks", Fault("slow_rank", 1, at), Fault("slow_rank", 6, at)))
@@ -211,6 +215,8 @@ class Ranks:
                 str(case.steps),
                 "--progress",
                 str(self.progress),
+                "--checkpoint-every",
+                str(case.checkpoint_every),
             ]
             self.procs.append(
                 subprocess.Popen(node.exec(*argv), env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -22,6 +22,14 @@ batches to the sink (the node agent's socket by default; it never blocks).
 A call still unfinished after ``partial_after_s`` is also reported as joined
 but not finished, so a hang shows who waits and who never came.
 
+Checkpoints are seen too: ``torch.save`` and ``torch.distributed.checkpoint``'s
+``save`` and ``async_save`` are wrapped (code must call them through their
+modules; other checkpoint code can be marked, ``with torch_collector.saving():``),
+and the heartbeats say how long the rank spent saving and since when
+a save is under way (a heartbeat goes out as a save begins and as it ends). A
+rank saving holds its peers up at their next collective, as a straggler or a
+hang would; the detectors tell it apart by this.
+
 Calls on CUDA tensors (NCCL) return to Python as soon as they are enqueued, so
 their host times say nothing: :class:`GpuTimer` takes their arrival (the
 stream reached the call) and end (the stream waited for NCCL) from CUDA
@@ -44,7 +52,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -218,6 +226,13 @@ class Collector:
         self._stop = threading.Event()
         self._tls = threading.local()
         self._thread: threading.Thread | None = None
+        # checkpoints: the time finished saves took, the threads saving now and since when,
+        # and whether a heartbeat should go out now (a save began or ended)
+        self._saved_ns = 0
+        self._saving = 0
+        self._saving_since: int | None = None
+        self._save_lock = threading.Lock()
+        self._beat_now = False
 
     # ------------------------------------------------------------------ layout
     def declare(
@@ -303,13 +318,21 @@ class Collector:
         )
 
     def _comm(self, group: Any) -> _Comm:
+        """The communicator of ``group`` (None: the default one). Groups of the same ranks
+        are one communicator, one sequence: ``None`` and the default group object (which
+        DDP passes) are, and so are two groups made of the same ranks (every member
+        issues their calls in the program's order, so the numbers agree)."""
         c = self._groups.get(id(group))
         if c is None:
             dist = self.dist
             g = group if group is not None else dist.distributed_c10d._get_default_group()
             ranks = tuple(dist.get_process_group_ranks(g))
-            c = self._groups[id(group)] = _Comm(comm_hash("group", ranks), ranks, self.rank)
-            self._announce(c)
+            h = comm_hash("group", ranks)
+            c = next((x for x in self._groups.values() if x.hash == h), None)
+            if c is None:
+                c = _Comm(h, ranks, self.rank)
+                self._announce(c)
+            self._groups[id(group)] = c
         return c
 
     def _pair(self, peer: int) -> _Comm:
@@ -516,14 +539,60 @@ class Collector:
                           duration_ns=now - last if last else None, source="torch-collector")
             )  # fmt: skip
 
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Checkpoint code, timed: the time any thread is inside counts once (DCP's writers
+        call ``torch.save`` inside its ``save``, on threads of their own)."""
+        tls = self._tls
+        depth = getattr(tls, "saving", 0)
+        tls.saving = depth + 1
+        if not depth:
+            self._saves_moved(+1)
+        try:
+            yield
+        finally:
+            tls.saving = depth
+            if not depth:
+                self._saves_moved(-1)
+
+    def _save(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self.saving():
+                return fn(*args, **kwargs)
+
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapper
+
+    def _saves_moved(self, by: int) -> None:
+        """A thread began (+1) or ended (-1) a save: the first to begin starts the clock,
+        the last to end stops it; either way a heartbeat goes out now."""
+        now = time.time_ns()
+        with self._save_lock:
+            if by > 0 and not self._saving:
+                self._saving_since = now
+            self._saving += by
+            if not self._saving and self._saving_since is not None:
+                self._saved_ns += now - self._saving_since
+                self._saving_since = None
+        self._beat_now = True
+
+    def saves(self, now_ns: int) -> tuple[int, int | None]:
+        """The time spent saving checkpoints up to ``now_ns`` (a save under way included),
+        and when the save under way began (None: none)."""
+        with self._save_lock:
+            saved, since = self._saved_ns, self._saving_since
+        return saved + (max(0, now_ns - since) if since is not None else 0), since
+
     def heartbeat(self, now_ns: int | None = None) -> Heartbeat:
         comms = [*self._groups.values(), *self._pairs.values()]
         cpu = process_cpu()
+        now = now_ns or time.time_ns()
+        saved, since = self.saves(now)
         return Heartbeat(
             job=self.job,
             node=self.node,
             rank=self.rank,
-            ts_ns=now_ns or time.time_ns(),
+            ts_ns=now,
             pid=os.getpid(),
             step=self.step,
             comms=[
@@ -533,13 +602,16 @@ class Collector:
             cpu_ns=cpu[0] if cpu else None,
             cpu_wait_ns=cpu[1] if cpu else None,
             cpu_throttled_ns=cgroup_throttled(),
+            save_ns=saved,
+            saving_since_ns=since,
         )
 
     def _loop(self) -> None:
         next_hb = 0.0
         while not self._stop.wait(self.flush_s):
             out = self.drain()
-            if time.monotonic() >= next_hb:
+            if time.monotonic() >= next_hb or self._beat_now:
+                self._beat_now = False
                 out.append(self.heartbeat())
                 next_hb = time.monotonic() + self.heartbeat_s
             if out:
@@ -572,6 +644,11 @@ class Collector:
             for module in (dist, c10d):
                 if hasattr(module, name):
                     setattr(module, name, wrap)
+        for module, name in _saves():
+            key = f"{module.__name__}.{name}"
+            if key not in self._originals:
+                self._originals[key] = getattr(module, name)
+                setattr(module, name, self._save(self._originals[key]))
         self._thread = threading.Thread(target=self._loop, name="megatrace-collector", daemon=True)
         self._thread.start()
         # after the sink's own exit handler (they run last first): ours still has its sink
@@ -589,7 +666,11 @@ class Collector:
         self._mark = self._cupti.nccl_call
 
     def uninstall(self) -> None:
+        saves = {f"{m.__name__}.{n}": m for m, n in _saves()}
         for name, fn in self._originals.items():
+            if name in saves:
+                setattr(saves[name], name.rpartition(".")[2], fn)
+                continue
             for module in (self.dist, self.dist.distributed_c10d):
                 if hasattr(module, name):
                     setattr(module, name, fn)
@@ -606,6 +687,23 @@ class Collector:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
+
+
+def _saves() -> list[tuple[Any, str]]:
+    """The checkpoint functions the collector times, as (module, name): ``torch.save``,
+    and ``torch.distributed.checkpoint``'s ``save`` and ``async_save`` (in the package
+    and in the module that defines them) where this torch has them."""
+    import torch
+
+    out: list[tuple[Any, str]] = [(torch, "save")]
+    try:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import state_dict_saver
+    except ImportError:  # a torch without DCP
+        return out
+    for module in (dcp, state_dict_saver):
+        out += [(module, n) for n in ("save", "async_save") if hasattr(module, n)]
+    return out
 
 
 class _Work:
@@ -790,6 +888,13 @@ def step(n: int) -> None:
         _active.step_done(n)
 
 
+def saving() -> contextlib.AbstractContextManager[None]:
+    """Checkpoint code the collector does not wrap, as ``with torch_collector.saving():``
+    (a file synced to disk, an upload; a no-op when no collector is enabled): its time is
+    the rank's saving, as ``torch.save``'s is."""
+    return _active.saving() if _active is not None else contextlib.nullcontext()
+
+
 def disable() -> None:
     """Stop collecting; what was recorded is flushed to the sink."""
     global _active
@@ -836,4 +941,4 @@ if __name__ == "__main__":
     _launch(sys.argv[1:])
 
 
-__all__ = ["Collector", "CollectorError", "disable", "enable"]
+__all__ = ["Collector", "CollectorError", "disable", "enable", "saving", "step"]

@@ -139,6 +139,9 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``transient_min_lost_ms``: a straggler for a step or a few is reported only where it
     cost the job this much time (a rank the host's scheduler kept waiting for a few of
     its time slices loses less; a GPU twice as slow for a step loses its step).
+    ``save_hang_s``: while a rank saves a checkpoint (where heartbeats say so) the job's
+    silence is a hang only past this long (PyTorch's default collective timeout: its
+    peers wait for it at their next collective, as the job was written to).
     ``part_shards``: the flow merges the communicators' step parts under this many
     keys per job before the job's analysis (that step's parallelism).
     """
@@ -156,6 +159,7 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     link_wait_ms: float = 5000.0
     settle_s: float = 1.0
     transient_min_lost_ms: float = 50.0
+    save_hang_s: float = 600.0
     part_shards: int = 16
 
     def __post_init__(self) -> None:

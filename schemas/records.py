@@ -288,6 +288,11 @@ class Heartbeat(NodeEvent, frozen=True, kw_only=True, tag="hb"):
     slowly, and where its collectives run on the CPU (Gloo) it moves data slowly too.
     ``cpu_throttled_ns`` is the kernel's account of the rank's CPU cgroups (its
     container's, its pod's): how long their CPU quota held them back, so far.
+
+    ``save_ns``, where the source sees the job's checkpoints, is how long the rank spent
+    saving them so far (one under way included), and ``saving_since_ns`` when the save
+    under way began (None: none). A save holds the rank out of the collectives, its
+    peers waiting for it, as a hang or a straggler would.
     """
 
     ts_ns: TimeNs
@@ -297,6 +302,8 @@ class Heartbeat(NodeEvent, frozen=True, kw_only=True, tag="hb"):
     cpu_ns: Count | None = None
     cpu_wait_ns: Count | None = None
     cpu_throttled_ns: Count | None = None
+    save_ns: Count | None = None
+    saving_since_ns: TimeNs | None = None
 
 
 class LinkSample(NodeEvent, frozen=True, kw_only=True, tag="link"):

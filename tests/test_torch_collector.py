@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -309,3 +310,74 @@ def test_a_call_that_failed_is_not_completed(how: str) -> None:
         else:
             assert work.is_completed()
     assert entries[True][6] is not None and entries[False][6] is None
+
+
+def test_checkpoint_saves_are_timed_once_and_told_in_heartbeats(pg: None, tmp_path) -> None:
+    """A save under way is told with its start; a finished one adds its time once, also
+    where DCP's ``save`` calls ``torch.save`` inside (and on its own threads); uninstall
+    puts both back."""
+    import torch.distributed.checkpoint as dcp
+
+    got: list[Any] = []
+    col = torch_collector.Collector(job="j", sink=got.extend, node="n0")
+    original_save, original_dcp = torch.save, dcp.save
+    seen: list[Heartbeat] = []
+
+    class Slow:  # a file object whose writes take their time, beating as they go
+        def __init__(self, f: Any) -> None:
+            self.f = f
+
+        def write(self, b: Any) -> int:
+            seen.append(col.heartbeat())
+            return self.f.write(b)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.f, name)
+
+    col.install()
+    try:
+        assert col.heartbeat().save_ns == 0 and col.heartbeat().saving_since_ns is None
+        with open(tmp_path / "a.pt", "wb") as f:
+            torch.save({"w": torch.zeros(1 << 16)}, Slow(f))
+        after_one = col.heartbeat()
+        t0 = time.time_ns()
+        dcp.save({"w": torch.ones(1 << 16)}, checkpoint_id=str(tmp_path / "dcp"))
+        wall = time.time_ns() - t0
+        after_two = col.heartbeat()
+        with col.saving():  # checkpoint code it does not wrap, with a save inside
+            time.sleep(0.05)
+            torch.save({"w": torch.zeros(4)}, tmp_path / "b.pt")
+        after_three = col.heartbeat()
+    finally:
+        col.uninstall()
+    assert torch.save is original_save and dcp.save is original_dcp
+    during = [hb for hb in seen if hb.saving_since_ns is not None]
+    assert during and all(hb.save_ns > 0 for hb in during)
+    assert after_one.saving_since_ns is None
+    assert after_one.save_ns >= max(hb.save_ns for hb in during)
+    assert 0 < after_two.save_ns - after_one.save_ns <= wall  # the DCP save's, once
+    assert 0.05e9 <= after_three.save_ns - after_two.save_ns < 5e9
+
+
+def test_the_default_group_passed_or_not_is_one_communicator_with_one_sequence(pg: None) -> None:
+    """DDP passes the default group object to its all-reduces; a barrier after a save
+    passes none. One communicator, numbered in the order called (two sequences of one
+    hash would pair a barrier with a gradient all-reduce of the same number)."""
+    got: list[Any] = []
+    col = torch_collector.Collector(job="j", sink=got.extend, node="n0")
+    col.install()
+    try:
+        t = torch.ones(4)
+        default = dist.distributed_c10d._get_default_group()
+        dist.all_reduce(t, group=default)
+        dist.barrier()
+        dist.all_reduce(t, group=dist.new_group([0]))  # another group of the same ranks
+        got += col.drain(now_ns=2**62)
+    finally:
+        col.uninstall()
+    colls = sorted((c.seq, c.op, c.comm_hash) for c in got if isinstance(c, Collective))
+    first = colls[0][0]
+    assert [(s - first, op) for s, op, _ in colls] == [
+        (0, CollOp.ALL_REDUCE), (1, CollOp.BARRIER), (2, CollOp.ALL_REDUCE)
+    ]  # fmt: skip
+    assert len({h for _, _, h in colls}) == 1

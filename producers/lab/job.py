@@ -25,6 +25,13 @@ PyTorch's Flight Recorder ring and dumps it, as the installed torch writes it, t
 ``rank_<N>`` there when the job fails (its peers are gone) or when the lab asks (a file
 ``dump`` appears: a hung job, as a watchdog does at its timeout).
 
+With ``--checkpoint-every K`` the job saves a checkpoint every K steps, as PyTorch's
+DDP tutorial and Megatron do: the ranks that hold a copy nobody else writes (DDP's rank
+0; each Megatron stage's and tensor slice's first data-parallel rank) write theirs to a
+file, synced to disk, and every rank then waits at a barrier. ``--checkpoint-mb`` pads
+what it writes, standing for a real model's state: a real job's save takes many of its
+steps, as the lab's does with the padding (half a gigabyte a second to this disk).
+
 Rank 0 writes the step it is at to ``--progress`` (the lab injects faults by it). The
 process's environment gives its rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``GLOO_SOCKET_IFNAME``), node (``MEGATRACE_NODE``) and the node
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -55,6 +63,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--progress", type=Path)
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--checkpoint-mb", type=int, default=96)
     return p.parse_args(argv)
 
 
@@ -112,15 +122,39 @@ class Job:
             global RECORDER
             RECORDER = FlightRecorder(self.rank, Path(fr))
 
-    def step_done(self, step: int) -> None:
+    def step_done(self, step: int, state: Any = None, writes: bool = False) -> None:
+        """The step's end: the collector's step hook, then a checkpoint of ``state`` (a
+        module or optimizer whose state dict it saves; written by this rank if
+        ``writes``) where one is due."""
         self.collector.step(step)
         a = self.args
+        if a.checkpoint_every and state is not None and (step + 1) % a.checkpoint_every == 0:
+            self.save(state, writes)
         if self.rank == 0 and a.progress is not None:
             tmp = a.progress.with_suffix(".tmp")
             tmp.write_text(str(step))
             os.replace(tmp, a.progress)
 
+    def save(self, state: Any, writes: bool) -> None:
+        torch = self.torch
+        if writes:
+            path = Path(tempfile.gettempdir()) / f"megatrace-lab-{self.args.job}-{self.rank}.pt"
+            tmp = path.with_suffix(".tmp")
+            pad = torch.zeros(self.args.checkpoint_mb << 18)  # float32: 4 bytes each
+            with self.collector.saving(), open(tmp, "wb") as f:  # the sync is saving too
+                torch.save({"state": state.state_dict(), "rest": pad}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self.saved = path
+        self.dist.barrier()
+
+    #: the checkpoint this rank wrote, removed when the job ends
+    saved: Path | None = None
+
     def close(self) -> None:
+        if self.saved is not None:
+            self.saved.unlink(missing_ok=True)
         self.collector.disable()
         self.dist.destroy_process_group()
 
@@ -148,7 +182,7 @@ def ddp(a: argparse.Namespace) -> None:
         net(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        job.step_done(step)
+        job.step_done(step, net, writes=job.rank == 0)
     job.close()
 
 

@@ -133,4 +133,4 @@ def run(job: Any, torch: Any, dist: Any, a: argparse.Namespace, dp: int) -> None
             dist.all_reduce(flat, group=mine["dp"])
         opt.step()
         opt.zero_grad()
-        job.step_done(step)
+        job.step_done(step, blocks, writes=rank // a.tp % dp == 0)
