@@ -53,7 +53,7 @@ def report_hang(
     partial_of: Callable[[int, int, int], Instance | None],
     progress_ns: int,
     reported: str | None,
-    ended: bool,
+    ended: str,
     saving: dict[int, int] | None = None,
 ) -> tuple[list[msgspec.Struct], str]:
     """The hang verdict of ``diag`` in the job's book, and its culprit key.
@@ -61,8 +61,9 @@ def report_hang(
     ``partial_of(comm, sender, seq)``: the call's partial instance, where an aligner
     reported it; ``progress_ns``: the job's last progress (the onset where nothing
     earlier is known); ``reported``: the culprit of the hang already reported (one
-    incident, renamed); ``ended``: the recording ended in this hang; ``saving``: the ranks
-    saving a checkpoint, and since when (a save that went on too long is the hang).
+    incident, renamed); ``ended``: what ended in this hang (the recording, the job's
+    processes), or ""; ``saving``: the ranks saving a checkpoint, and since when (a
+    save that went on too long is the hang).
     """
     topo = view.topo
     role = topo.role(diag.comm_hash)
@@ -123,7 +124,7 @@ def report_hang(
     )
     ev = {**diag.evidence, "silent_ns": float(silent), "expected_step_ns": view.expected_ns}
     if ended:
-        ev["recording_ended"] = 1.0
+        ev["recording_ended" if "recording" in ended else "processes_ended"] = 1.0
     since = (saving or {}).get(rank) if rank is not None else None
     if since is not None:
         ev["saving_ns"] = float(detected - since)

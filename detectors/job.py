@@ -82,6 +82,9 @@ Out = list[msgspec.Struct]
 class JobAnalyzer:
     """The detectors of one job (see the module docstring)."""
 
+    #: when the job was last started again (a rank's new process first beat; 0: never)
+    restart_ns = 0
+
     def __init__(self, job: str, settings: DetectSettings | None = None) -> None:
         self.job = job
         self.settings = settings or DetectSettings()
@@ -243,13 +246,19 @@ class JobAnalyzer:
         return self.links.edge_throughput(e, self.topo, warm, self.expected_step_ns)
 
     def _heartbeat_in(self, hb: Heartbeat) -> Out:
-        """Liveness and progress (see :meth:`HangWatch.heartbeat`)."""
+        """Liveness and progress (see :meth:`HangWatch.heartbeat`). A rank's new process
+        (the job was started again) ends the start before: a call it left open is judged
+        first, as at the end of a recording (its processes said nothing more)."""
+        out: Out = []
+        if self.hangs.restarted(hb) and self.topo is not None:
+            out = self.tick(self.now_ns, final=True, ended="the job was started again")
+            self.restart_ns = hb.ts_ns
         self.now_ns = max(self.now_ns, hb.ts_ns)
         if hb.cpu_wait_ns is not None:
             self.cpu.update(hb.rank, hb.ts_ns, hb.cpu_wait_ns, hb.cpu_throttled_ns)
         if hb.save_ns is not None:
             self.saves.update(hb.rank, hb.ts_ns, hb.save_ns, hb.saving_since_ns)
-        return self.hangs.heartbeat(hb, self.book)
+        return out + self.hangs.heartbeat(hb, self.book)
 
     def _passed(self, p: Passed) -> Out:
         """A partial instance its missing members went past: no hang's evidence."""
@@ -328,8 +337,13 @@ class JobAnalyzer:
 
     # ------------------------------------------------------------------ steps
     def _step(self, rep: StepReport) -> Out:
-        """A closed step: its tables, then the step-time incidents."""
+        """A closed step: its tables, then the step-time incidents. One that spans the job's
+        restart (from a step its first start began to one its new start ended) is no
+        step of either, and one the job spent saving a checkpoint (:meth:`_saved_in`) is
+        its own pause: the detectors leave them out, as an incomplete step."""
         assert self.topo is not None
+        if rep.start_ns < self.restart_ns <= rep.end_ns or self._saved_in(rep):
+            rep.complete = False
         if rep.complete:
             self.durations.append(rep.duration_ns)
         self.recent.append(rep)
@@ -343,13 +357,25 @@ class JobAnalyzer:
             settling=self.slowdowns.pending is not None,
         )  # fmt: skip
 
+    def _saved_in(self, rep: StepReport) -> bool:
+        """Whether a rank saved a checkpoint through half the time step ``rep`` took over
+        the usual or more, in a step at least twice the usual (a job that saves a little
+        every step keeps its steps)."""
+        saves = self.saves
+        usual = self.expected_step_ns() if saves.spans or saves.under_way else None
+        if not usual or rep.duration_ns < 2 * usual:
+            return False
+        start, end = rep.start_ns, rep.end_ns
+        most = max(saves.saved(r, start, end) for r in {*saves.spans, *saves.under_way})
+        return most >= (rep.duration_ns - usual) / 2
+
     # ------------------------------------------------------------------ hangs
     def expected_step_ns(self) -> float | None:
         if not self.durations:
             return None
         return float(np.median(self.durations))
 
-    def tick(self, now_ns: int, final: bool = False) -> Out:
+    def tick(self, now_ns: int, final: bool = False, ended: str = "") -> Out:
         """The hang watchdog (:meth:`HangWatch.tick`): call periodically with the current
         (event) time; ``final``: the input ended."""
         self.now_ns = max(self.now_ns, now_ns)
@@ -357,7 +383,7 @@ class JobAnalyzer:
             return []
         view = JobView(self.topo, self.book, self.expected_step_ns() or 0.0, self.coll_now_ns,
                        self._place, self.settings)  # fmt: skip
-        return self.hangs.tick(now_ns, view, final)
+        return self.hangs.tick(now_ns, view, final, ended)
 
     def _place(
         self,

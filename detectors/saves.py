@@ -30,9 +30,11 @@ from collections import deque
 
 class Saves:
     """Checkpoint saves per rank (see the module docstring). ``keep``: the spans kept a
-    rank (saves are minutes apart; a few steps' judgement looks back seconds)."""
+    rank, one a heartbeat that saw it save: a burst is judged a few steps after it, and
+    a flow may have read the heartbeats seconds ahead of the steps by then (saves are
+    minutes apart in training, seconds apart in the lab's)."""
 
-    def __init__(self, keep: int = 8) -> None:
+    def __init__(self, keep: int = 32) -> None:
         self.keep = keep
         self.seen: dict[int, tuple[int, int]] = {}  # rank -> (its latest heartbeat, count)
         self.spans: dict[int, deque[tuple[int, int, int]]] = {}  # (from, to, saved in it)
@@ -47,11 +49,15 @@ class Saves:
             self.under_way[rank] = since_ns
         elif self.under_way:
             self.under_way.pop(rank, None)
-        if before is not None and save_ns > before[1] and ts_ns > before[0]:
+        if before is None or ts_ns <= before[0]:
+            return
+        # (a count that went down is a new process's, the job started again: from 0)
+        grew = save_ns - before[1] if save_ns >= before[1] else save_ns
+        if grew > 0:
             spans = self.spans.get(rank)
             if spans is None:
                 spans = self.spans[rank] = deque(maxlen=self.keep)
-            spans.append((before[0], ts_ns, save_ns - before[1]))
+            spans.append((before[0], ts_ns, grew))
 
     def saving(self, rank: int) -> int | None:
         """When the save ``rank``'s latest heartbeat said was under way began (None:

@@ -283,11 +283,12 @@ def hang_summary(
     waiting: int = 0,
     link: str | None = None,
     producing: bool = False,
-    ended: bool = False,
+    ended: str = "",
 ) -> str:
     """A hang verdict's sentence: who never joined which call (``several``: the ranks and
     their nodes, where more than one did), or the GPU that stopped in the middle of a
-    transfer on ``link``, or the transfer the network never completed.
+    transfer on ``link``, or the transfer the network never completed; ``ended``: what
+    ended in it (the recording, the job's processes).
 
     >>> s = hang_summary(cause=Cause.COMPUTE, call="Recv", role="pp", seq=259, rank=5, gpu=1,
     ...                  node="node-1", waiting=1, where="forward micro-batch 3, PP stage 1")
@@ -296,7 +297,7 @@ def hang_summary(
     hang: rank 5 on node-1 (GPU 1) never joined Recv on the pp communicator (seq 259)
     forward micro-batch 3, PP stage 1; 1 rank of that call waits on it
     >>> s = hang_summary(cause=Cause.NETWORK_LINK, call="Send", role="pp", seq=4,
-    ...                  where="an unknown position", ended=True)
+    ...                  where="an unknown position", ended="the recording ended there")
     >>> for part in s.split(" - "):
     ...     print(part)
     hang: Send on the pp communicator (seq 4) was posted and never completed on the network
@@ -329,4 +330,4 @@ def hang_summary(
             f"hang: {call} on the {role} communicator (seq {seq}) was posted and never "
             f"completed on {link or 'the network'} - {where}"
         )
-    return text + (" (the recording ended there)" if ended else "")
+    return text + (f" ({ended})" if ended else "")

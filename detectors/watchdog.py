@@ -81,6 +81,9 @@ class HangWatch:
         # snapshots of versions without them
         self.__dict__.setdefault("revisable", False)
         self.__dict__.setdefault("saw_save_ns", 0)
+        self.__dict__.setdefault("exited", {})
+        if isinstance(self.__dict__.get("final"), bool):  # (a flag once)
+            self.final = "the recording ended there" if self.final else ""
         self.__dict__.setdefault("joined", {})
         self.__dict__.setdefault("silence", (0, 0, 0))
 
@@ -94,12 +97,13 @@ class HangWatch:
         self.hb_now_ns = 0
         self.open: str | None = None  # the open hang incident's culprit
         self.detected_ns = 0
-        self.final = False  # the hang being judged is at the end of the input
+        self.final = ""  # what ended where the hang being judged is: the input, the job
         self.revisable = False  # the open hang may be blamed elsewhere (see _revise)
         self.joined: dict[int, dict[int, int]] = {}  # rank -> comm -> newest partial it joined
         # the job's pace: a silence it came out of, until when it counts, when it began
         self.silence = (0, 0, 0)
         self.saw_save_ns = 0  # the newest heartbeat that showed a rank saving a checkpoint
+        self.exited: dict[int, int] = {}  # rank -> its process's last heartbeat (exiting)
 
     # ------------------------------------------------------------------ inputs
     def heartbeat(self, hb: Heartbeat, book: VerdictBook) -> list[msgspec.Struct]:
@@ -115,6 +119,15 @@ class HangWatch:
         if ts > self.hb_now_ns:
             self.hb_now_ns = ts
         done = self.hb_done.get(hb.rank)
+        if self.restarted(hb, before):
+            # its process started again: the job was restarted, and its calls count from 0
+            # again; what the calls of the start before left open is no evidence any more
+            done = None
+            self.partials.clear()
+            self.joined.clear()
+            self.exited.clear()
+        if hb.exiting:
+            self.exited[hb.rank] = ts
         if done is None:
             done = self.hb_done[hb.rank] = {}
         moved = False
@@ -133,6 +146,28 @@ class HangWatch:
         if self.open and ts > self.detected_ns:
             return self._resolve(book, ts)
         return []
+
+    def restarted(self, hb: Heartbeat, before: Heartbeat | None = None) -> bool:
+        """Whether ``hb`` comes from a new process of its rank (the job was started again):
+        its pid is not the one of the rank's heartbeat before."""
+        if before is None:
+            before = self.hb_latest.get(hb.rank)
+            if before is hb:
+                return False
+        return before is not None and hb.pid != before.pid and bool(hb.pid and before.pid)
+
+    def ended(self, world: int, silent_ns: float) -> bool:
+        """Whether the job's processes ended: some said their last heartbeat was their last
+        (failed because a peer was gone, or done), and every other rank has been silent
+        for ``silent_ns`` (a rank killed outright says nothing; one alive beats)."""
+        exited = self.exited
+        if not exited:
+            return False
+        before = self.hb_now_ns - silent_ns
+        latest = self.hb_latest
+        return all(
+            r in exited or (hb := latest.get(r)) is None or hb.ts_ns < before for r in range(world)
+        )
 
     def progress(self, end_ns: int, book: VerdictBook) -> list[msgspec.Struct]:
         """Collectives completed up to ``end_ns``: the job moves (without heartbeats, and
@@ -193,7 +228,9 @@ class HangWatch:
         return [v] if v else []
 
     # ------------------------------------------------------------------ judging
-    def tick(self, now_ns: int, view: JobView, final: bool = False) -> list[msgspec.Struct]:
+    def tick(
+        self, now_ns: int, view: JobView, final: bool = False, ended: str = ""
+    ) -> list[msgspec.Struct]:
         """Call periodically with the current (event) time.
 
         With heartbeats, progress is a completed sequence number that moved and the
@@ -210,7 +247,9 @@ class HangWatch:
         ``final``: the input ended (a recording): its end is silence that goes on. A call
         some ranks posted and others never did, at least a step's time before the end
         and with no progress since, is a hang (a recording cut in the middle of a step
-        leaves only calls younger than that open).
+        leaves only calls younger than that open). So is the end of the job's processes
+        (:meth:`ended`), and of a start of the job that was started again (``ended``
+        says what ended, in the verdict).
         """
         if self.open:
             return self._revise(view) if self.revisable else []
@@ -221,11 +260,15 @@ class HangWatch:
         pace = self.silence_lately(
             self.hb_now_ns if self.hb_latest else max(view.coll_now_ns, now_ns)
         )
+        world = view.topo.job.world_size
         limit = max(st.hang_factor * max(exp, pace), st.min_hang_ms * 1e6)
+        if final and not ended:
+            ended = "the recording ended there"
+        if not final and self.hb_latest and self.ended(world, limit):
+            final, ended = True, "the job's processes ended there"
         if final:
             limit = max(exp, 0.02 * st.min_hang_ms * 1e6)
-        self.final = final
-        world = view.topo.job.world_size
+        self.final = ended
         members = {h: tuple(c.ranks) for h, c in view.topo.comms.items()}
         diag: HangDiagnosis | None
         if self.hb_latest:

@@ -181,6 +181,8 @@ def lab(obj: _Ctx, names: tuple[str, ...], quick: bool, listing: bool, out: str 
             faults = ", ".join(f"{f.kind} of {f.target}" for f in c.faults) or "healthy"
             if c.checkpoint_every:
                 faults += f", a checkpoint every {c.checkpoint_every} steps"
+            if c.restart_at:
+                faults += f", started again from step {c.restart_at}"
             click.echo(f"{name:<24} {c.workload:<9} {c.ranks} ranks, {faults}")
         return
     try:

@@ -65,6 +65,9 @@ class Case:
     faults: tuple[Fault, ...] = ()
     #: a healthy job's checkpoints, every this many steps (0: none)
     checkpoint_every: int = 0
+    #: after a rank is killed, the job is started again from this step (its last
+    #: checkpoint's), as torchrun restarts it (0: it is not)
+    restart_at: int = 0
 
     @property
     def per_node(self) -> int:
@@ -107,6 +110,9 @@ def _cases() -> list[Case]:
             # the lab measures it (it varies with the host's load)
             mild = 0.25 if wl == "ddp" else 0.15
             out.append(case("mild-rank", Fault("slow_rank", 1, at, cpus=mild)))
+        if wl == "ddp":  # a rank killed, and the job started again from its checkpoint
+            out.append(Case("ddp-restart", wl, ranks, steps=steps, faults=(Fault("kill", 3, at),),
+                            checkpoint_every=10, restart_at=10))  # fmt: skip
         if wl in ("ddp", "megatron"):  # healthy, saving a checkpoint now and then
             out.append(Case(f"{wl}-checkpoint", wl, ranks, steps=steps, checkpoint_every=10))
         if wl == "megatron":  # two ranks at once, of two stages on two nodes (two of a
@@ -137,6 +143,9 @@ def too_few_steps(steps: int | None) -> str | None:
 BITE_NS = 8_000_000
 #: how long a hung job is left hung before the lab ends it
 HANG_S = 8.0
+#: how long after a rank is killed the job is started again, where a case restarts it
+#: (torchrun's agent sees a worker fail within its monitor interval, 5 s by default)
+RESTART_S = 4.0
 #: the Flight Recorder ring every rank keeps (entries)
 FR_ENTRIES = 4000
 
@@ -186,6 +195,14 @@ class Ranks:
         self.fr_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen[bytes]] = []
         self._seen: dict[int, float] = {}  # each step, when it was first seen
+        self.job, self.port, self.sockets = job, port, sockets
+        self.launch()
+
+    def launch(self, start_step: int = 0, attempt: int = 0) -> None:
+        """The job's rank processes, from ``start_step`` (a restart's: ``attempt``, as
+        torchrun counts its restarts, and a port of its own)."""
+        case, nodes, run_dir, sockets = self.case, self.nodes, self.run_dir, self.sockets
+        self.procs = []
         for r in range(case.ranks):
             node = nodes[r // case.per_node]
             env = {
@@ -193,7 +210,8 @@ class Ranks:
                 "RANK": str(r),
                 "WORLD_SIZE": str(case.ranks),
                 "MASTER_ADDR": nodes[0].ip,
-                "MASTER_PORT": str(port),
+                "MASTER_PORT": str(self.port + attempt),
+                "TORCHELASTIC_RESTART_COUNT": str(attempt),
                 "GLOO_SOCKET_IFNAME": node.dev,
                 "LOCAL_RANK": str(r % case.per_node),
                 "LOCAL_WORLD_SIZE": str(case.per_node),
@@ -202,7 +220,7 @@ class Ranks:
                 "TORCH_FR_BUFFER_SIZE": str(FR_ENTRIES),
                 "MEGATRACE_LAB_FR": str(self.fr_dir),
             }
-            log = open(run_dir / f"rank{r}.log", "wb")  # noqa: SIM115
+            log = open(run_dir / f"rank{r}.log", "ab")  # noqa: SIM115
             argv = [
                 sys.executable,
                 "-m",
@@ -210,13 +228,15 @@ class Ranks:
                 "--workload",
                 case.workload,
                 "--job",
-                job,
+                self.job,
                 "--steps",
                 str(case.steps),
                 "--progress",
                 str(self.progress),
                 "--checkpoint-every",
                 str(case.checkpoint_every),
+                "--start-step",
+                str(start_step),
             ]
             self.procs.append(
                 subprocess.Popen(node.exec(*argv), env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -338,6 +358,12 @@ def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
         elif f.kind == "kill":
             NetLab.signal(ranks.pids([f.target])[0], signal.SIGKILL)
             hang_at = time.monotonic()
+            if case.restart_at:  # as torchrun: the others stopped, all started again
+                time.sleep(RESTART_S)
+                ranks.kill()
+                inj.ended_ns = time.time_ns()
+                ranks.launch(case.restart_at, attempt=1)
+                hang_at = None
     if hang_at is not None:  # the job cannot go on: leave it hung a while, then end it
         time.sleep(max(0.0, HANG_S - (time.monotonic() - hang_at)))
         ranks.dump_flight_recorders(stopped)  # as the watchdogs would, at their timeout

@@ -24,7 +24,9 @@ def labels_of(run: CaseRun, nodes: list[Node]) -> list[FaultLabel]:
     out = []
     for i, inj in enumerate(run.injected):
         f = inj.fault
-        onset_step = next((m.step for m in marks if m.end_ns >= inj.onset_ns), f.at_step)
+        # (a job started again after the fault counts its steps from its checkpoint's)
+        until = inj.ended_ns if f.kind == "kill" and inj.ended_ns else 1 << 62
+        onset_step = next((m.step for m in marks if inj.onset_ns <= m.end_ns < until), f.at_step)
         per_node = run.case.per_node
         common: dict[str, Any] = {}
         if f.kind == "slow_link":

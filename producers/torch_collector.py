@@ -37,7 +37,10 @@ events, and such a call is finished only when the GPU is done with it.
 With ``kernels=True`` the process's GPU kernels come too, through CUPTI.
 
 Communicators get a stable hash from their member ranks, so every member
-names a group the same way. Point-to-point calls go on a two-rank
+names a group the same way; a job torchrun started again (its restart count,
+``TORCHELASTIC_RESTART_COUNT``, the same on every rank) gets new ones, as NCCL
+makes new communicators: the calls of a restarted job, numbered from 0 again,
+are not taken for its first start's. Point-to-point calls go on a two-rank
 communicator per pair of ranks (the n-th Send from A to B meets the n-th Recv
 at B from A). Roles (TP/PP/DP) follow the declared Megatron layout.
 """
@@ -201,6 +204,8 @@ class Collector:
         self.node = node or socket.gethostname()
         self.gpu = gpu if gpu is not None else int(os.environ.get("LOCAL_RANK", self.rank))
         self.heartbeat_s = heartbeat_s
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._salt = "" if attempt in ("", "0") else f"@{attempt}"  # (see the module doc)
         self.partial_ns = int(partial_after_s * 1e9)
         self.flush_s = flush_s
         self.kernels = kernels
@@ -327,7 +332,7 @@ class Collector:
             dist = self.dist
             g = group if group is not None else dist.distributed_c10d._get_default_group()
             ranks = tuple(dist.get_process_group_ranks(g))
-            h = comm_hash("group", ranks)
+            h = comm_hash(f"group{self._salt}", ranks)
             c = next((x for x in self._groups.values() if x.hash == h), None)
             if c is None:
                 c = _Comm(h, ranks, self.rank)
@@ -339,7 +344,7 @@ class Collector:
         key = (min(self.rank, peer), max(self.rank, peer))
         c = self._pairs.get(key)
         if c is None:
-            c = self._pairs[key] = _Comm(comm_hash("p2p", key), key, self.rank)
+            c = self._pairs[key] = _Comm(comm_hash(f"p2p{self._salt}", key), key, self.rank)
             self._announce(c)
         return c
 
@@ -583,7 +588,7 @@ class Collector:
             saved, since = self._saved_ns, self._saving_since
         return saved + (max(0, now_ns - since) if since is not None else 0), since
 
-    def heartbeat(self, now_ns: int | None = None) -> Heartbeat:
+    def heartbeat(self, now_ns: int | None = None, exiting: bool = False) -> Heartbeat:
         comms = [*self._groups.values(), *self._pairs.values()]
         cpu = process_cpu()
         now = now_ns or time.time_ns()
@@ -604,6 +609,7 @@ class Collector:
             cpu_throttled_ns=cgroup_throttled(),
             save_ns=saved,
             saving_since_ns=since,
+            exiting=exiting,
         )
 
     def _loop(self) -> None:
@@ -620,7 +626,7 @@ class Collector:
         # peer died is seen to have got as far as the others (a killed rank says nothing).
         # Every call still open goes out as joined but unfinished, however young: the
         # process ends in it, and a call left unsaid reads as one it never joined
-        self.sink([*self.drain(overdue_ns=0), self.heartbeat()])
+        self.sink([*self.drain(overdue_ns=0), self.heartbeat(exiting=True)])
 
     # ------------------------------------------------------------------ control
     def install(self) -> Collector:

@@ -293,6 +293,9 @@ class Heartbeat(NodeEvent, frozen=True, kw_only=True, tag="hb"):
     saving them so far (one under way included), and ``saving_since_ns`` when the save
     under way began (None: none). A save holds the rank out of the collectives, its
     peers waiting for it, as a hang or a straggler would.
+
+    ``exiting`` marks a process's last heartbeat: it is ending (training over, or failed
+    because a peer is gone). A rank killed outright sends none.
     """
 
     ts_ns: TimeNs
@@ -304,6 +307,7 @@ class Heartbeat(NodeEvent, frozen=True, kw_only=True, tag="hb"):
     cpu_throttled_ns: Count | None = None
     save_ns: Count | None = None
     saving_since_ns: TimeNs | None = None
+    exiting: bool = False
 
 
 class LinkSample(NodeEvent, frozen=True, kw_only=True, tag="link"):

@@ -17,7 +17,7 @@ CREATE TABLE IF NOT EXISTS mt.heartbeats (
   pid Int64, step Nullable(Int64),
   comms Array(Tuple(comm_hash UInt64, issued_seq Int64, completed_seq Int64)),
   cpu_ns Nullable(Int64), cpu_wait_ns Nullable(Int64), cpu_throttled_ns Nullable(Int64),
-  save_ns Nullable(Int64), saving_since_ns Nullable(Int64),
+  save_ns Nullable(Int64), saving_since_ns Nullable(Int64), exiting Bool,
   ts DateTime64(9, 'UTC') MATERIALIZED fromUnixTimestamp64Nano(ts_ns, 'UTC'),
   saving_since Nullable(DateTime64(9, 'UTC')) MATERIALIZED
     if(isNull(saving_since_ns), NULL,

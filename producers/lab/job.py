@@ -32,6 +32,9 @@ file, synced to disk, and every rank then waits at a barrier. ``--checkpoint-mb`
 what it writes, standing for a real model's state: a real job's save takes many of its
 steps, as the lab's does with the padding (half a gigabyte a second to this disk).
 
+``--start-step`` starts the training loop at that step (DDP): a job the lab starts again
+after a rank was killed, from its last checkpoint, as torchrun does.
+
 Rank 0 writes the step it is at to ``--progress`` (the lab injects faults by it). The
 process's environment gives its rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``GLOO_SOCKET_IFNAME``), node (``MEGATRACE_NODE``) and the node
@@ -65,6 +68,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress", type=Path)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--checkpoint-mb", type=int, default=96)
+    p.add_argument("--start-step", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -137,11 +141,11 @@ class Job:
 
     def save(self, state: Any, writes: bool) -> None:
         torch = self.torch
-        if writes:
+        if writes:  # the whole routine marked, as checkpoint code of a job's own should be
             path = Path(tempfile.gettempdir()) / f"megatrace-lab-{self.args.job}-{self.rank}.pt"
             tmp = path.with_suffix(".tmp")
-            pad = torch.zeros(self.args.checkpoint_mb << 18)  # float32: 4 bytes each
-            with self.collector.saving(), open(tmp, "wb") as f:  # the sync is saving too
+            with self.collector.saving(), open(tmp, "wb") as f:
+                pad = torch.zeros(self.args.checkpoint_mb << 18)  # float32: 4 bytes each
                 torch.save({"state": state.state_dict(), "rest": pad}, f)
                 f.flush()
                 os.fsync(f.fileno())
@@ -177,7 +181,7 @@ def ddp(a: argparse.Namespace) -> None:
     net = DistributedDataParallel(model, bucket_cap_mb=0.7)
     net.register_comm_hook(None, allreduce_hook)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    for step in range(a.steps):
+    for step in range(a.start_step, a.steps):  # (a restart's: from its checkpoint's step)
         x = torch.randn(64, a.hidden)
         net(x).pow(2).mean().backward()
         opt.step()
