@@ -250,14 +250,20 @@ class JobAnalyzer:
         (the job was started again) ends the start before: a call it left open is judged
         first, as at the end of a recording (its processes said nothing more)."""
         out: Out = []
-        if self.hangs.restarted(hb) and self.topo is not None:
+        before = self.hangs.hb_latest.get(hb.rank)
+        if before is not None and before.pid != hb.pid and self.hangs.restarted(hb, before):
             out = self.tick(self.now_ns, final=True, ended="the job was started again")
             self.restart_ns = hb.ts_ns
         self.now_ns = max(self.now_ns, hb.ts_ns)
         if hb.cpu_wait_ns is not None:
             self.cpu.update(hb.rank, hb.ts_ns, hb.cpu_wait_ns, hb.cpu_throttled_ns)
-        if hb.save_ns is not None:
-            self.saves.update(hb.rank, hb.ts_ns, hb.save_ns, hb.saving_since_ns)
+        if (
+            before is not None
+            and hb.save_ns is not None
+            and (hb.save_ns != before.save_ns or hb.saving_since_ns != before.saving_since_ns)
+        ):  # a save began, went on or ended
+            self.saves.update(hb.rank, hb.ts_ns, hb.save_ns, hb.saving_since_ns,
+                              (before.ts_ns, before.save_ns or 0))  # fmt: skip
         return out + self.hangs.heartbeat(hb, self.book)
 
     def _passed(self, p: Passed) -> Out:
@@ -365,9 +371,7 @@ class JobAnalyzer:
         usual = self.expected_step_ns() if saves.spans or saves.under_way else None
         if not usual or rep.duration_ns < 2 * usual:
             return False
-        start, end = rep.start_ns, rep.end_ns
-        most = max(saves.saved(r, start, end) for r in {*saves.spans, *saves.under_way})
-        return most >= (rep.duration_ns - usual) / 2
+        return saves.most(rep.start_ns, rep.end_ns) >= (rep.duration_ns - usual) / 2
 
     # ------------------------------------------------------------------ hangs
     def expected_step_ns(self) -> float | None:

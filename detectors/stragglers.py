@@ -179,11 +179,7 @@ class Stragglers:
         """Whether a rank of the job saved a checkpoint for half the time ``lost`` or more
         around the steps ``reps``: the job's own pause, not a straggler."""
         saves = self.saves
-        if saves is None or not (saves.spans or saves.under_way):
-            return False
-        start, end = reps[0].start_ns, reps[-1].end_ns
-        ranks = {*saves.spans, *saves.under_way}
-        return max(saves.saved(r, start, end) for r in ranks) >= lost / 2
+        return saves is not None and saves.most(reps[0].start_ns, reps[-1].end_ns) >= lost / 2
 
     def _episode(self, inc: Incident, topo: Topology) -> Incident:
         """The bursts ``inc``'s burst goes on from: those of a culprit that named a rank it

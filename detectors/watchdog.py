@@ -119,7 +119,7 @@ class HangWatch:
         if ts > self.hb_now_ns:
             self.hb_now_ns = ts
         done = self.hb_done.get(hb.rank)
-        if self.restarted(hb, before):
+        if before is not None and before.pid != hb.pid and self.restarted(hb, before):
             # its process started again: the job was restarted, and its calls count from 0
             # again; what the calls of the start before left open is no evidence any more
             done = None
@@ -147,14 +147,12 @@ class HangWatch:
             return self._resolve(book, ts)
         return []
 
-    def restarted(self, hb: Heartbeat, before: Heartbeat | None = None) -> bool:
+    @staticmethod
+    def restarted(hb: Heartbeat, before: Heartbeat) -> bool:
         """Whether ``hb`` comes from a new process of its rank (the job was started again):
-        its pid is not the one of the rank's heartbeat before."""
-        if before is None:
-            before = self.hb_latest.get(hb.rank)
-            if before is hb:
-                return False
-        return before is not None and hb.pid != before.pid and bool(hb.pid and before.pid)
+        its pid is not the one of the rank's heartbeat ``before`` (0: a source that tells
+        none)."""
+        return hb.pid != before.pid and bool(hb.pid and before.pid)
 
     def ended(self, world: int, silent_ns: float) -> bool:
         """Whether the job's processes ended: some said their last heartbeat was their last

@@ -122,11 +122,17 @@ def test_a_rank_that_dies_while_saving_is_a_hang_within_the_usual_limit() -> Non
 
 
 def test_what_a_rank_saved_around_a_window_counts_the_spans_its_heartbeats_bound() -> None:
-    saves = Saves()
-    for t, n, since in ((0, 0, None), (1, 0.2, 0.8), (2, 1.1, None), (3, 1.1, None)):
-        saves.update(4, int(t * S), int(n * S), None if since is None else int(since * S))
+    saves, before = Saves(), (0, 0)
+    for t, n, since in ((1, 0.2, 0.8), (2, 1.1, None), (3, 1.1, None)):
+        saves.update(4, int(t * S), int(n * S), None if since is None else int(since * S),
+                     before)  # fmt: skip
+        before = (int(t * S), int(n * S))
     assert saves.saved(4, int(1.5 * S), int(1.6 * S)) == int(0.9 * S)
     assert saves.saved(4, int(0.5 * S), int(2.5 * S)) == int(1.1 * S)
     assert saves.saved(4, int(2.1 * S), int(3 * S)) == 0
-    saves.update(4, int(4 * S), int(1.3 * S), int(3.8 * S))  # one under way
+    saves.update(4, int(4 * S), int(1.3 * S), int(3.8 * S), before)  # one under way
     assert saves.saved(4, int(4.5 * S), int(5 * S)) == int(0.5 * S)
+    assert saves.most(int(4.5 * S), int(5 * S)) == int(0.5 * S)
+    # the job started again: its new process counts from 0
+    saves.update(4, int(9 * S), int(0.4 * S), None, (int(8 * S), int(1.5 * S)))
+    assert saves.saved(4, int(8.5 * S), int(8.6 * S)) == int(0.4 * S)
