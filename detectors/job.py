@@ -252,6 +252,7 @@ class JobAnalyzer:
         out: Out = []
         before = self.hangs.hb_latest.get(hb.rank)
         if before is not None and before.pid != hb.pid and self.hangs.restarted(hb, before):
+            # the first of its ranks' new processes (the watchdog forgets the others' old)
             out = self.tick(self.now_ns, final=True, ended="the job was started again")
             self.restart_ns = hb.ts_ns
         self.now_ns = max(self.now_ns, hb.ts_ns)

@@ -49,6 +49,9 @@ class Judgement:
     localizer: SlowdownLocalizer
     cpu: CpuWaits | None
     pending: tuple[int, float, int] | None
+    #: when the pending shift's first step began (0: a tracker pickled before it was kept;
+    #: the ledger keeps a few of its steps, which a shift of short steps outlasts soon)
+    pending_since_ns: int = 0
     settle_steps: int
     link_wait_ms: float
     #: for a tracker pickled before it had them
@@ -63,7 +66,8 @@ class Judgement:
     def judge(self, rep: StepReport, topo: Topology, final: bool = False) -> list[msgspec.Struct]:
         """Localise the pending shift (as of step ``rep``, the newest) once every node's link
         samples reached the step that confirmed it, or ``link_wait_ms`` after that step
-        (or now: ``final``, no more input).
+        (or now: ``final``, no more input: the links' samples will not come, and a shift
+        not believed by then never will be).
 
         Topics are read at different paces: a degraded link whose samples are read a
         few steps after the collectives would otherwise leave its slowdown to the job
@@ -74,18 +78,19 @@ class Judgement:
         if self.links.behind(confirmed_ns) and not waited and not final:
             return []
         reps = self.ledger.since(onset)
-        found = None
-        if not final:
-            if reps and rep.end_ns - reps[0].start_ns < self.settle_s * 1e9:
-                return []  # not yet longer than a host's own hiccups last
-            found = self.locate(reps, topo)
-            # who waits for whom takes a few steps to show: a network, a host or nobody,
-            # named from the first steps of a shift, is only believed once it settled
-            settled = len(reps) >= self.settle_steps
-            if not settled and (found is None or found.culprit.kind in ("nodes", "node")):
-                return []
-            if found is None and not self._lasted(onset, len(reps)):
-                return []  # the whole job slower for a while: its own variation, so far
+        if final:  # judged as it stands: what is not believed now never will be
+            self.pending = None
+        since = self.pending_since_ns or (reps[0].start_ns if reps else rep.start_ns)
+        if rep.end_ns - since < self.settle_s * 1e9:
+            return []  # not yet longer than a host's own hiccups last
+        found = self.locate(reps, topo)
+        # who waits for whom takes a few steps to show: a network, a host or nobody,
+        # named from the first steps of a shift, is only believed once it settled
+        settled = len(reps) >= self.settle_steps
+        if not settled and (found is None or found.culprit.kind in ("nodes", "node")):
+            return []
+        if found is None and not self._lasted(onset, len(reps)):
+            return []  # the whole job slower for a while: its own variation, so far
         self.pending = None
         # the steps' own times: the detector's ratio is of values clipped for its test
         ratio = self.ledger.ratio_since(onset) or ratio

@@ -260,6 +260,8 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         if kind == "shift":
             onset, out = self._burst_before_shift(onset, ratio, rep, topo)
             self.pending = (onset, ratio, rep.start_ns)
+            first = self.ledger.since(onset)
+            self.pending_since_ns = first[0].start_ns if first else rep.start_ns
             return out + self.judge(rep, topo)
         if kind == "recovered":
             out = []

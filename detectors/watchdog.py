@@ -108,9 +108,12 @@ class HangWatch:
     # ------------------------------------------------------------------ inputs
     def heartbeat(self, hb: Heartbeat, book: VerdictBook) -> list[msgspec.Struct]:
         """Liveness and progress: a completed sequence number that moved is progress (and
-        ends an open hang)."""
+        ends an open hang); so is a rank's new process (:meth:`started_again`)."""
         ts = hb.ts_ns
         before = self.hb_latest.get(hb.rank)
+        out: list[msgspec.Struct] = []
+        if before is not None and before.pid != hb.pid and self.restarted(hb, before):
+            out, before = self.started_again(ts, book), None
         self.hb_latest[hb.rank] = hb
         if hb.save_ns and (hb.saving_since_ns is not None or (
             before is not None and before.save_ns is not None and hb.save_ns > before.save_ns
@@ -119,13 +122,6 @@ class HangWatch:
         if ts > self.hb_now_ns:
             self.hb_now_ns = ts
         done = self.hb_done.get(hb.rank)
-        if before is not None and before.pid != hb.pid and self.restarted(hb, before):
-            # its process started again: the job was restarted, and its calls count from 0
-            # again; what the calls of the start before left open is no evidence any more
-            done = None
-            self.partials.clear()
-            self.joined.clear()
-            self.exited.clear()
         if hb.exiting:
             self.exited[hb.rank] = ts
         if done is None:
@@ -136,7 +132,7 @@ class HangWatch:
                 done[cp.comm_hash] = cp.completed_seq
                 moved = True
         if not moved:
-            return []
+            return out
         if before is not None and before.ts_ns > self.hb_progress_ns > max(0, self.saw_save_ns):
             # silent at least from its last progress to this rank's heartbeat before,
             # which showed none (what came after, up to a heartbeat apart, is not known);
@@ -144,8 +140,19 @@ class HangWatch:
             self._came_out(self.hb_progress_ns, before.ts_ns - self.hb_progress_ns, ts)
         self.hb_progress_ns = max(self.hb_progress_ns, ts)
         if self.open and ts > self.detected_ns:
-            return self._resolve(book, ts)
-        return []
+            return out + self._resolve(book, ts)
+        return out
+
+    def started_again(self, ts_ns: int, book: VerdictBook) -> list[msgspec.Struct]:
+        """The job was started again (a rank's new process beat at ``ts_ns``): a hang its
+        first start ended in is over, and what that start left (its ranks' heartbeats, its
+        calls open, its pace) is no evidence of the new one, whose start is progress
+        (the job's caller judges the first start's end before: :meth:`tick`'s
+        ``ended``)."""
+        out = self._resolve(book, ts_ns) if self.open else []
+        self._reset()
+        self.hb_progress_ns = self.hb_now_ns = ts_ns
+        return out
 
     @staticmethod
     def restarted(hb: Heartbeat, before: Heartbeat) -> bool:

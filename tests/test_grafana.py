@@ -170,3 +170,30 @@ def test_cpu_wait_panel_shows_the_quota_throttling_where_heartbeats_carry_it(ch:
     assert by_rank["0"] == pytest.approx([0.0, 0.3, 0.3, 0.3, 0.0])
     assert by_rank["1"] == [None] * 5
     assert all(r["cpu_wait_s_per_s"] == pytest.approx(0.1) for r in got)
+
+
+def test_cpu_wait_panel_shows_the_time_ranks_spent_saving_checkpoints(ch: Any) -> None:
+    """Rank 0 saves for 0.4 s of its third second; its process then starts again (the
+    job restarted), its count from 0, and saves 0.2 s in the first second of that. Rank
+    1 never saves; a source that sees no saves gives no series."""
+    import time
+
+    from infra.clickhouse import init_db, insert_records
+    from schemas.records import Heartbeat
+
+    db, job, t0 = f"saves_{time.time_ns() % 10**9}", "saving-job", time.time_ns()
+    init_db(ch, db, retention_days=0)
+    saved = [0, 0, 0.4, 0.4, 0.2]  # s saved so far; the last after the restart
+    beats = [
+        Heartbeat(job=job, node="n0", rank=r, ts_ns=t0 + i * 10**9, cpu_ns=i * 10**9,
+                  cpu_wait_ns=0, save_ns=int(s * 1e9) if r == 0 else 0)
+        for i, s in enumerate(saved) for r in (0, 1)
+    ]  # fmt: skip
+    insert_records(ch, db, beats)
+    now = t0 // 10**9
+    got = panel(ch, {"db": db, "job": job, "range": (now - 60, now + 60)}, JOB, "cpu_wait")
+    by_rank: dict[str, list[Any]] = {}
+    for r in got:
+        by_rank.setdefault(r["rank"], []).append(r["saving_s_per_s"])
+    assert by_rank["0"] == pytest.approx([0.0, 0.4, 0.0, 0.2])
+    assert by_rank["1"] == pytest.approx([0.0] * 4)

@@ -8,6 +8,7 @@ import socket
 import msgspec
 import pytest
 
+from detectors.job import JobAnalyzer
 from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
 from detectors.watchdog import HangWatch, JobView
@@ -53,6 +54,30 @@ def test_a_hang_is_over_when_the_job_restarted_runs_though_its_calls_count_from_
     assert opened.kind.value == "hang" and opened.rank == 2
     (over,) = [v for v in told if v.status.value == "resolved"]
     assert over.resolved_ns / S == pytest.approx(3.1)  # the restart's first beat
+
+
+def test_a_job_stopped_whole_mid_step_and_started_again_is_no_hang() -> None:
+    """Every rank killed at once (a preemption: no last words), ranks 0 and 1 just into
+    call 1001 and rank 2 not yet; the job started again, its ranks' new processes beating
+    one after the other before any call. Nothing hung: no verdict."""
+    job = JobAnalyzer("j")
+    told = job.update(JobInfo(job="j", ts_ns=0, world_size=3, dp=3))
+    told += job.update(CommInfo(job="j", ts_ns=0, comm_hash=WORLD, role=CommRole.DP,
+                                ranks=[0, 1, 2]))  # fmt: skip
+    job.durations.extend([int(0.1 * S)] * 10)  # its steps took 0.1 s
+    t = 0.0
+    for k in range(10):
+        t = round(t + 0.1, 3)
+        for r in range(3):
+            told += job.update(beat(r, t, 991 + k, 991 + k, 100 + r))
+        told += job.tick(int(t * S))
+    for r in (0, 1):
+        told += job.update(beat(r, t + 0.05, 1001, 1000, 100 + r))
+    for k, r in enumerate((0, 1, 2)):  # started again 4 s later, no call yet
+        told += job.update(Heartbeat(job="j", node=f"n{r}", rank=r, pid=200 + r,
+                                     ts_ns=int((t + 4 + 0.2 * k) * S)))  # fmt: skip
+        told += job.tick(int((t + 4 + 0.2 * k) * S))
+    assert [v for v in told if type(v).__name__ == "Verdict"] == []
 
 
 def test_a_job_whose_processes_all_ended_in_a_call_is_told_hung_when_the_last_says_so() -> None:

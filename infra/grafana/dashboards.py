@@ -248,13 +248,15 @@ ORDER BY time""",
         ),
         Panel(
             "cpu_wait",
-            "CPU wait and CPU quota throttling per rank (s a second)",
+            "CPU wait, CPU quota throttling and checkpoint saving per rank (s a second)",
             "timeseries",
-            f"""SELECT time, rank, cpu_wait_s_per_s, cpu_throttled_s_per_s FROM (
+            f"""SELECT time, rank, cpu_wait_s_per_s, cpu_throttled_s_per_s, saving_s_per_s FROM (
   SELECT ts AS time, toString(rank) AS rank, lagInFrame(ts_ns) OVER w AS prev_ns,
          (cpu_wait_ns - lagInFrame(cpu_wait_ns) OVER w) / (ts_ns - prev_ns) AS cpu_wait_s_per_s,
          cpu_throttled_ns - lagInFrame(cpu_throttled_ns) OVER w AS held_ns,
-         if(held_ns < 0, 0, held_ns) / (ts_ns - prev_ns) AS cpu_throttled_s_per_s
+         if(held_ns < 0, 0, held_ns) / (ts_ns - prev_ns) AS cpu_throttled_s_per_s,
+         save_ns - lagInFrame(save_ns) OVER w AS saved_ns,
+         if(saved_ns < 0, save_ns, saved_ns) / (ts_ns - prev_ns) AS saving_s_per_s
   FROM {DB}.heartbeats FINAL
   WHERE job = '${{job}}' AND $__timeFilter(ts) AND cpu_wait_ns IS NOT NULL
     AND $__conditionalAll(rank IN (${{rank}}), $rank)
@@ -268,7 +270,9 @@ ORDER BY time""",
             "(a crowded host, a spent CPU quota), and how long its cgroups' CPU quota held it "
             "back (the kernel's throttled time, where the source reads it), from its "
             "heartbeats. A rank or host far above the rest since a slowdown began is "
-            "starved of CPU: the slowdown's cause.",
+            "starved of CPU: the slowdown's cause. Saving: the share of the time the rank "
+            "spent saving checkpoints (where the PyTorch collector sees them), during "
+            "which its peers wait for it.",
         ),
         Panel(
             "alignment",
