@@ -66,8 +66,9 @@ class Judgement:
     def judge(self, rep: StepReport, topo: Topology, final: bool = False) -> list[msgspec.Struct]:
         """Localise the pending shift (as of step ``rep``, the newest) once every node's link
         samples reached the step that confirmed it, or ``link_wait_ms`` after that step
-        (or now: ``final``, no more input: the links' samples will not come, and a shift
-        not believed by then never will be).
+        (or now: ``final``, no more input: the links' samples will not come, nor the
+        second a shift must last; one not settled on a culprit, or nothing localises and
+        it has not lasted as long as such a shift must, is not believed then either).
 
         Topics are read at different paces: a degraded link whose samples are read a
         few steps after the collectives would otherwise leave its slowdown to the job
@@ -81,7 +82,7 @@ class Judgement:
         if final:  # judged as it stands: what is not believed now never will be
             self.pending = None
         since = self.pending_since_ns or (reps[0].start_ns if reps else rep.start_ns)
-        if rep.end_ns - since < self.settle_s * 1e9:
+        if rep.end_ns - since < self.settle_s * 1e9 and not final:
             return []  # not yet longer than a host's own hiccups last
         found = self.locate(reps, topo)
         # who waits for whom takes a few steps to show: a network, a host or nobody,

@@ -63,3 +63,19 @@ def test_transient_stragglers_and_false_alarms_no_worse(scored: Score) -> None:
     k = scored.kinds["transient_straggler"]
     assert k.tp >= 4 and k.fp <= 1
     assert scored.healthy_steps >= 1500 and scored.healthy_alarms == 0
+
+
+def test_a_slowdown_whose_steps_stay_short_is_told_while_the_job_runs() -> None:
+    """The second run's ddp-slow-node: its host held to a quota, the job's steps take
+    55 ms, so the 16 steps the ledger keeps span less than the second a shift must last.
+    It is told within seconds of its onset, not when the records end (a live job's never
+    do)."""
+    from detectors.replay import Replay
+    from schemas.records import Verdict
+
+    (case,) = corpus(RUNS[1] / "ddp-slow-node")
+    (label,) = case.labels
+    found = [v for v in Replay().run(case.records) if isinstance(v, Verdict)]
+    (told,) = {v.verdict_id: v for v in found if v.kind.value == "slowdown"}.values()
+    assert told.node == "lab-n1"
+    assert told.detected_ns - label.onset_ns < 3e9
