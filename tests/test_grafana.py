@@ -144,29 +144,45 @@ def test_cpu_wait_panel_gives_each_rank_its_share_between_heartbeats(ch: Any, st
     assert {r["rank"] for r in panel(ch, story, JOB, "cpu_wait", rank=["5"])} == {"5"}
 
 
+def _cpu_panel(ch: Any, name: str, beats: list[Any]) -> list[dict[str, Any]]:
+    """The job dashboard's CPU panel over ``beats`` (one job's heartbeats, from now on),
+    stored in a database of their own."""
+    import time
+
+    from infra.clickhouse import init_db, insert_records
+
+    db = f"{name}_{time.time_ns() % 10**9}"
+    init_db(ch, db, retention_days=0)
+    insert_records(ch, db, beats)
+    now = beats[0].ts_ns // 10**9
+    return panel(ch, {"db": db, "job": beats[0].job, "range": (now - 60, now + 60)}, JOB,
+                 "cpu_wait")  # fmt: skip
+
+
+def _by_rank(rows: list[dict[str, Any]], column: str) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for r in rows:
+        out.setdefault(r["rank"], []).append(r[column])
+    return out
+
+
 def test_cpu_wait_panel_shows_the_quota_throttling_where_heartbeats_carry_it(ch: Any) -> None:
     """Rank 0's cgroup throttled 0.3 s a second from its third heartbeat; rank 1's source
     reads no throttled time (its series stays empty, not 0); rank 0's counter restarting
     in another cgroup adds nothing."""
     import time
 
-    from infra.clickhouse import init_db, insert_records
     from schemas.records import Heartbeat
 
-    db, job, t0 = f"throttle_{time.time_ns() % 10**9}", "quota-job", time.time_ns()
-    init_db(ch, db, retention_days=0)
+    t0 = time.time_ns()
     held = [0, 0, 0.3, 0.6, 0.9, 0.1]  # s throttled so far; the last after a move
     beats = [
-        Heartbeat(job=job, node="n0", rank=r, ts_ns=t0 + i * 10**9, cpu_ns=i * 10**9,
+        Heartbeat(job="quota-job", node="n0", rank=r, ts_ns=t0 + i * 10**9, cpu_ns=i * 10**9,
                   cpu_wait_ns=i * 10**8, cpu_throttled_ns=int(h * 1e9) if r == 0 else None)
         for i, h in enumerate(held) for r in (0, 1)
     ]  # fmt: skip
-    insert_records(ch, db, beats)
-    now = t0 // 10**9
-    got = panel(ch, {"db": db, "job": job, "range": (now - 60, now + 60)}, JOB, "cpu_wait")
-    by_rank: dict[str, list[Any]] = {}
-    for r in got:
-        by_rank.setdefault(r["rank"], []).append(r["cpu_throttled_s_per_s"])
+    got = _cpu_panel(ch, "throttle", beats)
+    by_rank = _by_rank(got, "cpu_throttled_s_per_s")
     assert by_rank["0"] == pytest.approx([0.0, 0.3, 0.3, 0.3, 0.0])
     assert by_rank["1"] == [None] * 5
     assert all(r["cpu_wait_s_per_s"] == pytest.approx(0.1) for r in got)
@@ -175,25 +191,19 @@ def test_cpu_wait_panel_shows_the_quota_throttling_where_heartbeats_carry_it(ch:
 def test_cpu_wait_panel_shows_the_time_ranks_spent_saving_checkpoints(ch: Any) -> None:
     """Rank 0 saves for 0.4 s of its third second; its process then starts again (the
     job restarted), its count from 0, and saves 0.2 s in the first second of that. Rank
-    1 never saves; a source that sees no saves gives no series."""
+    1 never saves; rank 2's source sees no saves: no series."""
     import time
 
-    from infra.clickhouse import init_db, insert_records
     from schemas.records import Heartbeat
 
-    db, job, t0 = f"saves_{time.time_ns() % 10**9}", "saving-job", time.time_ns()
-    init_db(ch, db, retention_days=0)
+    t0 = time.time_ns()
     saved = [0, 0, 0.4, 0.4, 0.2]  # s saved so far; the last after the restart
     beats = [
-        Heartbeat(job=job, node="n0", rank=r, ts_ns=t0 + i * 10**9, cpu_ns=i * 10**9,
-                  cpu_wait_ns=0, save_ns=int(s * 1e9) if r == 0 else 0)
-        for i, s in enumerate(saved) for r in (0, 1)
+        Heartbeat(job="saving-job", node="n0", rank=r, ts_ns=t0 + i * 10**9, cpu_ns=i * 10**9,
+                  cpu_wait_ns=0, save_ns=(int(s * 1e9) if r == 0 else 0) if r < 2 else None)
+        for i, s in enumerate(saved) for r in (0, 1, 2)
     ]  # fmt: skip
-    insert_records(ch, db, beats)
-    now = t0 // 10**9
-    got = panel(ch, {"db": db, "job": job, "range": (now - 60, now + 60)}, JOB, "cpu_wait")
-    by_rank: dict[str, list[Any]] = {}
-    for r in got:
-        by_rank.setdefault(r["rank"], []).append(r["saving_s_per_s"])
+    by_rank = _by_rank(_cpu_panel(ch, "saves", beats), "saving_s_per_s")
     assert by_rank["0"] == pytest.approx([0.0, 0.4, 0.0, 0.2])
     assert by_rank["1"] == pytest.approx([0.0] * 4)
+    assert by_rank["2"] == [None] * 4
