@@ -36,6 +36,7 @@ def upgrade(state: dict[str, Any]) -> dict[str, Any]:
         for old, new in OLD_HANG_STATE.items():
             if old in state:
                 setattr(hangs, new, state.pop(old))
+        hangs.starting = not (hangs.hb_progress_ns or hangs.last_progress_ns)
         state["hangs"] = hangs
     if isinstance(state.get("gpu_wait"), dict):  # kept as a plain dict before
         gpu_wait = GpuWaitBaseline()

@@ -8,7 +8,8 @@ progress for ``hang_factor`` x its expected step time, or x a silence it came ou
 lately where that was longer (its present pace: a job slowed by a link under a large
 call is silent in it every step; at least ``min_hang_ms``; a recording's end is silence
 that goes on; while a rank saves a checkpoint, at least ``save_hang_s``: the job's own
-pause, which its peers wait out at their next collective, and no pace), and localises it
+pause, which its peers wait out at their next collective, and no pace; before a start of
+the job completed a collective, at least ``start_hang_s``), and localises it
 with
 :mod:`detectors.hang`: the member missing from the earliest call the others wait in
 (several, if several never joined it), or, where every member joined, the edge whose
@@ -86,6 +87,7 @@ class HangWatch:
             self.final = "the recording ended there" if self.final else ""
         self.__dict__.setdefault("joined", {})
         self.__dict__.setdefault("silence", (0, 0, 0))
+        self.__dict__.setdefault("starting", False)  # (a snapshot of a job under way)
 
     def _reset(self) -> None:
         self.partials: dict[Key, Instance] = {}
@@ -104,6 +106,7 @@ class HangWatch:
         self.silence = (0, 0, 0)
         self.saw_save_ns = 0  # the newest heartbeat that showed a rank saving a checkpoint
         self.exited: dict[int, int] = {}  # rank -> its process's last heartbeat (exiting)
+        self.starting = True  # this start of the job has completed no collective yet
 
     # ------------------------------------------------------------------ inputs
     def heartbeat(self, hb: Heartbeat, book: VerdictBook) -> list[msgspec.Struct]:
@@ -126,6 +129,8 @@ class HangWatch:
             self.exited[hb.rank] = ts
         if done is None:
             done = self.hb_done[hb.rank] = {}
+        if not self.hb_progress_ns:  # the job's first heartbeat: its start, as progress
+            self.hb_progress_ns = ts
         moved = False
         for cp in hb.comms:
             if cp.completed_seq > done.get(cp.comm_hash, -1):
@@ -133,10 +138,15 @@ class HangWatch:
                 moved = True
         if not moved:
             return out
-        if before is not None and before.ts_ns > self.hb_progress_ns > max(0, self.saw_save_ns):
+        starting, self.starting = self.starting, False
+        if (
+            not starting
+            and before is not None
+            and before.ts_ns > self.hb_progress_ns > max(0, self.saw_save_ns)
+        ):
             # silent at least from its last progress to this rank's heartbeat before,
             # which showed none (what came after, up to a heartbeat apart, is not known);
-            # not a silence a rank spent saving a checkpoint: that is no pace
+            # not a silence a rank spent saving a checkpoint, nor the job's start: no pace
             self._came_out(self.hb_progress_ns, before.ts_ns - self.hb_progress_ns, ts)
         self.hb_progress_ns = max(self.hb_progress_ns, ts)
         if self.open and ts > self.detected_ns:
@@ -146,9 +156,9 @@ class HangWatch:
     def started_again(self, ts_ns: int, book: VerdictBook) -> list[msgspec.Struct]:
         """The job was started again (a rank's new process beat at ``ts_ns``): a hang its
         first start ended in is over, and what that start left (its ranks' heartbeats, its
-        calls open, its pace) is no evidence of the new one, whose start is progress
-        (the job's caller judges the first start's end before: :meth:`tick`'s
-        ``ended``)."""
+        calls open, its pace) is no evidence of the new one: a start, judged as one
+        (``start_hang_s``), whose silence counts from ``ts_ns`` (the job's caller judges
+        the first start's end before: :meth:`tick`'s ``ended``)."""
         out = self._resolve(book, ts_ns) if self.open else []
         self._reset()
         self.hb_progress_ns = self.hb_now_ns = ts_ns
@@ -271,6 +281,11 @@ class HangWatch:
             ended = "the recording ended there"
         if not final and self.hb_latest and self.ended(world, limit):
             final, ended = True, "the job's processes ended there"
+        elif self.starting and self.hb_latest:
+            # a start (the first, or one started again) is silent until its first collective
+            # completes: its ranks load the model and data, and join at their own pace
+            # (a recording that ends there ended in the start, not in a hang)
+            final, limit = False, max(limit, st.start_hang_s * 1e9)
         if final:
             limit = max(exp, 0.02 * st.min_hang_ms * 1e6)
         self.final = ended

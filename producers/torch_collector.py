@@ -55,12 +55,13 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from producers.host_cpu import cgroup_throttled, process_cpu
+from producers.save_clock import SaveClock
 from schemas.enums import TORCH_OP_NAMES, CollOp, CommRole, DType
 from schemas.layout import Layout, comm_hash
 from schemas.records import (
@@ -231,13 +232,9 @@ class Collector:
         self._stop = threading.Event()
         self._tls = threading.local()
         self._thread: threading.Thread | None = None
-        # checkpoints: the time finished saves took, the threads saving now and since when,
-        # and whether a heartbeat should go out now (a save began or ended)
-        self._saved_ns = 0
-        self._saving = 0
-        self._saving_since: int | None = None
-        self._save_lock = threading.Lock()
+        # checkpoints: the time spent saving; a heartbeat goes out as a save begins or ends
         self._beat_now = False
+        self.saves = SaveClock(on_change=self._beat_soon)
 
     # ------------------------------------------------------------------ layout
     def declare(
@@ -544,55 +541,18 @@ class Collector:
                           duration_ns=now - last if last else None, source="torch-collector")
             )  # fmt: skip
 
-    @contextlib.contextmanager
-    def saving(self) -> Iterator[None]:
-        """Checkpoint code, timed: the time any thread is inside counts once (DCP's writers
-        call ``torch.save`` inside its ``save``, on threads of their own)."""
-        tls = self._tls
-        depth = getattr(tls, "saving", 0)
-        tls.saving = depth + 1
-        if not depth:
-            self._saves_moved(+1)
-        try:
-            yield
-        finally:
-            tls.saving = depth
-            if not depth:
-                self._saves_moved(-1)
+    def saving(self) -> contextlib.AbstractContextManager[None]:
+        """Checkpoint code, timed as the rank's saving (:class:`SaveClock`)."""
+        return self.saves.saving()
 
-    def _save(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with self.saving():
-                return fn(*args, **kwargs)
-
-        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
-        return wrapper
-
-    def _saves_moved(self, by: int) -> None:
-        """A thread began (+1) or ended (-1) a save: the first to begin starts the clock,
-        the last to end stops it; either way a heartbeat goes out now."""
-        now = time.time_ns()
-        with self._save_lock:
-            if by > 0 and not self._saving:
-                self._saving_since = now
-            self._saving += by
-            if not self._saving and self._saving_since is not None:
-                self._saved_ns += now - self._saving_since
-                self._saving_since = None
+    def _beat_soon(self) -> None:
         self._beat_now = True
-
-    def saves(self, now_ns: int) -> tuple[int, int | None]:
-        """The time spent saving checkpoints up to ``now_ns`` (a save under way included),
-        and when the save under way began (None: none)."""
-        with self._save_lock:
-            saved, since = self._saved_ns, self._saving_since
-        return saved + (max(0, now_ns - since) if since is not None else 0), since
 
     def heartbeat(self, now_ns: int | None = None, exiting: bool = False) -> Heartbeat:
         comms = [*self._groups.values(), *self._pairs.values()]
         cpu = process_cpu()
         now = now_ns or time.time_ns()
-        saved, since = self.saves(now)
+        saved, since = self.saves.saves(now)
         return Heartbeat(
             job=self.job,
             node=self.node,
@@ -650,11 +610,7 @@ class Collector:
             for module in (dist, c10d):
                 if hasattr(module, name):
                     setattr(module, name, wrap)
-        for module, name in _saves():
-            key = f"{module.__name__}.{name}"
-            if key not in self._originals:
-                self._originals[key] = getattr(module, name)
-                setattr(module, name, self._save(self._originals[key]))
+        self.saves.install()
         self._thread = threading.Thread(target=self._loop, name="megatrace-collector", daemon=True)
         self._thread.start()
         # after the sink's own exit handler (they run last first): ours still has its sink
@@ -672,11 +628,8 @@ class Collector:
         self._mark = self._cupti.nccl_call
 
     def uninstall(self) -> None:
-        saves = {f"{m.__name__}.{n}": m for m, n in _saves()}
+        self.saves.uninstall()
         for name, fn in self._originals.items():
-            if name in saves:
-                setattr(saves[name], name.rpartition(".")[2], fn)
-                continue
             for module in (self.dist, self.dist.distributed_c10d):
                 if hasattr(module, name):
                     setattr(module, name, fn)
@@ -693,23 +646,6 @@ class Collector:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-
-
-def _saves() -> list[tuple[Any, str]]:
-    """The checkpoint functions the collector times, as (module, name): ``torch.save``,
-    and ``torch.distributed.checkpoint``'s ``save`` and ``async_save`` (in the package
-    and in the module that defines them) where this torch has them."""
-    import torch
-
-    out: list[tuple[Any, str]] = [(torch, "save")]
-    try:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import state_dict_saver
-    except ImportError:  # a torch without DCP
-        return out
-    for module in (dcp, state_dict_saver):
-        out += [(module, n) for n in ("save", "async_save") if hasattr(module, n)]
-    return out
 
 
 class _Work:

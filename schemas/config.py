@@ -142,6 +142,10 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``save_hang_s``: while a rank saves a checkpoint (where heartbeats say so) the job's
     silence is a hang only past this long (PyTorch's default collective timeout: its
     peers wait for it at their next collective, as the job was written to).
+    ``start_hang_s``: a start of the job (the first, or one started again) until its first
+    collective completes is a hang only past this long: its ranks load the model and the
+    data, and join their first collective at their own pace (PyTorch's default
+    collective timeout).
     ``part_shards``: the flow merges the communicators' step parts under this many
     keys per job before the job's analysis (that step's parallelism).
     """
@@ -160,6 +164,7 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     settle_s: float = 1.0
     transient_min_lost_ms: float = 50.0
     save_hang_s: float = 600.0
+    start_hang_s: float = 600.0
     part_shards: int = 16
 
     def __post_init__(self) -> None:

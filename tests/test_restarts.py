@@ -12,6 +12,7 @@ from detectors.job import JobAnalyzer
 from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
 from detectors.watchdog import HangWatch, JobView
+from schemas.config import DetectSettings
 from schemas.enums import CommRole
 from schemas.records import CommInfo, CommProgress, Heartbeat, JobInfo
 from tests.recordings import ORDERS, read_records, replayed
@@ -110,6 +111,53 @@ def test_a_job_whose_processes_all_ended_in_a_call_is_told_hung_when_the_last_sa
         assert (hang.kind.value, hang.rank) == ("hang", 2)
         assert hang.detected_ns == int((t + 0.6) * S)
         assert "the job's processes ended there" in hang.summary
+
+
+def test_a_start_waits_for_its_slowest_rank_up_to_the_start_limit_first_or_again() -> None:
+    """Rank 2 is in its first call 3 s before ranks 0 and 1 come to it (they load the
+    model slower), in the job's first start and in a start after rank 2 failed: a start,
+    no hang (the limit after steps of 0.1 s is 0.5 s). A rank that never comes is a hang
+    once the start took ``start_hang_s``, named."""
+    topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=3, dp=3))
+    topo.add(CommInfo(job="j", ts_ns=0, comm_hash=WORLD, role=CommRole.DP, ranks=[0, 1, 2]))
+    for again, late in ((False, 3.0), (True, 3.0), (False, None), (True, None)):
+        view = JobView(topo, VerdictBook("j"), expected_ns=0.1 * S, coll_now_ns=0,
+                       place=lambda *_: None,
+                       settings=DetectSettings(start_hang_s=10.0))  # fmt: skip
+        watch, told, t, pid = HangWatch(), [], 0.0, 100
+        if again:  # a first start that ran, then rank 2 failed and all were started again
+            for k in range(10):
+                t = round(t + 0.1, 3)
+                for r in range(3):
+                    told += watch.heartbeat(beat(r, t, k, k, pid + r), view.book)
+                told += watch.tick(int(t * S), view)
+            for r in (0, 1):
+                last = beat(r, t + 0.3 * (r + 1), 10, 9, pid + r)
+                told += watch.heartbeat(msgspec.structs.replace(last, exiting=True), view.book)
+                told += watch.tick(last.ts_ns, view)
+            t, pid = t + 2.0, 200
+            assert [v.rank for v in told] == [2]  # the first start's end
+            told = []
+        start = t
+        while t < start + 20 and not (late is not None and t > start + late + 1):
+            t = round(t + 0.1, 3)
+            came = late is not None and t >= start + late
+            for r in range(3):
+                if r == 2 or came:
+                    issued = 0 if r == 2 or came else -1
+                    done = 0 if came and t >= start + late + 0.1 else -1
+                    told += watch.heartbeat(beat(r, t, issued, done, pid + r), view.book)
+                else:  # alive, loading: no communicator yet
+                    told += watch.heartbeat(Heartbeat(job="j", node=f"n{r}", rank=r, pid=pid + r,
+                                                      ts_ns=int(t * S)), view.book)  # fmt: skip
+            told += watch.tick(int(t * S), view)
+        told = [v for v in told if v.status.value == "open"]  # (not the first start's end)
+        if late is not None:
+            assert told == [], (again, [v.summary for v in told])
+            continue
+        (hang,) = told
+        assert hang.kind.value == "hang" and sorted(hang.culprit_ranks) == [0, 1]
+        assert hang.detected_ns / S == pytest.approx(start + 10.1, abs=0.15)
 
 
 def test_a_restarted_job_names_its_communicators_anew(monkeypatch) -> None:
