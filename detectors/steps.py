@@ -330,6 +330,7 @@ def step_tables(
             instances=rep.n_instances,
             expected_instances=assembler.expected_instances(),
             late_instances=assembler.late_instances,
+            left_out=not rep.complete,
         )
     ]
     # a row per rank: the arrays read as lists once (numpy's per-element access is slow)

@@ -7,8 +7,9 @@ from typing import Any, NamedTuple
 
 
 class StepAccount(NamedTuple):
-    """A job's steps as stored: how many, their mean duration, how many were closed without
-    some of their collectives, and the most collectives that came after their step closed."""
+    """A job's steps as stored: how many, their mean duration, how many the detectors left
+    out (closed without some of their collectives, or a restart or a checkpoint in them),
+    and the most collectives that came after their step closed."""
 
     steps: int
     mean_ms: float
@@ -41,7 +42,7 @@ def dead_letter_counts(client: Any, database: str) -> list[tuple[str, int]]:
 def step_account(client: Any, database: str, job: str) -> StepAccount:
     ((n, mean_ms, cut, after_close),) = client.query(
         f"SELECT count(), round(avg(duration_ns) / 1e6, 1), "
-        f"countIf(instances < expected_instances), max(late_instances) "
+        f"countIf(left_out), max(late_instances) "
         f"FROM {database}.steps FINAL WHERE job = {{j:String}}",
         parameters={"j": job},
     ).result_rows

@@ -160,8 +160,9 @@ def demo(obj: _Ctx, scenario: str, scale: str, seed: int) -> None:
         click.echo(f"    {line}")
     st = step_account(client, db_name, sp.job)
     click.echo(
-        f"  {plural(st.steps, 'step')} analysed (mean {st.mean_ms} ms; {st.cut:,} closed "
-        f"without some of their collectives, {plural(st.after_close, 'collective')} came after "
+        f"  {plural(st.steps, 'step')} analysed (mean {st.mean_ms} ms; {st.cut:,} left out, "
+        f"closed without some of their collectives or paused by the job, "
+        f"{plural(st.after_close, 'collective')} came after "
         f"their step closed); query them in {_redact(s.clickhouse_url())} database {db_name}"
     )
     al = align_account(client, db_name, sp.job)

@@ -62,7 +62,7 @@ def load(client: Any, database: str, job: str) -> JobData:
     steps = _rows(
         client,
         f"SELECT step, duration_ns / 1e6 AS step_ms, expected_ns / 1e6 AS expected_ms, "
-        f"instances < expected_instances AS incomplete "
+        f"left_out AS incomplete "
         f"FROM {database}.steps FINAL WHERE job = '{_q(job)}' ORDER BY step",
     )
     if not steps:

@@ -455,10 +455,13 @@ class RankStep(Record, frozen=True, kw_only=True, tag="rank_step"):
 class StepSummary(Record, frozen=True, kw_only=True, tag="step"):
     """One training step of the whole job.
 
-    ``instances`` collective instances went into its figures, of the
-    ``expected_instances`` a whole step has: fewer, and the step was closed without
-    some (a hang, records lost, or read so late that the step was given up on);
-    its figures then cover only what came, and the detectors leave it out.
+    ``instances`` collective instances went into its figures; the job's layout says a
+    whole step has ``expected_instances`` (0: it says nothing; a job's own calls may
+    differ from it, and what they show decides: each communicator's is in the
+    ``comm_structure`` table). ``left_out``: the detectors left the step out, as closed
+    without some of its instances (a hang, records lost, or read so late that the
+    step was given up on: its figures cover only what came), or as one that spans the
+    job's restart or that a rank spent saving a checkpoint (the job's own pause).
     ``late_instances`` counts the job's instances so far that came after their
     step was closed, in no step's figures (0 and 0 for both: not known, a row
     written before megatrace counted them).
@@ -475,6 +478,7 @@ class StepSummary(Record, frozen=True, kw_only=True, tag="step"):
     instances: Count = 0
     expected_instances: Count = 0
     late_instances: Count = 0
+    left_out: bool = False
 
 
 class Verdict(Record, frozen=True, kw_only=True, tag="verdict"):

@@ -99,7 +99,7 @@ def test_the_readme_demo_names_every_injected_culprit_and_runs_again_cleanly(tmp
             assert 3 <= len(told) <= 6, told
             # the hung step is closed without all its collectives (on a loaded machine a
             # step whose partition was read late may be given up on too)
-            cut = re.search(r"(\d+) closed without some of their collectives", res.stdout)
+            cut = re.search(r"(\d+) left out, closed without some of their collectives", res.stdout)
             assert cut and int(cut[1]) >= 1, res.stdout[-3000:]
             report = res.stdout.split("report with pictures: ")[1].split()[0]
             assert (tmp_path / "stack" / "reports").is_dir() and report.endswith(".html")

@@ -282,6 +282,7 @@ def test_step_rows_say_whether_every_instance_came() -> None:
     assert len(expected) == 1 and expected.pop() > 0
     assert all(s.instances == s.expected_instances for s in steps if s.step < hung)
     assert 0 < steps[-1].instances < steps[-1].expected_instances
+    assert [s.step for s in steps if s.left_out] == [hung]
     assert all(s.late_instances == 0 for s in steps)
 
 

@@ -37,3 +37,18 @@ def test_without_the_saves_told_the_writers_look_like_stragglers_or_a_hang(name:
     found = replayed(blind)
     assert found
     assert all(set(v.culprit_ranks or [v.rank]) <= saved for v in found if v.rank is not None)
+
+
+@pytest.mark.parametrize("name", RECORDINGS)
+def test_the_steps_a_checkpoint_took_are_left_out_and_say_so(name: str) -> None:
+    """Each save makes a step 10-15 times the usual (and one that began in the step
+    before, that one twice the usual): the detectors leave those steps out, and their
+    rows say so (the job dashboard draws them apart); the others count."""
+    from detectors.replay import Replay
+    from schemas.records import StepSummary
+
+    steps = [s for s in Replay().run(read_records(name)) if isinstance(s, StepSummary)]
+    usual = sorted(s.duration_ns for s in steps)[len(steps) // 2]
+    out = {s.step for s in steps if s.left_out}
+    assert {s.step for s in steps if s.duration_ns > 5 * usual} <= out
+    assert all(s.duration_ns >= 2 * usual for s in steps if s.step in out)

@@ -176,14 +176,15 @@ ORDER BY onset""",
             "timeseries",
             f"""SELECT start AS time, duration_ns / 1e6 AS step_ms,
        expected_ns / 1e6 AS expected_ms,
-       if(instances < expected_instances, duration_ns / 1e6, NULL) AS incomplete_step_ms
+       if(left_out, duration_ns / 1e6, NULL) AS incomplete_step_ms
 FROM {DB}.steps FINAL
 WHERE job = '${{job}}' AND $__timeFilter(start)
 ORDER BY time""",
             format="timeseries",
             description="Change points and incidents show as annotations. incomplete_step_ms: "
-            "a step closed without some of its collectives (a hang, or records lost): its "
-            "time covers only what came.",
+            "a step the detectors left out: closed without some of its collectives (a hang, "
+            "or records lost: its time covers only what came), or one that spans the job's "
+            "restart or a checkpoint save.",
         ),
         Panel(
             "throughput",
