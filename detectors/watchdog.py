@@ -9,11 +9,11 @@ lately where that was longer (its present pace: a job slowed by a link under a l
 call is silent in it every step; at least ``min_hang_ms``; a recording's end is silence
 that goes on; while a rank saves a checkpoint, at least ``save_hang_s``: the job's own
 pause, which its peers wait out at their next collective, and no pace; before a start of
-the job completed a collective, at least ``start_hang_s``), and localises it
-with
-:mod:`detectors.hang`: the member missing from the earliest call the others wait in
-(several, if several never joined it), or, where every member joined, the edge whose
-proxy operations never completed and whether the network or a GPU stopped. The verdict
+the job completed a collective, at least ``start_hang_s``), and localises it from what
+its records say of each rank (:mod:`detectors.hang_evidence`, with :mod:`detectors.hang`):
+the member missing from the earliest call the others wait in (several, if several never
+joined it), or, where every member joined, the edge whose proxy operations never
+completed and whether the network or a GPU stopped. The verdict
 is written by :func:`detectors.hang_report.report_hang`. Progress after the call
 resolves it.
 
@@ -55,15 +55,12 @@ from detectors.align import Instance, Key
 from detectors.edges import StuckProxies
 from detectors.hang import (
     HangDiagnosis,
-    diagnose_from_heartbeats,
     diagnose_hang,
-    held_up_by,
-    issued_seqs,
 )
-from detectors.hang_report import JobView, earliest_call, report_hang
-from detectors.topology import Topology
+from detectors.hang_evidence import HangEvidence
+from detectors.hang_report import JobView, report_hang
 from detectors.verdicts import VerdictBook
-from schemas.enums import Cause, VerdictKind
+from schemas.enums import VerdictKind
 from schemas.records import Heartbeat, ProxySummary
 
 #: how long the job's pace (a silence it came out of) holds unless another about as long
@@ -309,19 +306,21 @@ class HangWatch:
             if fresh < world and silent <= 3 * limit and not final:
                 return []  # wait until every rank reported after the freeze
             calls_ns = max(view.coll_now_ns, now_ns) - self.hb_progress_ns
-            if not final and calls_ns <= limit + st.partial_timeout_ms * 1e6 and self._blind(view):
+            evidence = self.evidence()
+            blind = evidence.blind(view.topo)
+            if not final and calls_ns <= limit + st.partial_timeout_ms * 1e6 and blind:
                 return []  # the calls the heartbeats do not follow may still show the start
-            diag = self._from_heartbeats(view.topo, members)
+            diag = evidence.localise(view.topo, members)
             detected = self.hb_now_ns
             # the calls the heartbeats do not follow may still come (a lagging partition)
-            self.revisable = self._blind(view)
+            self.revisable = blind
         else:
             now = max(view.coll_now_ns, now_ns)
             silent = now - self.last_progress_ns
             if not self.last_progress_ns or silent <= limit or not self.partials:
                 return []
             diag = diagnose_hang(list(self.partials.values()), list(self.stuck.ops.values()),
-                                 members, self._went_past)  # fmt: skip
+                                 members, self.evidence().went_past)  # fmt: skip
             detected = now
         if diag is None:
             return []
@@ -334,56 +333,10 @@ class HangWatch:
         return {r: hb.saving_since_ns for r, hb in self.hb_latest.items()
                 if hb.saving_since_ns is not None and hb.ts_ns >= now}  # fmt: skip
 
-    def _from_heartbeats(
-        self, topo: Topology, members: dict[int, tuple[int, ...]]
-    ) -> HangDiagnosis | None:
-        diag = self._unfollowed(members)
-        if diag is not None:
-            return diag
-        prio = {h: {"pp": 0, "tp": 1, "dp": 3}.get(c.role.value, 2) for h, c in topo.comms.items()}
-        # a rank whose heartbeats stopped before the job did, while the others beat
-        stopped = frozenset(r for r, hb in self.hb_latest.items() if hb.ts_ns < self.hb_progress_ns)
-        diag = diagnose_from_heartbeats(
-            self.hb_latest, members, list(self.stuck.ops.values()), prio,
-            silent=stopped if len(stopped) < len(self.hb_latest) else frozenset(),
-            joined=self.joined,
-        )  # fmt: skip
-        if diag is not None and len(diag.alternatives) > 1:
-            diag = earliest_call(topo, diag)
-        open_calls = [p for p in self.partials.values() if not self._completed(p)]
-        if diag is not None and open_calls:
-            # a call open since earlier, on the same communicator, names who failed first
-            # (a dead rank's peers may stop beating after it; heartbeats that stopped
-            # cannot say who stopped first, the calls' own times can)
-            first = diagnose_hang(open_calls, list(self.stuck.ops.values()), members,
-                                  self._went_past, self._in_call)  # fmt: skip
-            if (
-                first is not None
-                and first.culprit_rank is not None
-                and first.cause == Cause.COMPUTE
-                and (
-                    (first.comm_hash == diag.comm_hash and first.seq < diag.seq)
-                    or diag.culprit_rank in stopped
-                )
-                and not self._waited_on(first.culprit_rank, diag.culprit_rank, members)
-                and not self._never_heard(first.culprit_rank, diag.culprit_rank)
-            ):
-                diag = first
-        return diag
-
-    def _completed(self, inst: Instance) -> bool:
-        """A partial instance every present member's heartbeats say it completed
-        (:meth:`_went_past`), from members that went on beating well into the silence
-        since (a member's last records lost with it: a frozen or killed process sends
-        none). A call that failed also ends, as a peer's death fails it; but a rank whose
-        call failed stops soon after."""
-        alive = (self.hb_progress_ns + self.hb_now_ns) // 2
-        return bool(inst.ranks) and all(
-            (hb := self.hb_latest.get(r)) is not None
-            and hb.ts_ns > alive
-            and self._went_past(r, inst)
-            for r in inst.ranks
-        )
+    def evidence(self) -> HangEvidence:
+        """What the watch's records say of each rank now (:mod:`detectors.hang_evidence`)."""
+        return HangEvidence(self.hb_latest, self.hb_done, self.joined, self.partials,
+                            self.stuck, self.hb_progress_ns, self.hb_now_ns)  # fmt: skip
 
     def _revise(self, view: JobView) -> list[msgspec.Struct]:
         """A hang judged from heartbeats that do not follow every communicator: once the
@@ -393,94 +346,11 @@ class HangWatch:
         if not self.partials:
             return []
         members = {h: tuple(c.ranks) for h, c in view.topo.comms.items()}
-        diag = self._unfollowed(members)
+        diag = self.evidence().unfollowed(members)
         if diag is None:
             return []
         self.revisable = False
         return self._verdict(diag, self.hb_now_ns - self.hb_progress_ns, self.detected_ns, view)
-
-    def _never_heard(self, rank: int, named: int | None) -> bool:
-        """``rank``, named by the heartbeats too, never sent one (e.g. it wrote no Flight
-        Recorder dump): it is missing from every call of its communicators, and the oldest
-        of them says nothing about when it stopped; the heartbeats' call (the newest its
-        peers issued) says where it was needed."""
-        return rank == named and rank not in self.hb_latest
-
-    def _waited_on(self, rank: int, other: int | None, members: dict[int, tuple[int, ...]]) -> bool:
-        """``rank``'s last heartbeat says it was in a call that ``other`` (a member of its
-        communicator) never issued: whatever calls ``rank`` missed since, it was held up."""
-        mine, theirs = self.hb_latest.get(rank), self.hb_latest.get(-1 if other is None else other)
-        if mine is None or theirs is None or other is None:
-            return False
-        calls = [
-            (cp.comm_hash, cp.issued_seq) for cp in mine.comms if cp.issued_seq > cp.completed_seq
-        ]
-        theirs_issued = issued_seqs(theirs, self.joined.get(other))
-        issued = {comm: {other: seq} for comm, seq in theirs_issued.items()}
-        return held_up_by(calls, other, issued, members)
-
-    def _blind(self, view: JobView) -> bool:
-        """Some communicator's calls are not followed by the heartbeats (a source that
-        counts collectives only, and a pipeline's transfers): a hang that began there
-        shows only in its calls, whose partial instances come after the heartbeats (on
-        another topic, once their aligner's timeout passed on their own clock)."""
-        followed = self._followed()
-        return any(h not in followed and len(c.ranks) > 1 for h, c in view.topo.comms.items())
-
-    def _followed(self) -> set[int]:
-        """The communicators the heartbeats report progress on."""
-        return {cp.comm_hash for hb in self.hb_latest.values() for cp in hb.comms}
-
-    def _unfollowed(self, members: dict[int, tuple[int, ...]]) -> HangDiagnosis | None:
-        """A hang that began on a communicator the heartbeats do not follow, from the
-        partial instances (those the aligners reported open too long).
-
-        Heartbeats report progress per communicator as a source counts it: NCCL's
-        profiler plugin counts collectives, not point-to-point transfers, whose
-        sequence numbers run per peer. When the earliest call still open is on such a
-        communicator, the heartbeats cannot say who never joined it (whoever is behind
-        on a collective is only held up); the partial instances can: the end that never
-        posted its side of the transfer, or a transfer both ends joined (the network)."""
-        if not self.partials:
-            return None
-        followed = self._followed()
-        first = min(self.partials.values(), key=lambda i: i.first_arrival_ns)
-        if first.comm_hash in followed:
-            return None
-        return diagnose_hang(
-            list(self.partials.values()), list(self.stuck.ops.values()), members, self._went_past
-        )
-
-    def _went_past(self, rank: int, inst: Instance) -> bool:
-        """Whether ``rank``'s heartbeats say it completed the collective ``inst`` (then its
-        record of that call was lost on the way, and it is not missing from it).
-        Transfers are not judged so: sources count them differently (per peer, or not
-        at all) in heartbeats."""
-        if inst.sender >= 0:
-            return False
-        done = self.hb_done.get(rank)
-        return done is not None and done.get(inst.comm_hash, -1) >= inst.seq
-
-    def _in_call(self, rank: int, inst: Instance) -> bool:
-        """Whether ``rank``'s latest heartbeat, from after the job stopped progressing,
-        says it issued the collective ``inst`` and has not completed it: it waits in it (a
-        source that writes a call's record when the call ends has sent none of it yet).
-        A rank that stopped beating is not waiting, whatever it was in. Transfers are not
-        judged so (as in :meth:`_went_past`)."""
-        hb = self.hb_latest.get(rank)
-        if inst.sender >= 0 or hb is None or hb.ts_ns < self.hb_progress_ns:
-            return False
-        return any(
-            cp.comm_hash == inst.comm_hash and cp.completed_seq < inst.seq <= cp.issued_seq
-            for cp in hb.comms
-        )
-
-    def _partial(self, comm_hash: int, sender: int, seq: int) -> Instance | None:
-        """The partial instance ``seq`` of ``comm_hash`` sent by ``sender`` (to any peer)."""
-        for (comm, by, _, q), inst in self.partials.items():
-            if comm == comm_hash and by == sender and q == seq:
-                return inst
-        return None
 
     def _verdict(
         self, diag: HangDiagnosis, silent: int, detected: int, view: JobView
@@ -490,7 +360,7 @@ class HangWatch:
             silent=silent,
             detected=detected,
             view=view,
-            partial_of=self._partial,
+            partial_of=self.evidence().partial,
             progress_ns=self.hb_progress_ns or self.last_progress_ns,
             reported=self.open,
             ended=self.final,
