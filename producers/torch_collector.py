@@ -31,7 +31,7 @@ rank saving holds its peers up at their next collective, as a straggler or a
 hang would; the detectors tell it apart by this.
 
 Calls on CUDA tensors (NCCL) return to Python as soon as they are enqueued, so
-their host times say nothing: :class:`GpuTimer` takes their arrival (the
+their host times say nothing: :class:`~producers.torch_calls.GpuTimer` takes their arrival (the
 stream reached the call) and end (the stream waited for NCCL) from CUDA
 events, and such a call is finished only when the GPU is done with it.
 With ``kernels=True`` the process's GPU kernels come too, through CUPTI.
@@ -62,7 +62,20 @@ import msgspec
 
 from producers.host_cpu import cgroup_throttled, process_cpu
 from producers.save_clock import SaveClock
-from schemas.enums import TORCH_OP_NAMES, CollOp, CommRole, DType
+from producers.torch_calls import (
+    DEND,
+    DSTART,
+    EV0,
+    EV1,
+    Comm,
+    GpuTimer,
+    TimedWork,
+    first_tensor,
+    positional_group,
+    returned,
+    tensor_info,
+)
+from schemas.enums import TORCH_OP_NAMES, CollOp, CommRole
 from schemas.layout import Layout, comm_hash
 from schemas.records import (
     Collective,
@@ -90,9 +103,6 @@ _OPS = (
     "barrier",
 )
 _P2P = ("send", "recv", "isend", "irecv")
-# A call in flight is a list: [comm, op, seq, tensor, peer, enqueue_ns, host_end_ns,
-# reported, ev_before, ev_after, device_start_ns, device_end_ns] (events: CUDA calls only).
-_EV0, _EV1, _DSTART, _DEND = 8, 9, 10, 11
 
 
 class CollectorError(RuntimeError):
@@ -107,76 +117,6 @@ def _torch() -> Any:
             "the PyTorch collector needs torch: pip install 'megatrace[torch]'"
         ) from None
     return dist
-
-
-class _Comm:
-    __slots__ = ("completed", "hash", "issued", "rank_in_comm", "ranks", "size")
-
-    def __init__(self, h: int, ranks: tuple[int, ...], me: int) -> None:
-        self.hash = h
-        self.ranks = ranks
-        self.size = len(ranks)
-        self.rank_in_comm = ranks.index(me) if me in ranks else 0
-        self.issued = -1
-        self.completed = -1
-
-
-class GpuTimer:
-    """Device-side times of calls on CUDA tensors, on the host clock, from CUDA events.
-
-    A NCCL call returns to Python as soon as it is enqueued, so host clocks say
-    nothing about when the GPU reached it or finished it. :meth:`mark` records an
-    event on the current stream: one before the call (it completes when the GPU
-    arrives at the call) and one after it returns, or after ``wait()`` for async
-    work (it completes when the stream has waited for NCCL). :meth:`time_ns`
-    gives a completed event's time on the host clock, from its distance to an
-    anchor event recorded on an idle side stream at a known host time (renewed
-    every ``anchor_s``); ``None`` while the GPU has not reached it. ``cuda`` is
-    ``torch.cuda`` (a stand-in in tests).
-    """
-
-    def __init__(self, cuda: Any, anchor_s: float = 30.0) -> None:
-        self.cuda = cuda
-        self.anchor_ns = int(anchor_s * 1e9)
-        self._side = cuda.Stream()
-        self._free: list[Any] = []
-        self._anchor: tuple[Any, int] | None = None
-        self._next: tuple[Any, int] | None = None
-        self._renew()
-
-    def _event(self) -> Any:
-        try:  # the caller's thread and the collector's both take events
-            return self._free.pop()
-        except IndexError:
-            return self.cuda.Event(enable_timing=True)
-
-    def _renew(self) -> None:
-        ev = self._event()
-        ev.record(self._side)
-        self._next = (ev, time.time_ns())
-
-    def mark(self) -> Any:
-        """An event recorded now on the current stream."""
-        ev = self._event()
-        ev.record()
-        return ev
-
-    def time_ns(self, ev: Any) -> int | None:
-        """Host-clock time of a recorded event, or None if the GPU has not reached it."""
-        if self._next is not None and self._next[0].query():
-            if self._anchor is not None:
-                self._free.append(self._anchor[0])
-            self._anchor, self._next = self._next, None
-        if self._anchor is None or not ev.query():
-            return None
-        anchor, host = self._anchor
-        if self._next is None and time.time_ns() - host > self.anchor_ns:
-            self._renew()
-        return host + round(anchor.elapsed_time(ev) * 1e6)
-
-    def release(self, *events: Any) -> None:
-        """Give events back for reuse."""
-        self._free.extend(e for e in events if e is not None)
 
 
 class Collector:
@@ -220,8 +160,8 @@ class Collector:
         self._marks: deque[Iteration] = deque()  # step markers, from step_done
         self._last_step_ns = 0
         self.calls = 0
-        self._groups: dict[int, _Comm] = {}  # id(process group) -> communicator
-        self._pairs: dict[tuple[int, int], _Comm] = {}  # (low, high) global ranks
+        self._groups: dict[int, Comm] = {}  # id(process group) -> communicator
+        self._pairs: dict[tuple[int, int], Comm] = {}  # (low, high) global ranks
         self._p2p_seq: dict[tuple[int, int], int] = {}  # (pair hash, sender) -> next seq
         self._p2p_done: dict[int, int] = {}
         self._pending: deque[list[Any]] = deque()  # appended by callers, drained here
@@ -298,7 +238,7 @@ class Collector:
     def _stage(self, rank: int) -> int:
         return self._layout.coords(rank)[0]
 
-    def _announce(self, c: _Comm) -> None:
+    def _announce(self, c: Comm) -> None:
         if c.hash in self._announced:
             return
         self._announced.add(c.hash)
@@ -319,7 +259,7 @@ class Collector:
             )
         )
 
-    def _comm(self, group: Any) -> _Comm:
+    def _comm(self, group: Any) -> Comm:
         """The communicator of ``group`` (None: the default one). Groups of the same ranks
         are one communicator, one sequence: ``None`` and the default group object (which
         DDP passes) are, and so are two groups made of the same ranks (every member
@@ -332,16 +272,16 @@ class Collector:
             h = comm_hash(f"group{self._salt}", ranks)
             c = next((x for x in self._groups.values() if x.hash == h), None)
             if c is None:
-                c = _Comm(h, ranks, self.rank)
+                c = Comm(h, ranks, self.rank)
                 self._announce(c)
             self._groups[id(group)] = c
         return c
 
-    def _pair(self, peer: int) -> _Comm:
+    def _pair(self, peer: int) -> Comm:
         key = (min(self.rank, peer), max(self.rank, peer))
         c = self._pairs.get(key)
         if c is None:
-            c = self._pairs[key] = _Comm(comm_hash(f"p2p{self._salt}", key), key, self.rank)
+            c = self._pairs[key] = Comm(comm_hash(f"p2p{self._salt}", key), key, self.rank)
             self._announce(c)
         return c
 
@@ -354,14 +294,14 @@ class Collector:
                 return fn(*args, **kwargs)
             group = kwargs.get("group")
             if group is None:
-                group = _positional_group(name, args)
+                group = positional_group(name, args)
             c = self._comm(group)
             c.issued += 1
-            t = _first_tensor(args, kwargs)
+            t = first_tensor(args, kwargs)
             entry = [c, op, c.issued, t, None, time.time_ns(), None, False, None, None, None, None]
             gpu = self._timer(t)
             if gpu is not None:
-                entry[_EV0] = gpu.mark()
+                entry[EV0] = gpu.mark()
             self._pending.append(entry)
             self.calls += 1
             self._tls.inside = True
@@ -371,9 +311,9 @@ class Collector:
             finally:
                 self._tls.inside = False
             if work is None or not kwargs.get("async_op", False):
-                _returned(entry, gpu)
+                returned(entry, gpu)
                 return work
-            return _Work(work, [entry], gpu)
+            return TimedWork(work, [entry], gpu)
 
         wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
         wrapper.__name__ = name
@@ -389,7 +329,7 @@ class Collector:
         entry = [c, op, seq, tensor, peer, time.time_ns(), None, False, None, None, None, None]
         gpu = self._timer(tensor)
         if gpu is not None:
-            entry[_EV0] = gpu.mark()
+            entry[EV0] = gpu.mark()
         self._pending.append(entry)
         self.calls += 1
         return entry
@@ -416,9 +356,9 @@ class Collector:
             with self._mark():
                 work = fn(tensor, peer, *args, **kwargs)
             if blocking:
-                _returned(entry, self._gpu if entry[_EV0] is not None else None)
+                returned(entry, self._gpu if entry[EV0] is not None else None)
                 return work
-            return _Work(work, [entry], self._gpu if entry[_EV0] is not None else None)
+            return TimedWork(work, [entry], self._gpu if entry[EV0] is not None else None)
 
         wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
         wrapper.__name__ = name
@@ -436,10 +376,10 @@ class Collector:
                     works = fn(p2p_op_list)
             finally:
                 self._tls.batch = False
-            gpu = self._gpu if entries and entries[0][_EV0] is not None else None
+            gpu = self._gpu if entries and entries[0][EV0] is not None else None
             if len(works) == len(entries):
-                return [_Work(w, [e], gpu) for w, e in zip(works, entries, strict=True)]
-            return [_Work(w, entries, gpu) for w in works]  # coalesced: one completion for all
+                return [TimedWork(w, [e], gpu) for w, e in zip(works, entries, strict=True)]
+            return [TimedWork(w, entries, gpu) for w in works]  # coalesced: one completion for all
 
         wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
         return wrapper
@@ -460,19 +400,19 @@ class Collector:
         gpu = self._gpu
         if gpu is None:
             return False
-        if e[_DSTART] is None:
-            e[_DSTART] = gpu.time_ns(e[_EV0])
-        if e[_EV1] is not None and e[_DEND] is None:
-            e[_DEND] = gpu.time_ns(e[_EV1])
-        return e[_DSTART] is not None and e[_DEND] is not None
+        if e[DSTART] is None:
+            e[DSTART] = gpu.time_ns(e[EV0])
+        if e[EV1] is not None and e[DEND] is None:
+            e[DEND] = gpu.time_ns(e[EV1])
+        return e[DSTART] is not None and e[DEND] is not None
 
     def _record(self, e: list[Any]) -> Collective:
         c, op, seq, t, peer, enq, end = e[:7]
         start = None
-        if e[_EV0] is not None:  # device times, never before the host enqueued the call
-            start = None if e[_DSTART] is None else max(enq, e[_DSTART])
-            end = None if e[_DEND] is None else max(start or enq, e[_DEND])
-        count, nbytes, dtype = _tensor_info(t)
+        if e[EV0] is not None:  # device times, never before the host enqueued the call
+            start = None if e[DSTART] is None else max(enq, e[DSTART])
+            end = None if e[DEND] is None else max(start or enq, e[DEND])
+        count, nbytes, dtype = tensor_info(t)
         return Collective(
             job=self.job,
             node=self.node,
@@ -512,13 +452,13 @@ class Collector:
         pending = self._pending
         for _ in range(len(pending)):  # callers may append meanwhile: take only these
             e = pending.popleft()
-            ended = e[6] is not None if e[_EV0] is None else self._device_done(e)
+            ended = e[6] is not None if e[EV0] is None else self._device_done(e)
             if ended:
                 out.append(self._record(e))
                 c = e[0]
                 c.completed = c.completed + 1 if e[1].is_p2p else max(c.completed, e[2])
-                if e[_EV0] is not None and self._gpu is not None:
-                    self._gpu.release(e[_EV0], e[_EV1])
+                if e[EV0] is not None and self._gpu is not None:
+                    self._gpu.release(e[EV0], e[EV1])
             else:
                 if not e[7] and now - e[5] > overdue_ns:
                     out.append(self._record(e))
@@ -646,103 +586,6 @@ class Collector:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-
-
-class _Work:
-    """A torch ``Work`` that stamps its calls' completion when it is waited on."""
-
-    def __init__(self, work: Any, entries: list[list[Any]], gpu: GpuTimer | None = None) -> None:
-        self._work = work
-        self._entries = entries
-        self._gpu = gpu
-
-    def _done(self) -> None:
-        for e in self._entries:
-            if e[6] is None:
-                _returned(e, self._gpu)
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        r = self._work.wait(*args, **kwargs)
-        self._done()
-        return r
-
-    def is_completed(self) -> bool:
-        done = bool(self._work.is_completed())
-        if done and self._succeeded():
-            self._done()
-        return done
-
-    def _succeeded(self) -> bool:
-        try:
-            fut = self._work.get_future()
-        except Exception:  # a backend without futures: completed is all it says
-            return True
-        return _succeeded(fut)
-
-    def get_future(self) -> Any:
-        """The work's future; its success stamps the calls (DDP's communication hooks
-        chain on it and never wait)."""
-        fut = self._work.get_future()
-        fut.add_done_callback(lambda f: self._done() if _succeeded(f) else None)
-        return fut
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
-def _succeeded(fut: Any) -> bool:
-    """Whether a work's future says it succeeded. A call that failed (its peer died, and
-    Gloo says so at once) is not completed: it stays unfinished, as the peer's call does,
-    and the rank is seen waiting in it. A future not done yet (NCCL's is set after its
-    events completed) does not say otherwise."""
-    if not fut.done():
-        return True
-    try:
-        fut.value()
-    except Exception:
-        return False
-    return True
-
-
-def _returned(entry: list[Any], gpu: GpuTimer | None) -> None:
-    """The host got a call back (or waited for it): stamp it, and for a CUDA call
-    mark the stream, whose event completes when the GPU finished the call."""
-    entry[6] = time.time_ns()
-    if gpu is not None:
-        entry[_EV1] = gpu.mark()
-
-
-def _positional_group(name: str, args: tuple[Any, ...]) -> Any:
-    # where the group goes: all_reduce(t, op, group), broadcast(t, src, group),
-    # reduce(t, dst, op, group), all_gather(list, t, group)
-    index = {"all_reduce": 2, "broadcast": 2, "reduce": 3, "all_gather": 2}.get(name)
-    if index is not None and len(args) > index:
-        return args[index]
-    return None
-
-
-def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    for a in (*args, *kwargs.values()):
-        if hasattr(a, "numel"):
-            return a
-        if isinstance(a, list | tuple) and a and hasattr(a[0], "numel"):
-            return a[0]
-    return None
-
-
-_DTYPES: dict[Any, tuple[DType, int]] = {}
-
-
-def _tensor_info(t: Any) -> tuple[int, int, DType]:
-    if t is None:
-        return 0, 0, DType.UINT8
-    known = _DTYPES.get(t.dtype)
-    if known is None:
-        name = str(t.dtype).removeprefix("torch.")
-        dtype = DType(name) if name in DType._value2member_map_ else DType.UINT8
-        known = _DTYPES[t.dtype] = (dtype, int(t.element_size()))
-    n = int(t.numel())
-    return n, n * known[1], known[0]
 
 
 # --------------------------------------------------------------------------- entry points

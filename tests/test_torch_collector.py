@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from producers import torch_collector  # noqa: E402
+from producers import torch_calls, torch_collector  # noqa: E402
 from schemas.enums import CollOp, CommRole  # noqa: E402
 from schemas.records import Collective, CommInfo, Heartbeat, JobInfo, RankInfo  # noqa: E402
 
@@ -174,7 +174,7 @@ def test_cuda_calls_take_their_times_from_the_device_not_the_host(pg: None) -> N
     got: list[Any] = []
     col = torch_collector.Collector(job="j", sink=got.extend, node="n0", flush_s=3600)
     cuda = FakeCuda()
-    timer = torch_collector.GpuTimer(cuda)
+    timer = torch_calls.GpuTimer(cuda)
     anchor_host = timer._next[1]
     col._timer = lambda t: timer  # every call is a CUDA call on the fake device
     col._gpu = timer
@@ -205,7 +205,7 @@ def test_a_cuda_call_the_gpu_never_finishes_stays_unfinished(pg: None) -> None:
     got: list[Any] = []
     col = torch_collector.Collector(job="j", sink=got.extend, node="n0", flush_s=3600)
     cuda = FakeCuda()
-    timer = torch_collector.GpuTimer(cuda)
+    timer = torch_calls.GpuTimer(cuda)
     col._timer = lambda t: timer
     col._gpu = timer
     col.declare(tp=1, pp=1)
@@ -293,7 +293,7 @@ class _FuturelessWork(_FinishedWork):
 @pytest.mark.parametrize("unset", [True, False], ids=["future-not-set-yet", "no-futures"])
 def test_a_completed_call_whose_future_says_nothing_is_completed(unset: bool) -> None:
     entry: list[Any] = [None] * 12
-    assert torch_collector._Work(_FuturelessWork(unset), [entry]).is_completed()
+    assert torch_calls.TimedWork(_FuturelessWork(unset), [entry]).is_completed()
     assert entry[6] is not None
 
 
@@ -303,7 +303,7 @@ def test_a_call_that_failed_is_not_completed(how: str) -> None:
     waits in it, as its peers do), where one that succeeded is stamped done."""
     entries = {ok: [None] * 12 for ok in (True, False)}
     for ok, entry in entries.items():
-        work = torch_collector._Work(_FinishedWork(None if ok else RuntimeError("peer gone")),
+        work = torch_calls.TimedWork(_FinishedWork(None if ok else RuntimeError("peer gone")),
                                      [entry])  # fmt: skip
         if how == "future":
             work.get_future()
