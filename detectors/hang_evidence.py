@@ -8,15 +8,26 @@ not follow, and from all of it the diagnosis (:meth:`HangEvidence.localise`).
 It holds the watch's own tables (no copy): it is made when a hang is judged and
 dropped after.
 
->>> from schemas.records import CommProgress, Heartbeat
->>> hb = Heartbeat(job="j", node="n", rank=0, ts_ns=10,
-...                comms=[CommProgress(comm_hash=7, issued_seq=5, completed_seq=4)])
->>> ev = HangEvidence({0: hb}, {0: {7: 4}}, {}, {}, StuckProxies(), progress_ns=5, now_ns=10)
->>> ev.followed()
-{7}
+Two ranks of a data-parallel communicator completed its call 4; rank 0 issued call 5,
+rank 1 never did:
+
+>>> from schemas.enums import CommRole
+>>> from schemas.records import CommInfo, CommProgress, Heartbeat, JobInfo
+>>> topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=2, dp=2))
+>>> topo.add(CommInfo(job="j", ts_ns=0, comm_hash=7, role=CommRole.DP, ranks=[0, 1]))
+>>> def beat(rank, issued):
+...     return Heartbeat(job="j", node="n", rank=rank, ts_ns=10,
+...                      comms=[CommProgress(comm_hash=7, issued_seq=issued, completed_seq=4)])
+>>> ev = HangEvidence({0: beat(0, 5), 1: beat(1, 4)}, {0: {7: 4}, 1: {7: 4}}, {}, {},
+...                   StuckProxies(), hb_progress_ns=5, hb_now_ns=10)
+>>> diag = ev.localise(topo, {7: (0, 1)})
+>>> diag.culprit_rank, diag.seq, diag.waiting, ev.blind(topo)
+(1, 5, (0,), False)
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from detectors.align import Instance, Key
 from detectors.edges import StuckProxies
@@ -33,6 +44,7 @@ from schemas.enums import Cause
 from schemas.records import Heartbeat
 
 
+@dataclass(frozen=True)
 class HangEvidence:
     """What the watch's records say of each rank when a hang is judged (see the module
     docstring).
@@ -48,27 +60,17 @@ class HangEvidence:
         The instances reported open too long, by key.
     stuck
         The proxy operations posted and not completed.
-    progress_ns, now_ns
+    hb_progress_ns, hb_now_ns
         The job's last progress, and the newest heartbeat's time.
     """
 
-    def __init__(
-        self,
-        hb_latest: dict[int, Heartbeat],
-        hb_done: dict[int, dict[int, int]],
-        joined: dict[int, dict[int, int]],
-        partials: dict[Key, Instance],
-        stuck: StuckProxies,
-        progress_ns: int,
-        now_ns: int,
-    ) -> None:
-        self.hb_latest = hb_latest
-        self.hb_done = hb_done
-        self.joined = joined
-        self.partials = partials
-        self.stuck = stuck
-        self.hb_progress_ns = progress_ns
-        self.hb_now_ns = now_ns
+    hb_latest: dict[int, Heartbeat]
+    hb_done: dict[int, dict[int, int]]
+    joined: dict[int, dict[int, int]]
+    partials: dict[Key, Instance]
+    stuck: StuckProxies
+    hb_progress_ns: int
+    hb_now_ns: int
 
     def localise(self, topo: Topology, members: dict[int, tuple[int, ...]]) -> HangDiagnosis | None:
         """Who never joined the earliest call the others wait in, from the heartbeats
