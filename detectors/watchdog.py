@@ -286,7 +286,6 @@ class HangWatch:
         if final:
             limit = max(exp, 0.02 * st.min_hang_ms * 1e6)
         self.final = ended
-        members = {h: tuple(c.ranks) for h, c in view.topo.comms.items()}
         diag: HangDiagnosis | None
         if self.hb_latest:
             silent = self.hb_now_ns - self.hb_progress_ns
@@ -310,7 +309,7 @@ class HangWatch:
             blind = evidence.blind(view.topo)
             if not final and calls_ns <= limit + st.partial_timeout_ms * 1e6 and blind:
                 return []  # the calls the heartbeats do not follow may still show the start
-            diag = evidence.localise(view.topo, members)
+            diag = evidence.localise(view.topo, _members(view))
             detected = self.hb_now_ns
             # the calls the heartbeats do not follow may still come (a lagging partition)
             self.revisable = blind
@@ -320,7 +319,7 @@ class HangWatch:
             if not self.last_progress_ns or silent <= limit or not self.partials:
                 return []
             diag = diagnose_hang(list(self.partials.values()), list(self.stuck.ops.values()),
-                                 members, self.evidence().went_past)  # fmt: skip
+                                 _members(view), self.evidence().went_past)  # fmt: skip
             detected = now
         if diag is None:
             return []
@@ -345,8 +344,7 @@ class HangWatch:
         incident, revised)."""
         if not self.partials:
             return []
-        members = {h: tuple(c.ranks) for h, c in view.topo.comms.items()}
-        diag = self.evidence().unfollowed(members)
+        diag = self.evidence().unfollowed(_members(view))
         if diag is None:
             return []
         self.revisable = False
@@ -369,6 +367,12 @@ class HangWatch:
         self.open = culprit
         self.detected_ns = detected
         return out
+
+
+def _members(view: JobView) -> dict[int, tuple[int, ...]]:
+    """Each communicator's member ranks (built when a hang is judged: thousands of
+    communicators, and the watch is ticked every poll)."""
+    return {h: tuple(c.ranks) for h, c in view.topo.comms.items()}
 
 
 __all__ = ["HangWatch", "JobView"]
