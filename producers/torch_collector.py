@@ -174,7 +174,7 @@ class Collector:
         self._thread: threading.Thread | None = None
         # checkpoints: the time spent saving; a heartbeat goes out as a save begins or ends
         self._beat_now = False
-        self.saves = SaveClock(on_change=self._beat_soon)
+        self.save_clock = SaveClock(on_change=self._beat_soon)
 
     # ------------------------------------------------------------------ layout
     def declare(
@@ -483,7 +483,7 @@ class Collector:
 
     def saving(self) -> contextlib.AbstractContextManager[None]:
         """Checkpoint code, timed as the rank's saving (:class:`SaveClock`)."""
-        return self.saves.saving()
+        return self.save_clock.saving()
 
     def _beat_soon(self) -> None:
         self._beat_now = True
@@ -492,7 +492,7 @@ class Collector:
         comms = [*self._groups.values(), *self._pairs.values()]
         cpu = process_cpu()
         now = now_ns or time.time_ns()
-        saved, since = self.saves.saves(now)
+        saved, since = self.save_clock.saves(now)
         return Heartbeat(
             job=self.job,
             node=self.node,
@@ -550,7 +550,7 @@ class Collector:
             for module in (dist, c10d):
                 if hasattr(module, name):
                     setattr(module, name, wrap)
-        self.saves.install()
+        self.save_clock.install()
         self._thread = threading.Thread(target=self._loop, name="megatrace-collector", daemon=True)
         self._thread.start()
         # after the sink's own exit handler (they run last first): ours still has its sink
@@ -568,7 +568,7 @@ class Collector:
         self._mark = self._cupti.nccl_call
 
     def uninstall(self) -> None:
-        self.saves.uninstall()
+        self.save_clock.uninstall()
         for name, fn in self._originals.items():
             for module in (self.dist, self.dist.distributed_c10d):
                 if hasattr(module, name):

@@ -143,10 +143,9 @@ def test_a_start_waits_for_its_slowest_rank_up_to_the_start_limit_first_or_again
             t = round(t + 0.1, 3)
             came = late is not None and t >= start + late
             for r in range(3):
-                if r == 2 or came:
-                    issued = 0 if r == 2 or came else -1
+                if r == 2 or came:  # in call 0; done once the last came a beat before
                     done = 0 if came and t >= start + late + 0.1 else -1
-                    told += watch.heartbeat(beat(r, t, issued, done, pid + r), view.book)
+                    told += watch.heartbeat(beat(r, t, 0, done, pid + r), view.book)
                 else:  # alive, loading: no communicator yet
                     told += watch.heartbeat(Heartbeat(job="j", node=f"n{r}", rank=r, pid=pid + r,
                                                       ts_ns=int(t * S)), view.book)  # fmt: skip
