@@ -81,9 +81,10 @@ def _cost(marks: list[Iteration], inj: Injected) -> float:
     """The throughput the fault cost: 1 - the step time before it / the step time during it.
     A CPU quota cost at most the share of the time the kernel held its ranks back: a job
     slowed by another fault at once (a slow link) may leave a quota nothing to hold back,
-    and the step time it lost is that fault's. Stalls now and then cost the time they
-    added over the steps from the first to the last (their mean: most of those steps
-    ran as usual)."""
+    and the step time it lost is that fault's. A brief fault (a transient, or stalls now
+    and then) costs the time it added over the steps it touched, their mean: most of those
+    steps may run as usual, or faster as the job catches up, and their median would then
+    price a step or two twice as long at nothing."""
     durations = [(m.end_ns, m.duration_ns) for m in marks if m.duration_ns]
     before = [d for t, d in durations if t < inj.onset_ns][-10:]
     end = 1 << 62
@@ -92,7 +93,8 @@ def _cost(marks: list[Iteration], inj: Injected) -> float:
     during = [d for t, d in durations if inj.onset_ns < t <= end]
     if not before or not during:
         return 0.0
-    typical = np.mean(during) if inj.fault.kind == "stall" else np.median(during)
+    brief = inj.fault.kind in ("stall", "transient")
+    typical = np.mean(during) if brief else np.median(during)
     cost = float(max(0.0, 1 - np.median(before) / typical))
     if inj.throttled is not None and inj.throttled[1] > inj.onset_ns:
         held, read_ns = inj.throttled

@@ -71,3 +71,13 @@ def test_a_rank_stalled_now_and_then_is_labelled_intermittent_at_the_time_its_st
     (label,) = labels_of(run, nodes)
     assert (label.kind, label.rank, label.node) == (VerdictKind.INTERMITTENT_SLOWDOWN, 1, "lab-n0")
     assert label.onset_step == 12 and label.throughput_cost > 0.05  # a cost that must be found
+
+
+def test_a_quota_for_a_step_beside_faster_ones_is_labelled_at_the_time_it_added() -> None:
+    """A transient quota that made one step twice as long while the two it also spanned ran
+    a little faster than usual (the job catching up): it cost the time it added over those
+    three steps, not nothing (their median step is shorter than usual)."""
+    out = _marks([20 if step in (20, 22) else 50 if step == 21 else 25 for step in range(60)])
+    onset, ended = out[19].end_ns + 1, out[22].end_ns - 1
+    cost = _cost(out, Injected(Fault("transient", 1, 20), onset, ended_ns=ended))
+    assert cost == pytest.approx(1 - 25 / 30)
