@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import msgspec
 import numpy as np
 
-from producers.sim.engine import KERNEL_NAMES, OPS, Engine, StepTrace
+from producers.sim.engine import Engine
+from producers.sim.trace import KERNEL_NAMES, OPS, StepTrace
 from schemas.enums import ClockSource, CollOp, Direction, DType, KernelKind
 from schemas.records import (
     Collective,

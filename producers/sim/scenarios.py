@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 from producers.sim.emit import Emitter
-from producers.sim.engine import Engine, StepTrace
+from producers.sim.engine import Engine
 from producers.sim.faults import (
     HANGS,
     BubbleDelay,
@@ -35,6 +35,7 @@ from producers.sim.faults import (
     TransientGPU,
 )
 from producers.sim.job import JobSpec
+from producers.sim.trace import StepTrace
 from schemas.enums import Phase
 from schemas.records import FaultLabel, event_time
 
