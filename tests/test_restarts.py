@@ -176,9 +176,9 @@ def test_a_restarted_job_names_its_communicators_anew(monkeypatch) -> None:
         for attempt in ("0", "1", "2"):
             monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
             col = torch_collector.Collector(job="j", sink=lambda r: None)
-            hashes.append(col._comm(None).hash)
+            hashes.append(col.comms.of(None).hash)
         monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
-        first = torch_collector.Collector(job="j", sink=lambda r: None)._comm(None).hash
+        first = torch_collector.Collector(job="j", sink=lambda r: None).comms.of(None).hash
         assert len(set(hashes)) == 3 and hashes[0] == first
     finally:
         dist.destroy_process_group()
