@@ -16,7 +16,8 @@ from click.testing import CliRunner
 
 from megatrace.cli import cli
 from producers.cupti import Activity, map_activities
-from producers.gpu_check import collector_verdicts, plugin_verdicts
+from producers.gpu_check_collector import collector_verdicts
+from producers.gpu_check_nccl import plugin_verdicts
 from schemas.codec import decode
 from schemas.enums import CollOp, DType, KernelKind
 from schemas.records import Collective, Kernel
