@@ -261,7 +261,7 @@ def bench_faults(obj: _Ctx, **options: Any) -> None:
 @click.option("--calls", default=20_000, show_default=True)
 def bench_collector(calls: int) -> None:
     """Overhead of the PyTorch collector per torch.distributed call."""
-    from megatrace.bench import collector
+    from megatrace.bench_units import collector
 
     collector(calls, click.echo)
 
@@ -270,7 +270,7 @@ def bench_collector(calls: int) -> None:
 @click.option("--events", default=200_000, show_default=True, help="Proxy-step state changes.")
 def bench_plugin(events: int) -> None:
     """Cost per event of the NCCL profiler plugin's hot path (C, called as NCCL calls it)."""
-    from megatrace.bench import plugin
+    from megatrace.bench_units import plugin
 
     plugin(events, click.echo)
 
@@ -286,7 +286,7 @@ def bench_plugin(events: int) -> None:
 @click.option("--steps", default=2, show_default=True)
 def bench_simulate(scales: tuple[str, ...], steps: int) -> None:
     """Simulator generation throughput per scale (one core)."""
-    from megatrace.bench import simulate as sim_bench
+    from megatrace.bench_units import simulate as sim_bench
 
     sim_bench(list(scales), steps, click.echo)
 
@@ -296,6 +296,6 @@ def bench_simulate(scales: tuple[str, ...], steps: int) -> None:
 @click.option("--steps", default=8, show_default=True)
 def bench_analyze(scale: str, steps: int) -> None:
     """Detector cost per training step at a scale (4,096 ranks by default)."""
-    from megatrace.bench import analyze as analyze_bench
+    from megatrace.bench_units import analyze as analyze_bench
 
     analyze_bench(scale, steps, click.echo)

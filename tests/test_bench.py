@@ -65,7 +65,7 @@ def test_bench_analyze_times_every_stage_of_the_route_and_counts_what_reaches_th
     its hook), so that a stage left out, or work done twice, shows in the table."""
     import re
 
-    from megatrace.bench import analyze
+    from megatrace.bench_units import analyze
 
     lines: list[str] = []
     analyze("tiny", 8, lines.append, poll=500)
