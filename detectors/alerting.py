@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from schemas.config import AlertSettings
 from schemas.enums import AlertLevel, VerdictKind, VerdictStatus
-from schemas.records import Alert, Verdict
+from schemas.results import Alert, Verdict
 
 _HOUR_NS = 3_600_000_000_000
 

@@ -1,4 +1,4 @@
-"""An aligned instance as the row the store keeps (:class:`~schemas.records.AlignedCollective`):
+"""An aligned instance as the row the store keeps (:class:`~schemas.results.AlignedCollective`):
 arrivals, transfer time, bus bandwidth (nccl-tests convention), who is missing or
 unfinished, and where it sits in the schedule.
 
@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from detectors.align import Instance
 from detectors.topology import Position, Topology
 from schemas.enums import CollOp, CommRole, Phase
-from schemas.records import AlignedCollective, CommInfo
+from schemas.records import CommInfo
+from schemas.results import AlignedCollective
 
 _PHASE = {p.value: p for p in Phase}
 _BUSBW_FACTOR = {

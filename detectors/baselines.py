@@ -26,7 +26,8 @@ import numpy as np
 
 from detectors.verdicts import verdict_id
 from schemas.enums import Cause, CollOp, KernelKind, VerdictKind
-from schemas.records import Collective, Kernel, Verdict
+from schemas.records import Collective, Kernel
+from schemas.results import Verdict
 
 
 def _verdict(

@@ -7,7 +7,7 @@ per step), and passes on only the proxy summaries the job needs (stuck ones,
 and the completion of one that was stuck: a network hang's evidence), plus
 each edge's throughput over every ``edge_window`` completed sends
 (:class:`~detectors.edges.EdgeThroughput`), and, from :meth:`CommAnalyzer.stats`,
-its account of how the records met (:class:`~schemas.records.AlignStats`). The
+its account of how the records met (:class:`~schemas.results.AlignStats`). The
 flow keeps one per (job, communicator) key; the offline
 :class:`~detectors.replay.Replay` keeps one per communicator too, so both hand
 the job's analyzer the same items.
@@ -42,7 +42,8 @@ from detectors.edges import EdgeThroughput, StuckProxies
 from detectors.folder import StepFolder
 from detectors.schedule import CommSchedule, StepMark
 from schemas.enums import Direction
-from schemas.records import AlignedCollective, AlignStats, Collective, ProxySummary
+from schemas.records import Collective, ProxySummary
+from schemas.results import AlignedCollective, AlignStats
 
 
 class CommAnalyzer:

@@ -50,7 +50,7 @@ from detectors import texts
 from detectors.alerting import level_of
 from schemas.config import AlertSettings
 from schemas.enums import AlertLevel, VerdictStatus
-from schemas.records import Verdict
+from schemas.results import Verdict
 
 
 @dataclass

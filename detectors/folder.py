@@ -63,7 +63,7 @@ from detectors.step_clock import (
 )
 from detectors.topology import Position, Topology
 from schemas.enums import CommRole, Phase
-from schemas.records import AlignedCollective, CommStructure
+from schemas.results import AlignedCollective, CommStructure
 
 Extent = tuple[int, int, int]  # an instance's first arrival, last arrival, last end
 _UNKNOWN = Phase.UNKNOWN.value

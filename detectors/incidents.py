@@ -143,7 +143,7 @@ class Incident:
         return f"host {self.node}" if c.kind == "node" else "an unlocalised part of the job"
 
     def fields(self, evidence: bool = True) -> dict[str, Any]:
-        """The verdict's fields (:class:`~schemas.records.Verdict`): where it sits (nothing
+        """The verdict's fields (:class:`~schemas.results.Verdict`): where it sits (nothing
         for an unlocalised one), and its ``evidence`` unless told not to."""
         out = {k: getattr(self, k) for k in self._WHERE} if self.culprit.localised else {}
         if len(self.ranks) > 1:

@@ -63,7 +63,6 @@ from schemas.config import DetectSettings
 from schemas.enums import CollOp
 from schemas.records import (
     CommInfo,
-    CommStructure,
     Heartbeat,
     Iteration,
     JobInfo,
@@ -72,6 +71,7 @@ from schemas.records import (
     RankInfo,
     event_time,
 )
+from schemas.results import CommStructure
 
 #: Records of a job held until its job record comes (they may overtake it); beyond, refused.
 EARLY_HELD = 100_000

@@ -31,7 +31,8 @@ from detectors.hang import HangDiagnosis
 from detectors.schedule import CommSchedule, ScheduleBook
 from detectors.topology import Position, Topology
 from schemas.enums import CollOp
-from schemas.records import AlignedCollective, CommStructure, Iteration
+from schemas.records import Iteration
+from schemas.results import AlignedCollective, CommStructure
 
 Folded = tuple[list[AlignedCollective], list[Any]]
 

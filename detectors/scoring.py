@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from schemas.enums import VerdictKind
-from schemas.records import FaultLabel, Verdict
+from schemas.results import FaultLabel, Verdict
 
 #: the throughput a fault cost, in bands (lower bounds): recall is kept per band
 COST_BANDS = (0.05, 0.1, 0.5)

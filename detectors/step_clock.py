@@ -11,7 +11,7 @@ In this order of trust (see :mod:`detectors.folder`, whose folder keeps one):
    allow. Once two cycles' worth of a sequence's instances were placed by the markers,
    an offset nearly all of them share numbers its cycle as the markers do.
 
-Each sequence's step is told once, as a :class:`~schemas.records.CommStructure`
+Each sequence's step is told once, as a :class:`~schemas.results.CommStructure`
 (:func:`structure_note`), saying whether the layout holds.
 
 >>> from schemas.enums import CollOp
@@ -37,7 +37,7 @@ from detectors.align import Instance
 from detectors.cycle import CallCycle, Cycle
 from detectors.topology import Position, Topology
 from schemas.enums import CommRole, Phase
-from schemas.records import CommStructure
+from schemas.results import CommStructure
 
 SeqKey = tuple[int, int]  # (sender, receiver); (-1, -1) for a communicator's collectives
 #: marks kept (a communicator needs the few around its open steps)

@@ -22,7 +22,7 @@ from detectors.merge import StepWatermark
 from detectors.parts import NodeKey, StepPart
 from detectors.rank_figures import dense_ranks
 from detectors.topology import Position, Topology
-from schemas.records import RankStep, StepSummary
+from schemas.results import RankStep, StepSummary
 
 
 @dataclass

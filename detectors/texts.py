@@ -20,7 +20,7 @@ their nouns.
 from __future__ import annotations
 
 from schemas.enums import Cause, VerdictKind
-from schemas.records import Verdict
+from schemas.results import Verdict
 
 _PLURALS = {"micro-batch": "micro-batches", "is": "are", "waits": "wait"}
 _PHASES = {

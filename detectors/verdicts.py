@@ -24,7 +24,7 @@ import hashlib
 import msgspec
 
 from schemas.enums import Cause, VerdictKind, VerdictStatus
-from schemas.records import Verdict
+from schemas.results import Verdict
 
 
 def verdict_id(job: str, kind: str, culprit: str, onset: int | None) -> str:

@@ -70,7 +70,6 @@ from schemas.codec import SchemaError, dead_letter, decode_input, encode
 from schemas.config import AlertSettings, ClickHouseSettings, DetectSettings, Settings
 from schemas.enums import DeadLetterReason
 from schemas.records import (
-    Alert,
     Collective,
     CommInfo,
     DeadLetter,
@@ -79,8 +78,8 @@ from schemas.records import (
     Kernel,
     LinkSample,
     ProxySummary,
-    Verdict,
 )
+from schemas.results import Alert, Verdict
 from schemas.tables import TABLE_FOR, TABLES
 from schemas.topics import Topics
 

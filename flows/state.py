@@ -23,7 +23,8 @@ from detectors.parts import StepPart
 from detectors.schedule import CommSchedule, ScheduleBook, StepMark
 from flows.kafka_source import BrokerHealth
 from schemas.config import DetectSettings
-from schemas.records import AlignedCollective, AlignStats, Collective
+from schemas.records import Collective
+from schemas.results import AlignedCollective, AlignStats
 
 #: How often timers fire, and how long the input must be quiet before the
 #: event-time clock starts following the wall clock.

@@ -34,7 +34,7 @@ import msgspec
 from bytewax.outputs import DynamicSink, StatelessSinkPartition
 
 from schemas.config import ALERT_LEVELS, AlertSettings, WebhookSettings
-from schemas.records import Alert
+from schemas.results import Alert
 
 log = logging.getLogger(__name__)
 

@@ -63,7 +63,7 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
     analysis: one worker per job); the route's hook times each stage.
     """
     from detectors.route import Route
-    from schemas.records import StepSummary
+    from schemas.results import StepSummary
 
     tune_gc()  # as the flow does
     run = build("slow-gpu", scale=scale, seed=0, steps=steps, kernels=False)

@@ -28,7 +28,7 @@ def analyze(path: str, as_json: bool) -> None:
     from detectors.route import POLL
     from producers.megatron_config import ConfigFormatError
     from schemas.codec import SchemaError, read_jsonl, verdict_json
-    from schemas.records import Verdict
+    from schemas.results import Verdict
 
     p = Path(path)
     log = IncidentLog()

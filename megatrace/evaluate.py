@@ -1,6 +1,6 @@
 """Detection quality: megatrace and its peers' rules scored on labelled cases.
 
-A case is a job's records and its labels (:class:`~schemas.records.FaultLabel`, none
+A case is a job's records and its labels (:class:`~schemas.results.FaultLabel`, none
 for a healthy job). Cases come from the simulator's catalogue
 (:func:`simulated`), or from a folder of recordings (:func:`corpus`): one folder
 per case holding ``records.jsonl`` (or ``records.jsonl.gz``) and ``labels.jsonl`` (an
@@ -115,7 +115,7 @@ def score(cases: Iterable[Case], baselines: bool, progress: Callable[[str], None
     from detectors.baselines import BASELINES
     from detectors.replay import Replay
     from detectors.route import POLL
-    from schemas.records import StepSummary, Verdict
+    from schemas.results import StepSummary, Verdict
 
     methods = ["megatrace", *(BASELINES if baselines else [])]
     res = Results({m: Score() for m in methods}, dict.fromkeys(methods, 0.0))

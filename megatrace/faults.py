@@ -143,7 +143,7 @@ def webhook_row() -> Row:
     from flows.webhooks import WebhookDelivery
     from schemas.config import load_settings
     from schemas.enums import Cause, VerdictKind, VerdictStatus
-    from schemas.records import Verdict
+    from schemas.results import Verdict
 
     calls = [0]
     hang = threading.Event()

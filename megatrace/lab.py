@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from infra.netlab import NetLab, Node
-from schemas.records import FaultLabel, Iteration, Verdict
+from schemas.records import Iteration
+from schemas.results import FaultLabel, Verdict
 
 Say = Callable[[str], None]
 

@@ -15,7 +15,8 @@ import numpy as np
 from infra.netlab import Node
 from megatrace.lab import CaseRun, Fault, Injected
 from schemas.enums import Cause, VerdictKind
-from schemas.records import FaultLabel, Iteration
+from schemas.records import Iteration
+from schemas.results import FaultLabel
 
 
 def labels_of(run: CaseRun, nodes: list[Node]) -> list[FaultLabel]:

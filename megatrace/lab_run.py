@@ -14,7 +14,8 @@ from infra.netlab import LabError, NetLab, missing
 from megatrace.lab import CASES, CaseRun, Ranks, inject, too_few_steps
 from megatrace.lab_labels import labels_of, step_ns
 from schemas.config import AgentSettings, Settings
-from schemas.records import Iteration, Verdict, event_time
+from schemas.records import Iteration, event_time
+from schemas.results import Verdict
 
 #: the raw tables a case's recording is read back from
 _RAW = (

@@ -29,8 +29,13 @@ from typing import Annotated, Any, TypeVar, Union
 import msgspec
 
 from schemas.enums import DeadLetterReason
-from schemas.records import ALL_TYPES, EVENT_TYPES, DeadLetter
+from schemas.records import EVENT_TYPES, DeadLetter
+from schemas.results import RESULT_TYPES
 from schemas.units import SCHEMA_VERSION
+
+#: Every record type the codec reads and writes: the producers', the analysis', and the
+#: dead letter.
+ALL_TYPES: tuple[type[msgspec.Struct], ...] = (*EVENT_TYPES, *RESULT_TYPES, DeadLetter)
 
 #: Schema versions each record tag accepts. A new version adds a line here.
 SUPPORTED_VERSIONS: dict[str, frozenset[int]] = {

@@ -38,13 +38,9 @@ import msgspec
 import msgspec.inspect as mi
 
 from schemas.records import (
-    AlignedCollective,
-    AlignStats,
     Collective,
     CommInfo,
-    CommStructure,
     DeadLetter,
-    FaultLabel,
     Heartbeat,
     Iteration,
     JobInfo,
@@ -52,6 +48,12 @@ from schemas.records import (
     LinkSample,
     ProxySummary,
     RankInfo,
+)
+from schemas.results import (
+    AlignedCollective,
+    AlignStats,
+    CommStructure,
+    FaultLabel,
     RankStep,
     StepSummary,
     Verdict,

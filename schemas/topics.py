@@ -28,7 +28,6 @@ from msgspec import Struct
 
 from schemas.enums import CollOp, DType  # noqa: F401 - used by the doctest
 from schemas.records import (
-    AlignedCollective,
     Collective,
     CommInfo,
     DeadLetter,
@@ -39,8 +38,8 @@ from schemas.records import (
     LinkSample,
     ProxySummary,
     RankInfo,
-    Verdict,
 )
+from schemas.results import AlignedCollective, Verdict
 
 
 class Topics(Struct, frozen=True, kw_only=True):

@@ -18,14 +18,10 @@ from schemas.enums import (
     VerdictStatus,
 )
 from schemas.records import (
-    AlignedCollective,
-    AlignStats,
     Collective,
     CommInfo,
     CommProgress,
-    CommStructure,
     DeadLetter,
-    FaultLabel,
     Heartbeat,
     Iteration,
     JobInfo,
@@ -33,6 +29,12 @@ from schemas.records import (
     LinkSample,
     ProxySummary,
     RankInfo,
+)
+from schemas.results import (
+    AlignedCollective,
+    AlignStats,
+    CommStructure,
+    FaultLabel,
     RankStep,
     StepSummary,
     Verdict,

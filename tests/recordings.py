@@ -8,7 +8,8 @@ from pathlib import Path
 
 from detectors.replay import Replay
 from schemas.codec import read_jsonl
-from schemas.records import CommInfo, Heartbeat, Iteration, JobInfo, RankInfo, Verdict
+from schemas.records import CommInfo, Heartbeat, Iteration, JobInfo, RankInfo
+from schemas.results import Verdict
 
 DATA = Path(__file__).parent / "data"
 #: the kept lab runs (one folder per case), which `megatrace eval --corpus` scores

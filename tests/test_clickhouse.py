@@ -16,7 +16,7 @@ from infra.clickhouse import (
     read_records,
 )
 from schemas.enums import VerdictStatus
-from schemas.records import StepSummary, Verdict
+from schemas.results import StepSummary, Verdict
 from schemas.tables import TABLE_FOR, TABLES
 from schemas.views import VIEWS
 from tests.examples import every_record

@@ -33,13 +33,8 @@ from detectors.replay import Replay
 from detectors.schedule import ScheduleBook
 from producers.sim.scenarios import build
 from schemas.config import AlertSettings
-from schemas.records import (
-    Collective,
-    LinkSample,
-    ProxySummary,
-    StepSummary,
-    Verdict,
-)
+from schemas.records import Collective, LinkSample, ProxySummary
+from schemas.results import StepSummary, Verdict
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import msgspec
 
 from detectors.console import IncidentLog
 from schemas.enums import Cause, Phase, VerdictKind, VerdictStatus
-from schemas.records import Verdict
+from schemas.results import Verdict
 
 
 def _incident(**fields: object) -> Verdict:

@@ -16,7 +16,8 @@ from detectors.replay import Replay
 from producers.sim.scenarios import build
 from schemas.config import DetectSettings
 from schemas.enums import Cause, CollOp, Direction, Phase, VerdictKind
-from schemas.records import ProxySummary, StepSummary, Verdict
+from schemas.records import ProxySummary
+from schemas.results import StepSummary, Verdict
 
 
 def _inst(comm, seq, ranks, arrivals, ends, size=2, sender=-1, op=CollOp.ALL_REDUCE):
@@ -332,7 +333,7 @@ def test_a_slow_nic_needs_a_layout_where_it_differs_from_a_link() -> None:
 
 def test_a_degraded_link_that_costs_nothing_is_still_a_true_positive() -> None:
     from detectors.scoring import Score
-    from schemas.records import FaultLabel
+    from schemas.results import FaultLabel
 
     link = "node-1/mlx5_0->node-2/mlx5_0"
     label = FaultLabel(
@@ -357,7 +358,7 @@ def test_the_score_says_what_the_faults_it_missed_cost_and_adds_up_over_folders(
     apart (two runs, scored apart and added: as `megatrace eval` sums its folders); a
     fault that cost less than a slowdown must is in no band."""
     from detectors.scoring import Score
-    from schemas.records import FaultLabel
+    from schemas.results import FaultLabel
 
     def label(kind: VerdictKind, cost: float, rank: int) -> FaultLabel:
         return FaultLabel(
@@ -390,7 +391,7 @@ def test_one_incident_naming_two_faulted_ranks_finds_both_and_nothing_else() -> 
     them both (one alert) finds each, and is no false alarm. A third rank it does not
     name is missed, and a verdict naming the first alone does not find the second."""
     from detectors.scoring import Score
-    from schemas.records import FaultLabel
+    from schemas.results import FaultLabel
 
     def label(rank: int) -> FaultLabel:
         return FaultLabel(
@@ -419,7 +420,8 @@ def test_folding_per_communicator_changes_nothing_the_job_concludes() -> None:
     from detectors.align import CollectiveAligner
     from detectors.job import JobAnalyzer
     from schemas.codec import encode
-    from schemas.records import AlignStats, Collective
+    from schemas.records import Collective
+    from schemas.results import AlignStats
 
     run = build("story", scale="demo", seed=1, steps=40, kernels=False)
     records = list(run.records())
@@ -502,7 +504,7 @@ def test_other_job_and_source_shapes_are_analysed_like_any_other(
     batched over the pipeline group's communicator (a rank sends both ways on one
     communicator), steps still close complete, every instance has its own row, and the
     culprit is still the injected one (not a rank held up by it)."""
-    from schemas.records import AlignedCollective
+    from schemas.results import AlignedCollective
 
     run = build(scenario, scale="demo", seed=1, steps=30, **shape)
     replay = Replay()
@@ -560,7 +562,7 @@ def test_ranks_late_only_because_their_pipeline_predecessor_is_slow_are_not_blam
 
     from producers.sim.faults import SlowGPU
     from producers.sim.scenarios import Run, scale_spec
-    from schemas.records import RankStep
+    from schemas.results import RankStep
 
     spec = replace(scale_spec("demo"), job="pred")  # tp2 pp4 dp2
     slow = spec.rank(0, 1, 0)
@@ -821,7 +823,7 @@ def test_two_gpus_slowing_one_after_the_other_are_two_incidents_sharing_the_loss
     onset: the mean since the first one's lags behind for as many steps again)."""
     from producers.sim.faults import SlowGPU
     from producers.sim.scenarios import Run, scale_spec
-    from schemas.records import StepSummary
+    from schemas.results import StepSummary
 
     faults = [SlowGPU(onset_step=8, rank=1, factor=1.5), SlowGPU(onset_step=20, rank=6, factor=2.0)]
     run = Run("two-gpus", scale_spec("tiny"), faults, steps=30)
@@ -954,7 +956,7 @@ def test_a_slowdown_waits_for_link_samples_that_stopped_only_link_wait_ms() -> N
 
 def _accounts(out: list[msgspec.Struct]) -> dict[int, msgspec.Struct]:
     """Each communicator's newest AlignStats row (its cumulative account)."""
-    from schemas.records import AlignStats
+    from schemas.results import AlignStats
 
     return {s.comm_hash: s for s in out if isinstance(s, AlignStats)}
 
@@ -1272,7 +1274,7 @@ def test_a_cycle_shorter_than_the_step_is_not_numbered_by_two_of_its_repeats() -
     from detectors.cycle import Cycle
     from detectors.step_clock import StepClock
     from schemas.enums import CommRole
-    from schemas.records import CommStructure
+    from schemas.results import CommStructure
 
     clock = StepClock()
     note = CommStructure(job="j", comm_hash=7, ts_ns=0, role=CommRole.TP, per_step=4,

@@ -312,7 +312,7 @@ def test_real_gloo_dumps_of_two_ranks_that_never_joined_name_both(tmp_path: Path
     records, skipped = import_dumps(dumps, "fr-gloo")
     assert skipped == {}
     from detectors.replay import Replay
-    from schemas.records import Verdict
+    from schemas.results import Verdict
 
     hangs = [v for v in Replay().run(records) if isinstance(v, Verdict) and v.kind.value == "hang"]
     assert hangs and {v.verdict_id for v in hangs} == {hangs[0].verdict_id}  # one incident
@@ -334,7 +334,7 @@ def test_real_gloo_dumps_of_a_pipeline_job_name_the_stopped_rank(tmp_path: Path)
 
     from detectors.replay import Replay
     from producers.flight_recorder import import_dumps
-    from schemas.records import Verdict
+    from schemas.results import Verdict
 
     with tarfile.open(
         Path(__file__).parent / "data" / "fr_gloo_megatron_rank2_stopped.tar.gz"
@@ -364,7 +364,7 @@ def test_real_gloo_dumps_of_a_pipeline_job_name_the_killed_rank(tmp_path: Path) 
 
     from detectors.replay import Replay
     from producers.flight_recorder import import_dumps
-    from schemas.records import Verdict
+    from schemas.results import Verdict
 
     with tarfile.open(Path(__file__).parent / "data" / "fr_gloo_megatron_rank3_killed.tar.gz") as t:
         t.extractall(tmp_path, filter="data")

@@ -72,7 +72,7 @@ def test_real_recordings_through_the_flow_name_whom_the_offline_analysis_names(
     from pathlib import Path
 
     from schemas.codec import decode
-    from schemas.records import Verdict
+    from schemas.results import Verdict
 
     data = Path(__file__).parent / "data"
     pub = publisher(settings)
@@ -121,7 +121,8 @@ def test_store_and_detect_roles_together_do_what_one_flow_does(settings: Setting
 
     from flows.main import Role
     from infra.clickhouse import init_db
-    from schemas.records import DeadLetter, Verdict
+    from schemas.records import DeadLetter
+    from schemas.results import Verdict
     from schemas.tables import TABLES
     from schemas.topics import Topics
     from tests.helpers import consume_all

@@ -10,7 +10,8 @@ from flows.state import QUIET_NS, AnalyzeLogic
 from producers.sim.scenarios import build
 from schemas.config import DetectSettings
 from schemas.enums import CollOp, CommRole, VerdictKind
-from schemas.records import Heartbeat, LinkSample, Verdict
+from schemas.records import Heartbeat, LinkSample
+from schemas.results import Verdict
 
 
 def _hangs(batches: list[list[msgspec.Struct]]) -> list[Verdict]:

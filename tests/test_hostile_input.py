@@ -260,7 +260,8 @@ def test_ranks_outside_the_layout_are_dead_letters_never_evidence() -> None:
     """Once the job went quiet (a tailing flow's clock runs on), the stray collective's
     partial instance made a critical hang blaming healthy rank 0."""
     from detectors.replay import Replay
-    from schemas.records import DeadLetter, Verdict
+    from schemas.records import DeadLetter
+    from schemas.results import Verdict
 
     records, n_stray = _stray_records()
     replay = Replay()

@@ -45,7 +45,7 @@ def test_the_steps_a_checkpoint_took_are_left_out_and_say_so(name: str) -> None:
     before, that one twice the usual): the detectors leave those steps out, and their
     rows say so (the job dashboard draws them apart); the others count."""
     from detectors.replay import Replay
-    from schemas.records import StepSummary
+    from schemas.results import StepSummary
 
     steps = [s for s in Replay().run(read_records(name)) if isinstance(s, StepSummary)]
     usual = sorted(s.duration_ns for s in steps)[len(steps) // 2]

@@ -71,7 +71,7 @@ def test_a_slowdown_whose_steps_stay_short_is_told_while_the_job_runs() -> None:
     It is told within seconds of its onset, not when the records end (a live job's never
     do)."""
     from detectors.replay import Replay
-    from schemas.records import Verdict
+    from schemas.results import Verdict
 
     (case,) = corpus(RUNS[1] / "ddp-slow-node")
     (label,) = case.labels

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from detectors.replay import Replay
-from schemas.records import Verdict
+from schemas.results import Verdict
 from tests.recordings import ORDERS, last_verdicts, read_records
 
 

@@ -9,15 +9,8 @@ from __future__ import annotations
 import pytest
 
 from detectors.replay import Replay
-from schemas.records import (
-    Collective,
-    CommInfo,
-    Iteration,
-    JobInfo,
-    RankInfo,
-    StepSummary,
-    Verdict,
-)
+from schemas.records import Collective, CommInfo, Iteration, JobInfo, RankInfo
+from schemas.results import StepSummary, Verdict
 from tests.recordings import ORDERS, last_verdicts, read_records
 
 

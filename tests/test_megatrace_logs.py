@@ -240,7 +240,8 @@ def test_a_run_directory_imports_as_the_tool_leaves_it(slow_run, tmp_path: Path)
     """Call logs of the oldest variant, the training log beside them (its arguments are the
     configuration, its iteration lines the clock), and a file that is neither."""
     from detectors.replay import Replay
-    from schemas.records import Iteration, StepSummary
+    from schemas.records import Iteration
+    from schemas.results import StepSummary
 
     run, records = slow_run
     d = tmp_path / "TP2PP2DP2"
@@ -407,7 +408,7 @@ def test_a_one_step_straggler_in_a_pipeline_is_named_from_logs_without_ids(
     got, _ = import_dir(tmp_path / "logs", read_megatron_config(config), "j")
     from detectors.replay import Replay
     from detectors.route import POLL
-    from schemas.records import Verdict
+    from schemas.results import Verdict
 
     (label,) = run.labels
     replay = Replay(poll=POLL)  # as `megatrace analyze` replays it

@@ -24,7 +24,7 @@ import pytest
 from detectors.replay import Replay
 from producers.sim.scenarios import build
 from schemas.config import Settings
-from schemas.records import Verdict
+from schemas.results import Verdict
 from schemas.tables import TABLE_FOR
 from tests.helpers import megatrace_cmd, publisher
 

@@ -14,7 +14,8 @@ from infra import rowbinary
 from infra.clickhouse import init_db, insert_json, insert_rows
 from producers.sim.scenarios import build
 from schemas.codec import encode
-from schemas.records import CommProgress, DeadLetter, Heartbeat, Kernel, Verdict
+from schemas.records import CommProgress, DeadLetter, Heartbeat, Kernel
+from schemas.results import Verdict
 from schemas.tables import TABLE_FOR, TABLES
 from tests.examples import every_record
 

@@ -14,7 +14,7 @@ from detectors.replay import Replay
 from infra.broker import free_port
 from producers.sim.scenarios import build
 from schemas.config import Settings
-from schemas.records import Verdict
+from schemas.results import Verdict
 from schemas.tables import TABLE_FOR
 from tests.helpers import megatrace_cmd, publisher
 

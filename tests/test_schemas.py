@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from schemas.codec import (
+    ALL_TYPES,
     SchemaError,
     decode,
     decode_as,
@@ -18,7 +19,7 @@ from schemas.codec import (
     write_jsonl,
 )
 from schemas.enums import DeadLetterReason
-from schemas.records import ALL_TYPES, Collective, Heartbeat
+from schemas.records import Collective, Heartbeat
 from tests.examples import every_record
 
 

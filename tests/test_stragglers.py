@@ -14,7 +14,8 @@ from producers.sim.faults import SlowGPU
 from producers.sim.scenarios import Run, scale_spec
 from schemas.codec import read_jsonl
 from schemas.enums import Cause, VerdictKind
-from schemas.records import JobInfo, Verdict
+from schemas.records import JobInfo
+from schemas.results import Verdict
 from tests.recordings import CORPUS, ORDERS, replayed
 
 

@@ -24,7 +24,7 @@ from flows.webhooks import WebhookDelivery, payload, sign_generic
 from producers.sim.scenarios import build
 from schemas.config import AlertSettings, Settings, WebhookSettings, load_settings
 from schemas.enums import AlertLevel, Cause, VerdictKind, VerdictStatus
-from schemas.records import Alert, Verdict
+from schemas.results import Alert, Verdict
 from tests.helpers import flow_config, publisher
 
 

@@ -3,7 +3,7 @@
 A fault changes the timing model (compute speed, launch delay, link
 bandwidth) or stops something from ever happening (a rank that never issues a
 call, a transfer that never completes). :meth:`Fault.label` gives the
-:class:`~schemas.records.FaultLabel` a detector is scored against.
+:class:`~schemas.results.FaultLabel` a detector is scored against.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from producers.sim.job import JobSpec
 from schemas.enums import Cause, Phase, VerdictKind
-from schemas.records import FaultLabel
+from schemas.results import FaultLabel
 
 
 @dataclass(frozen=True)

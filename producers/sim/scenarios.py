@@ -37,7 +37,8 @@ from producers.sim.faults import (
 from producers.sim.job import JobSpec
 from producers.sim.trace import StepTrace
 from schemas.enums import Phase
-from schemas.records import FaultLabel, event_time
+from schemas.records import event_time
+from schemas.results import FaultLabel
 
 #: Cluster sizes: name -> (tp, pp, dp, gpus_per_node, layers, global batch)
 SCALES: dict[str, tuple[int, int, int, int, int, int]] = {
