@@ -12,7 +12,9 @@ import time
 from collections.abc import Callable
 
 from detectors.align import core_name as align_core
-from flows.main import Decoded, Role, build_flow, flow_config, rows_of
+from flows.decode import Decoded, rows_of
+from flows.flow_config import Role, flow_config
+from flows.main import build_flow
 from infra.clickhouse import Rows, init_db, insert_rows
 from infra.kafka import consumer_config, delete_topics, ensure_topics, producer_config
 from infra.rowbinary import core_name as rows_core

@@ -187,7 +187,8 @@ def run(
     from bytewax.recovery import RecoveryConfig, init_db_dir
     from bytewax.run import cli_main  # what `python -m bytewax.run` calls
 
-    from flows.main import Role, build_flow, input_topics
+    from flows.flow_config import Role, input_topics
+    from flows.main import build_flow
 
     if (process_id is None) != (addresses is None):
         raise click.UsageError("--process-id and --addresses go together")

@@ -103,7 +103,7 @@ def _redact(url: str) -> str:
 
 
 def _flow_config(obj: _Ctx, tail: bool, **overrides: Any):
-    from flows.main import flow_config
+    from flows.flow_config import flow_config
 
     s = obj.stack()
     return flow_config(obj.settings, s.bootstrap(), s.clickhouse_url(), tail=tail, **overrides)

@@ -75,7 +75,8 @@ def run_case(
 ) -> CaseRun:
     from bytewax.testing import run_main
 
-    from flows.main import build_flow, flow_config
+    from flows.flow_config import flow_config
+    from flows.main import build_flow
     from infra.kafka import ensure_topics, producer_config
     from producers.agent import NodeAgent
     from schemas.topics import Topics

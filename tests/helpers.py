@@ -9,8 +9,8 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, TopicPartition
 
-from flows.main import FlowConfig
-from flows.main import flow_config as make_flow_config
+from flows.flow_config import FlowConfig
+from flows.flow_config import flow_config as make_flow_config
 from infra.kafka import consumer_config, producer_config
 from producers.publish import KafkaPublisher
 from schemas.config import Settings

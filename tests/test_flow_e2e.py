@@ -119,7 +119,7 @@ def test_store_and_detect_roles_together_do_what_one_flow_does(settings: Setting
     the detect role never reads kernels and a refused record is announced once."""
     import dataclasses
 
-    from flows.main import Role
+    from flows.flow_config import Role
     from infra.clickhouse import init_db
     from schemas.records import DeadLetter
     from schemas.results import Verdict

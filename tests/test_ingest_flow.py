@@ -150,8 +150,8 @@ def test_a_poll_with_a_broker_error_event_and_a_bad_record_decodes_the_rest() ->
     record becomes a dead letter with its own key, offset and time, the rest decode."""
     from confluent_kafka import KafkaError, Message
 
+    from flows.decode import decode_batch
     from flows.kafka_source import RawBatch
-    from flows.main import decode_batch
     from schemas.codec import encode
 
     good = [encode(r) for r in list(build("healthy", scale="tiny", seed=0).records())[:3]]

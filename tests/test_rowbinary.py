@@ -197,8 +197,8 @@ def test_a_poll_goes_to_its_tables_as_records_or_as_their_json(
 ) -> None:
     """The comm topic holds two kinds: each goes to its table, in order, as the records
     (written as RowBinary) or, where the encoder was not built, as the JSON read."""
-    import flows.main
-    from flows.main import Decoded, rows_of
+    import flows.decode
+    from flows.decode import Decoded, rows_of
     from schemas.records import Collective, ProxySummary
 
     by_type = {type(r): r for r in every_record()}
@@ -206,7 +206,7 @@ def test_a_poll_goes_to_its_tables_as_records_or_as_their_json(
     recs = [coll, proxy, msgspec.structs.replace(coll, seq=coll.seq + 1)]
     raws = [encode(r) for r in recs]
     if not encoder_built:
-        monkeypatch.setattr(flows.main, "plan_for", lambda table: None)
+        monkeypatch.setattr(flows.decode, "plan_for", lambda table: None)
     elif rowbinary._native is None:
         pytest.skip("the compiled encoder was not built (no C compiler)")
     d = Decoded(recs, raws, [], 7, frozenset(map(type, recs)), "0-megatrace.comm")
