@@ -2,11 +2,13 @@
 
 Local producers (the PyTorch collector, the NCCL profiler plugin, readers of
 log files) hand the agent JSON lines, either as datagrams on a Unix socket
-(:class:`AgentClient`, which never blocks them) or in files the agent tails.
+(:class:`~producers.agent_client.AgentClient`, which never blocks them) or in
+files the agent tails.
 The agent stamps the job and node on records that lack them, validates every
 line with the schema codec (a refused line becomes a dead letter, counted and
 published to the dead-letter topic), and appends it to its :class:`Spool`
-on disk. A publisher thread sends the spool, in order, with an idempotent,
+on disk. A publisher thread (:mod:`producers.agent_publish`) sends the spool, in
+order, with an idempotent,
 compressing Kafka producer, and moves the spool's cursor only over records
 the broker acknowledged. When the broker is unreachable the spool grows
 (bounded; when full, new records are dropped, counted and logged) and drains
@@ -23,10 +25,8 @@ import json
 import logging
 import os
 import socket
-import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,8 +34,10 @@ from typing import Any
 
 import msgspec
 
+from producers.agent_client import MAX_DATAGRAM
+from producers.agent_publish import SpoolPublisher, pack
 from producers.nccl_inspector import InspectorReader
-from producers.spool import Position, Spool, SpoolError
+from producers.spool import Spool, SpoolError
 from producers.tail import new_lines
 from schemas.codec import SchemaError, dead_letter, decode_input, encode
 from schemas.config import AgentSettings
@@ -43,129 +45,6 @@ from schemas.enums import DeadLetterReason
 from schemas.topics import Topics, message_key
 
 log = logging.getLogger(__name__)
-
-_MAX_DATAGRAM = 1 << 16
-
-
-# --------------------------------------------------------------------------- frames
-
-
-def pack(topic: str, key: bytes | None, value: bytes) -> bytes:
-    """One spool entry: the topic, the key and the record's bytes."""
-    t, k = topic.encode(), key or b""
-    return struct.pack("<BH", len(t), len(k)) + t + k + value
-
-
-def unpack(frame: bytes) -> tuple[str, bytes | None, bytes]:
-    nt, nk = struct.unpack_from("<BH", frame)
-    t = frame[3 : 3 + nt].decode()
-    k = frame[3 + nt : 3 + nt + nk]
-    return t, (k or None), frame[3 + nt + nk :]
-
-
-# --------------------------------------------------------------------------- client
-
-
-class AgentClient:
-    """What local producers use to reach the agent: never blocks, never raises.
-
-    Records go out as newline-separated JSON in datagrams of at most 64 KiB. A Unix
-    datagram socket queues only a few datagrams (``net.unix.max_dgram_qlen``, 10 by
-    default), so a burst from the ranks of a node, or an agent busy for a moment,
-    fills it: datagrams the agent cannot take now wait in a backlog of at most
-    ``backlog_bytes`` (also while the agent restarts) and go first at the next send.
-    Beyond that bound the oldest are dropped and counted (:attr:`dropped`): training
-    must never wait for us. :attr:`pending` is what waits now; :meth:`close` tries
-    to deliver it for a moment.
-
-    >>> import tempfile
-    >>> client = AgentClient(tempfile.mkdtemp() + "/agent.sock")  # nobody listens yet
-    >>> client.send_lines([b'{"type":"hb"}'] * 3)
-    >>> client.sent, client.pending, client.dropped
-    (0, 3, 0)
-    """
-
-    def __init__(self, path: str | os.PathLike[str], backlog_bytes: int = 16 << 20) -> None:
-        if backlog_bytes < _MAX_DATAGRAM:
-            raise ValueError(f"backlog_bytes must be at least one datagram ({_MAX_DATAGRAM})")
-        self.path = str(path)
-        self.backlog_bytes = backlog_bytes
-        self.sent = 0
-        self.dropped = 0
-        self._backlog: deque[tuple[bytes, int]] = deque()  # (datagram, its records)
-        self._backlog_size = 0
-        self._lock = threading.Lock()  # the collector's thread and its final flush
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
-
-    @property
-    def pending(self) -> int:
-        """Records waiting in the backlog."""
-        return sum(n for _, n in self._backlog)
-
-    def send_lines(self, lines: Iterable[bytes]) -> None:
-        buf: list[bytes] = []
-        size = 0
-        with self._lock:
-            for line in lines:
-                if size + len(line) + 1 > _MAX_DATAGRAM and buf:
-                    self._queue(buf)
-                    buf, size = [], 0
-                buf.append(line)
-                size += len(line) + 1
-            if buf:
-                self._queue(buf)
-            self._drain()
-
-    def send(self, records: Iterable[msgspec.Struct]) -> None:
-        self.send_lines(encode(r) for r in records)
-
-    def _queue(self, lines: list[bytes]) -> None:
-        data = b"\n".join(lines)
-        self._backlog.append((data, len(lines)))
-        self._backlog_size += len(data)
-        while self._backlog_size > self.backlog_bytes:  # bounded: the oldest go
-            old, n = self._backlog.popleft()
-            self._backlog_size -= len(old)
-            self.dropped += n
-
-    def _drain(self) -> bool:
-        """Send the backlog in order until the agent's queue is full; True if emptied."""
-        backlog = self._backlog
-        while backlog:
-            data, n = backlog[0]
-            try:
-                self._sock.sendto(data, self.path)
-            except (BlockingIOError, FileNotFoundError, ConnectionRefusedError):
-                return False  # full, or no agent (yet, or restarting): try again next time
-            except OSError:  # this datagram can never go (e.g. too large): drop, count
-                self.dropped += n
-            else:
-                self.sent += n
-            backlog.popleft()
-            self._backlog_size -= len(data)
-        return True
-
-    def flush(self, timeout_s: float = 1.0) -> bool:
-        """Try to deliver the backlog for up to ``timeout_s``; True if it is empty."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                if self._drain():
-                    return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
-
-    def close(self, timeout_s: float = 1.0) -> None:
-        """Deliver what waits (for up to ``timeout_s``), then close; what is left is
-        counted as dropped."""
-        self.flush(timeout_s)
-        with self._lock:
-            self.dropped += self.pending
-            self._backlog.clear()
-            self._backlog_size = 0
-        self._sock.close()
 
 
 # --------------------------------------------------------------------------- agent
@@ -227,6 +106,15 @@ class NodeAgent:
         self._offsets_file = self.state_dir / "agent-tail-offsets.json"
         self._offsets: dict[str, int] = self._load_offsets()
         self._inspector = InspectorReader(settings.job or "nccl-inspector")
+        self._publisher = SpoolPublisher(
+            self.spool,
+            self._lock,
+            self.health,
+            self._producer_config,
+            max_inflight=settings.max_inflight,
+            stall_s=settings.stall_s,
+            stop=self._stop,
+        )
 
     # ------------------------------------------------------------------ input
     def _stamp(self, raw: bytes, err: SchemaError) -> bytes | None:
@@ -327,7 +215,7 @@ class NodeAgent:
         try:
             while not self._stop.is_set():
                 try:
-                    data = sock.recv(_MAX_DATAGRAM)
+                    data = sock.recv(MAX_DATAGRAM)
                 except TimeoutError:
                     continue
                 try:
@@ -404,88 +292,7 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ output
     def _publish(self) -> None:
-        from confluent_kafka import KafkaError, Producer
-
-        def on_error(err: KafkaError) -> None:
-            self.health.last_error = err.name()
-            if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
-                self.health.broker_up = False
-
-        conf = {**self._producer_config, "error_cb": on_error}
-        producer = Producer(conf)
-        # (position, status) in spool order; status: None pending, True ok, False failed
-        inflight: deque[list[Any]] = deque()
-
-        def delivered(entry: list[Any]):
-            def cb(err: Any, _msg: Any) -> None:
-                entry[1] = err is None
-                if err is None:
-                    self.health.broker_up = True
-                else:
-                    self.health.delivery_errors += 1
-                    self.health.last_error = str(err)
-
-            return cb
-
-        progress_at = time.monotonic()
-        while True:
-            stopping = self._stop.is_set()
-            room = self.settings.max_inflight - len(inflight)
-            if room > 0:
-                with self._lock:
-                    batch = self.spool.read(min(room, 5000))
-                for frame, pos in batch:
-                    topic, key, value = unpack(frame)
-                    entry: list[Any] = [pos, None]
-                    while True:
-                        try:
-                            producer.produce(
-                                topic, value=value, key=key, on_delivery=delivered(entry)
-                            )
-                            break
-                        except BufferError:
-                            producer.poll(0.05)
-                    inflight.append(entry)
-            producer.poll(0.05 if inflight else 0.1)
-            last: Position | None = None
-            while inflight and inflight[0][1] is True:
-                last = inflight.popleft()[0]
-                self.health.delivered += 1
-            now = time.monotonic()
-            if last is not None or not inflight:
-                progress_at = now
-            if last is not None:
-                with self._lock:
-                    self.spool.commit(last)
-            stalled = bool(inflight) and now - progress_at > self.settings.stall_s
-            if inflight and (inflight[0][1] is False or stalled):
-                # refused, timed out or wedged: take back what is in flight, then resend
-                # everything after the cursor, in order, with a fresh producer
-                if stalled:
-                    log.warning(
-                        "agent: no delivery for %.0fs with %d records in flight; resending "
-                        "from the spool with a new producer",
-                        now - progress_at,
-                        len(inflight),
-                    )
-                    producer.purge(in_queue=True, in_flight=True)
-                    producer.poll(0)
-                else:
-                    producer.flush(10)
-                progress_at = now
-                inflight.clear()
-                with self._lock:
-                    self.spool.rewind()
-                producer = Producer(conf)
-                self._stop.wait(1.0)
-            self.health.inflight = len(inflight)
-            if stopping and not inflight:
-                break
-            if stopping and self._drain_deadline < time.monotonic():
-                log.warning(
-                    "agent stopping with %d records unsent (kept in the spool)", len(inflight)
-                )
-                break
+        self._publisher.run()
 
     # ------------------------------------------------------------------ control
     def snapshot(self) -> AgentHealth:
@@ -511,7 +318,7 @@ class NodeAgent:
     def start(self) -> None:
         """Listen on the socket (at once: a producer may send as soon as this returns) and
         start the agent's threads."""
-        self._drain_deadline = float("inf")
+        self._publisher.drain_deadline = float("inf")
         self._sock = self._bind()
         targets = [self._publish, self._serve_socket]
         if self.settings.tail or self.settings.inspector:
@@ -525,7 +332,7 @@ class NodeAgent:
 
     def stop(self, drain_s: float = 10.0) -> None:
         """Stop taking input; try for ``drain_s`` to deliver what is spooled."""
-        self._drain_deadline = time.monotonic() + drain_s
+        self._publisher.drain_deadline = time.monotonic() + drain_s
         self._stop.set()
         for t in self._threads:
             t.join(drain_s + 5)
@@ -534,4 +341,4 @@ class NodeAgent:
         self.spool.close()
 
 
-__all__ = ["AgentClient", "AgentHealth", "NodeAgent", "pack", "unpack"]
+__all__ = ["AgentHealth", "NodeAgent"]

@@ -75,7 +75,7 @@ def default_sink() -> Sink:
                 f.write(b"".join(encode(r) + b"\n" for r in records))
 
         return to_file
-    from producers.agent import AgentClient
+    from producers.agent_client import AgentClient
 
     client = AgentClient(os.environ.get("MEGATRACE_AGENT__SOCKET", ".megatrace/agent.sock"))
     atexit.register(client.close)  # what still waits for the agent's socket gets a moment

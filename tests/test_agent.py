@@ -17,7 +17,9 @@ import pytest
 
 from infra.broker import LocalBroker
 from infra.kafka import ensure_topics
-from producers.agent import AgentClient, NodeAgent, pack, unpack
+from producers.agent import NodeAgent
+from producers.agent_client import AgentClient
+from producers.agent_publish import pack, unpack
 from producers.spool import Spool
 from schemas.codec import decode, encode
 from schemas.config import AgentSettings, Settings, load_settings

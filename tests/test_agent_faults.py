@@ -14,7 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from megatrace.cli import cli
-from producers.agent import AgentClient, NodeAgent, unpack
+from producers.agent import NodeAgent
+from producers.agent_client import AgentClient
+from producers.agent_publish import unpack
 from producers.spool import FRAME_MARK, Spool, SpoolError
 from schemas.codec import decode
 from schemas.config import AgentSettings

@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from infra.rowbinary import Plan, encode_py  # noqa: E402
-from producers.agent import NodeAgent, unpack  # noqa: E402
+from producers.agent import NodeAgent  # noqa: E402
+from producers.agent_publish import unpack  # noqa: E402
 from producers.sim.hostile import good_lines, hostile_lines  # noqa: E402
 from schemas.codec import SchemaError, decode, decode_input, encode  # noqa: E402
 from schemas.config import AgentSettings  # noqa: E402

@@ -149,7 +149,8 @@ def test_import_nccl_inspector_through_the_command_line(job, tmp_path: Path) -> 
 def test_the_agent_follows_the_inspectors_files(job, tmp_path: Path) -> None:
     """Live: the node agent tails the Inspector's directory as it grows and spools
     records, the ranks' operations once their rank in the world is known."""
-    from producers.agent import NodeAgent, unpack
+    from producers.agent import NodeAgent
+    from producers.agent_publish import unpack
     from schemas.codec import decode
     from schemas.config import AgentSettings
     from schemas.topics import Topics

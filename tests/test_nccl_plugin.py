@@ -18,7 +18,8 @@ from click.testing import CliRunner
 
 from infra.kafka import producer_config
 from megatrace.cli import cli
-from producers.agent import AgentClient, NodeAgent
+from producers.agent import NodeAgent
+from producers.agent_client import AgentClient
 from producers.host_cpu import cgroup_throttled, process_cpu
 from producers.nccl_plugin import P2P, Plugin
 from schemas.codec import decode, write_jsonl
