@@ -3,18 +3,16 @@
 Local producers (the PyTorch collector, the NCCL profiler plugin, readers of
 log files) hand the agent JSON lines, either as datagrams on a Unix socket
 (:class:`~producers.agent_client.AgentClient`, which never blocks them) or in
-files the agent tails.
-The agent stamps the job and node on records that lack them, validates every
-line with the schema codec (a refused line becomes a dead letter, counted and
-published to the dead-letter topic), and appends it to its :class:`Spool`
-on disk. A publisher thread (:mod:`producers.agent_publish`) sends the spool, in
-order, with an idempotent,
-compressing Kafka producer, and moves the spool's cursor only over records
-the broker acknowledged. When the broker is unreachable the spool grows
-(bounded; when full, new records are dropped, counted and logged) and drains
-in order when the broker returns. Health (records in and out, refused,
-dropped, the spool's size and lag, whether the broker is reachable) is logged
-and written to a JSON file.
+files the agent tails. The agent stamps the job and node on records that lack
+them, validates every line with the schema codec (a refused line becomes a dead
+letter, counted and published to the dead-letter topic), and appends it to its
+:class:`Spool` on disk. A publisher thread (:mod:`producers.agent_publish`)
+sends the spool, in order, with an idempotent, compressing Kafka producer, and
+moves the spool's cursor only over records the broker acknowledged. When the
+broker is unreachable the spool grows (bounded; when full, new records are
+dropped, counted and logged) and drains in order when the broker returns.
+Health (records in and out, refused, dropped, the spool's size and lag, whether
+the broker is reachable) is logged and written to a JSON file.
 """
 
 from __future__ import annotations
