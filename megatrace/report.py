@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.grafana.dashboards import ALL, JOB, expand
+from infra.grafana.dashboards import JOB
+from infra.grafana.model import ALL, expand
 
 _WHOLE_RANGE = (0, 4_000_000_000)  # Unix seconds: every row of the job
 

@@ -15,17 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.grafana.dashboards import (
-    ALL,
-    DASHBOARDS,
-    DATASOURCE,
-    FLEET,
-    JOB,
-    LINKS,
-    dashboard_path,
-    expand,
-    render,
-)
+from infra.grafana.dashboards import DASHBOARDS, FLEET, JOB, LINKS, dashboard_path
+from infra.grafana.model import ALL, DATASOURCE, expand, render
 
 pytestmark = pytest.mark.integration
 GRAFANA = Path(__file__).parent.parent / "infra" / "grafana"
