@@ -7,9 +7,10 @@ the incidents are its trackers': step-time shifts, stragglers and bursts
 (:class:`~detectors.slowdown_tracker.SlowdownTracker`), links and NICs
 (:class:`~detectors.link_tracker.LinkTracker`), hangs
 (:class:`~detectors.watchdog.HangWatch`), sharing one verdict book and the job's
-step-time ledger. It is pure: time comes from the records (and from :meth:`tick`,
-which the caller drives with event time), it does no I/O, and it pickles. The same
-object runs in the Bytewax flow and offline.
+step-time ledger. Its inputs beside the collectives (heartbeats, proxies, links) are
+handled in :mod:`detectors.job_inputs`. It is pure: time comes from the records (and
+from :meth:`tick`, which the caller drives with event time), it does no I/O, and it
+pickles. The same object runs in the Bytewax flow and offline.
 
 Inputs: job metadata records; from the communicators,
 :class:`~detectors.align.Instance` (complete or partial),
@@ -49,6 +50,7 @@ from detectors.gpu_wait import GpuWaitBaseline
 from detectors.hang import HangDiagnosis
 from detectors.incidents import StepTimeLedger
 from detectors.job_folders import JobFolders
+from detectors.job_inputs import SideInputs
 from detectors.link_tracker import LinkTracker
 from detectors.merge import CommLiveness
 from detectors.node import NodeAnalyzer, NodeDigest
@@ -79,7 +81,7 @@ EARLY_HELD = 100_000
 Out = list[msgspec.Struct]
 
 
-class JobAnalyzer:
+class JobAnalyzer(SideInputs):
     """The detectors of one job (see the module docstring)."""
 
     #: when the job was last started again (a rank's new process first beat; 0: never)
@@ -207,65 +209,6 @@ class JobAnalyzer:
             return []
         rows, items = self.own.noted(note)
         return [note, *rows, *self._from_folder(items)]
-
-    def _proxy_in(self, p: ProxySummary) -> Out:
-        """Stuck proxy operations (and their completion) for the hang diagnosis."""
-        self._record_time(p)
-        self.hangs.proxy(p)
-        return []
-
-    def _link_in(self, s: LinkSample) -> Out:
-        """A raw link sample: through its node's analyzer, as the flow does."""
-        node = self.nodes.get(s.node)
-        if node is None:
-            st = self.settings
-            node = self.nodes[s.node] = NodeAnalyzer(st.warmup_steps, st.link_drop)
-        digest = node.update((s,))
-        return self._digest(digest) if digest is not None else []
-
-    def _digest(self, d: NodeDigest) -> Out:
-        """A node's links that changed."""
-        assert self.topo is not None
-        self.now_ns = max(self.now_ns, d.ts_ns)
-        self.links.saw(d.node, d.ts_ns)
-        out: Out = []
-        per_step = self.expected_step_ns() if d.links else None
-        for ev, ts in d.links:
-            out += self.links.event(ev, ts, self.topo, per_step)
-        return out + self.slowdowns.links_moved(self.topo)
-
-    def _edge_throughput(self, e: EdgeThroughput) -> Out:
-        """An edge's proxy throughput: GPU-wait evidence, and the links' measure for jobs
-        without link samples (see :meth:`LinkTracker.edge_throughput`)."""
-        assert self.topo is not None
-        self.now_ns = max(self.now_ns, e.ts_ns)
-        recent = self.ledger.recent  # thousands a step: read once
-        warm = bool(recent) and recent[-1].step >= self.settings.warmup_steps
-        if warm:
-            self.gpu_wait.update(e.src_rank, float(e.gpu_wait_ns))
-        return self.links.edge_throughput(e, self.topo, warm, self.expected_step_ns)
-
-    def _heartbeat_in(self, hb: Heartbeat) -> Out:
-        """Liveness and progress (see :meth:`HangWatch.heartbeat`). A rank's new process
-        (the job was started again) ends the start before: a call it left open is judged
-        first, as at the end of a recording (its processes said nothing more)."""
-        out: Out = []
-        before = self.hangs.hb_latest.get(hb.rank)
-        if before is not None and before.pid != hb.pid and self.hangs.restarted(hb, before):
-            # the first of its ranks' new processes (the watchdog forgets the others' old)
-            out = self.tick(self.now_ns, final=True, ended="the job was started again")
-            self.restart_ns = hb.ts_ns
-        self.now_ns = max(self.now_ns, hb.ts_ns)
-        if hb.cpu_wait_ns is not None:
-            self.cpu.update(hb.rank, hb.ts_ns, hb.cpu_wait_ns, hb.cpu_throttled_ns)
-        if (
-            before is not None
-            and hb.save_ns is not None
-            and (hb.save_ns != before.save_ns or hb.saving_since_ns != before.saving_since_ns)
-        ):  # a save began, went on or ended
-            self.saves.update(hb.rank, hb.ts_ns, hb.save_ns, hb.saving_since_ns,
-                              (before.ts_ns, before.save_ns or 0))  # fmt: skip
-        return out + self.hangs.heartbeat(hb, self.book)
 
     def _passed(self, p: Passed) -> Out:
         """A partial instance its missing members went past: no hang's evidence."""
