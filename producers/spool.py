@@ -46,56 +46,28 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import struct
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-#: The first bytes of a segment in the current format (then its first sequence number).
-SEGMENT_MAGIC = b"MTSPOOL\x02"
-_SEG_HEAD = struct.Struct("<8sQ")
-#: Each frame starts with this marker, so that reading can find the next frame after
-#: a damaged one (0xfe and 0x00 do not occur in UTF-8 JSON).
-FRAME_MARK = b"\xfe\x00MT"
-_HEAD = struct.Struct("<4sQII")  # marker, sequence number, payload length, crc32
-_SEQ_LEN = struct.Struct("<QI")
-_LEGACY = struct.Struct("<II")  # the first format: payload length, crc32 of the payload
+from producers.spool_frames import (
+    FRAME_HEAD,
+    FRAME_MARK,
+    LEGACY_HEAD,
+    SEGMENT_HEAD,
+    SEGMENT_MAGIC,
+    frame,
+    frame_at,
+    next_intact,
+)
+
 #: (segment number, byte offset after the entry, sequence number of the next entry or -1)
 Position = tuple[int, int, int]
 
 
 class SpoolError(RuntimeError):
     """The spool directory cannot be used (unwritable, or in use by another agent)."""
-
-
-def frame(seq: int, payload: bytes) -> bytes:
-    """Entry ``seq`` as it is written."""
-    n = len(payload)
-    crc = zlib.crc32(payload, zlib.crc32(_SEQ_LEN.pack(seq, n)))
-    return _HEAD.pack(FRAME_MARK, seq, n, crc) + payload
-
-
-def _frame_at(data: bytes, off: int) -> tuple[int, int, bytes] | None:
-    """The intact frame at ``off``: (its end, its sequence number, payload), or None."""
-    if off + _HEAD.size > len(data) or data[off : off + 4] != FRAME_MARK:
-        return None
-    _, seq, n, crc = _HEAD.unpack_from(data, off)
-    end = off + _HEAD.size + n
-    if end > len(data):
-        return None
-    payload = data[off + _HEAD.size : end]
-    if zlib.crc32(payload, zlib.crc32(_SEQ_LEN.pack(seq, n))) != crc:
-        return None
-    return end, seq, payload
-
-
-def _next_intact(data: bytes, off: int) -> int:
-    """Where the next intact frame after ``off`` starts (the end of the data if none)."""
-    at = data.find(FRAME_MARK, off + 1)
-    while at >= 0 and _frame_at(data, at) is None:
-        at = data.find(FRAME_MARK, at + 1)
-    return at if at >= 0 else len(data)
 
 
 class Spool:
@@ -140,7 +112,7 @@ class Spool:
             self.commit((self._write_seg, 0, self._next_seq))
         else:
             self._sizes = {s: self._segment_path(s).stat().st_size for s in segs}
-            self._heads = {s: _SEG_HEAD.size for s in segs if self._is_current(s)}
+            self._heads = {s: SEGMENT_HEAD.size for s in segs if self._is_current(s)}
             self._write_seg = segs[-1]
             self._next_seq = self._repair(segs[-1])
             if self._write_seg in self._heads:
@@ -179,10 +151,10 @@ class Spool:
         """Current format: its header, or a damaged header before a frame marker (a
         first-format segment starts with a payload's length and JSON)."""
         with open(self._segment_path(seg), "rb") as f:
-            head = f.read(_SEG_HEAD.size + len(FRAME_MARK))
-        if head.startswith(SEGMENT_MAGIC) or len(head) < _LEGACY.size:
+            head = f.read(SEGMENT_HEAD.size + len(FRAME_MARK))
+        if head.startswith(SEGMENT_MAGIC) or len(head) < LEGACY_HEAD.size:
             return True
-        return head[_SEG_HEAD.size :] == FRAME_MARK
+        return head[SEGMENT_HEAD.size :] == FRAME_MARK
 
     def _load_cursor(self) -> Position:
         try:
@@ -199,9 +171,9 @@ class Spool:
         return (parts[0], parts[1], parts[2])
 
     def _first_seq(self, seg: int, data: bytes) -> int:
-        if data.startswith(SEGMENT_MAGIC) and len(data) >= _SEG_HEAD.size:
-            return _SEG_HEAD.unpack_from(data)[1]
-        found = _frame_at(data, _next_intact(data, _SEG_HEAD.size - 1))
+        if data.startswith(SEGMENT_MAGIC) and len(data) >= SEGMENT_HEAD.size:
+            return SEGMENT_HEAD.unpack_from(data)[1]
+        found = frame_at(data, next_intact(data, SEGMENT_HEAD.size - 1))
         return found[1] if found else 0
 
     def _repair(self, seg: int) -> int:
@@ -213,14 +185,14 @@ class Spool:
         if seg not in self._heads:
             return 0  # a first-format segment: read as it is, and rolled past
         nxt = self._first_seq(seg, data)
-        off = _SEG_HEAD.size
+        off = SEGMENT_HEAD.size
         while off < len(data):
-            found = _frame_at(data, off)
+            found = frame_at(data, off)
             if found is not None:
                 off, seq, _ = found
                 nxt = max(nxt, seq + 1)
                 continue
-            after = _next_intact(data, off)
+            after = next_intact(data, off)
             if after < len(data):
                 off = after
                 continue
@@ -257,7 +229,7 @@ class Spool:
         """Append entries; return how many were taken (the rest were dropped: full)."""
         taken = 0
         for p in payloads:
-            size = _HEAD.size + len(p)
+            size = FRAME_HEAD.size + len(p)
             if self._pending + size > self.max_bytes:
                 self.dropped += 1
                 continue
@@ -281,8 +253,8 @@ class Spool:
             self._writer.close()
         self._write_seg += 1
         path = self._segment_path(self._write_seg)
-        path.write_bytes(_SEG_HEAD.pack(SEGMENT_MAGIC, self._next_seq))
-        self._sizes[self._write_seg] = self._heads[self._write_seg] = _SEG_HEAD.size
+        path.write_bytes(SEGMENT_HEAD.pack(SEGMENT_MAGIC, self._next_seq))
+        self._sizes[self._write_seg] = self._heads[self._write_seg] = SEGMENT_HEAD.size
         self._writer = open(path, "ab")  # noqa: SIM115
 
     def read(self, max_entries: int) -> list[tuple[bytes, Position]]:
@@ -295,7 +267,7 @@ class Spool:
             path = self._segment_path(seg)
             try:
                 with open(path, "rb") as f:
-                    if off >= _SEG_HEAD.size:  # read on from where the last read stopped
+                    if off >= SEGMENT_HEAD.size:  # read on from where the last read stopped
                         f.seek(off)
                         base = off
                     else:
@@ -307,12 +279,12 @@ class Spool:
                 seg, off = seg + 1, 0
                 continue
             if seg in self._heads:
-                if off < _SEG_HEAD.size:
+                if off < SEGMENT_HEAD.size:
                     first = self._first_seq(seg, data)
                     if expect >= 0 and first > expect:  # a segment lost, or cut short
                         self._lose(f"entries before {path} are missing", first - expect)
                     expect = max(expect, first) if expect >= 0 else first
-                    off = _SEG_HEAD.size
+                    off = SEGMENT_HEAD.size
                 rel, expect = self._read_frames(
                     path, data, seg, base, off - base, expect, max_entries, out
                 )
@@ -339,11 +311,11 @@ class Spool:
         """Frames of ``data`` (a segment's bytes from ``base``) from offset ``off`` in it;
         returns where it stopped in ``data`` and the next sequence number expected."""
         while len(out) < limit and off < len(data):
-            found = _frame_at(data, off)
+            found = frame_at(data, off)
             if found is None:
-                if off + _HEAD.size > len(data) and seg >= self._write_seg:
+                if off + FRAME_HEAD.size > len(data) and seg >= self._write_seg:
                     break  # the end of what was written so far
-                damaged, off = off, _next_intact(data, off)
+                damaged, off = off, next_intact(data, off)
                 if off >= len(data):  # nothing intact after it in this segment
                     cost = max(1, data.count(FRAME_MARK, damaged))
                     self._lose(f"{path} is damaged at byte {base + damaged}", cost)
@@ -369,10 +341,10 @@ class Spool:
         limit: int,
         out: list[tuple[bytes, Position]],
     ) -> int:
-        while len(out) < limit and off + _LEGACY.size <= len(data):
-            n, crc = _LEGACY.unpack_from(data, off)
-            end = off + _LEGACY.size + n
-            payload = data[off + _LEGACY.size : end]
+        while len(out) < limit and off + LEGACY_HEAD.size <= len(data):
+            n, crc = LEGACY_HEAD.unpack_from(data, off)
+            end = off + LEGACY_HEAD.size + n
+            payload = data[off + LEGACY_HEAD.size : end]
             if end > len(data) or zlib.crc32(payload) != crc:
                 # no markers to resync on: the rest of this segment is lost
                 self._lose(f"{path} (first format) is damaged at byte {base + off}", 1)

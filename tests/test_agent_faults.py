@@ -17,7 +17,8 @@ from megatrace.cli import cli
 from producers.agent import NodeAgent
 from producers.agent_client import AgentClient
 from producers.agent_publish import unpack
-from producers.spool import FRAME_MARK, Spool, SpoolError
+from producers.spool import Spool, SpoolError
+from producers.spool_frames import FRAME_MARK
 from schemas.codec import decode
 from schemas.config import AgentSettings
 from schemas.records import DeadLetter
