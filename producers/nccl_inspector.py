@@ -44,66 +44,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from schemas.enums import CollOp, CommRole, Direction, DType
+from producers.nccl_inspector_ops import OPS, US, Context, Op, ProxyOp, comm_hash, proxy_op
+from schemas.enums import CommRole, Direction, DType
 from schemas.records import Collective, CommInfo, JobInfo, ProxySummary, RankInfo
 
 
 class InspectorFormatError(ValueError):
     """Inspector output that cannot be read (with the file, the line and why)."""
-
-
-_OPS = {op.value.lower(): op for op in CollOp}
-_US = 1_000
-
-
-@dataclass
-class _Context:
-    header: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
-    remaining: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class _Op:
-    """One operation as read, before the process's global rank is known."""
-
-    process: tuple[str, int]
-    comm: str
-    comm_rank: int
-    n_ranks: int
-    op: CollOp
-    sn: int
-    size_bytes: int
-    exec_ns: int
-    dump_ns: int
-    start_ns: int | None  # the call (event trace)
-    kernel_start_ns: int | None
-    kernel_stop_ns: int | None
-    peer: int | None  # the peer's rank in the communicator (a transfer)
-    algo: str | None
-    proto: str | None
-
-
-@dataclass
-class _Proxy:
-    process: tuple[str, int]
-    comm: str
-    parent_sn: int
-    channel: int
-    peer: int  # communicator rank
-    send: bool
-    steps: int
-    done: int
-    size_bytes: int
-    first_ns: int
-    last_ns: int
-    waits: dict[str, int]
 
 
 class InspectorReader:
@@ -113,9 +65,9 @@ class InspectorReader:
         self.job = job
         self.skipped: dict[str, int] = {}
         self.dropped = 0  # operations the Inspector itself says it overwrote
-        self._contexts: dict[str, _Context] = {}
-        self._ops: list[_Op] = []
-        self._proxies: list[_Proxy] = []
+        self._contexts: dict[str, Context] = {}
+        self._ops: list[Op] = []
+        self._proxies: list[ProxyOp] = []
         self._members: dict[str, dict[int, tuple[str, int]]] = {}  # comm -> rank -> process
         self._sizes: dict[str, int] = {}
         self._told_world = 0
@@ -130,7 +82,7 @@ class InspectorReader:
     def feed(self, source: str, lines: Iterable[str | bytes | dict[str, Any]]) -> None:
         """Lines (or decoded objects) of one file, in order; a line that is not Inspector
         output is counted in :attr:`skipped`."""
-        ctx = self._contexts.setdefault(source, _Context())
+        ctx = self._contexts.setdefault(source, Context())
         for line in lines:
             if isinstance(line, dict):
                 rec = line
@@ -148,7 +100,7 @@ class InspectorReader:
                 continue
             self._record(ctx, rec)
 
-    def _record(self, ctx: _Context, rec: dict[str, Any]) -> None:
+    def _record(self, ctx: Context, rec: dict[str, Any]) -> None:
         if "dump_stats" in rec:
             stats = rec.get("dump_stats") or {}
             self.dropped += int(stats.get("coll_dropped_since_last_dump", 0) or 0)
@@ -184,14 +136,14 @@ class InspectorReader:
         rank, n = int(header["rank"]), int(header["n_ranks"])
         self._members.setdefault(comm, {})[rank] = process
         self._sizes[comm] = n
-        dump_ns = int(meta.get("dump_timestamp_us", 0)) * _US
+        dump_ns = int(meta.get("dump_timestamp_us", 0)) * US
         if kind == "proxy_trace":
             if body.get("record_type") == "proxy_op":
-                self._proxies.append(_proxy(process, comm, body, dump_ns))
+                self._proxies.append(proxy_op(process, comm, body, dump_ns))
             return  # a step's own record: its op's summary carries it
         prefix = "coll" if kind == "coll_perf" else "p2p"
         name = str(body[prefix]).lower()
-        op = _OPS.get(name)
+        op = OPS.get(name)
         if op is None:
             raise ValueError(f"operation {body[prefix]!r}")
         ts = body.get("event_trace_ts") or {}
@@ -200,7 +152,7 @@ class InspectorReader:
         stops = [k["kernel_stop_ts"] for k in kernels if k.get("kernel_stop_ts")]
         start = ts.get(f"{prefix}_start_ts")
         self._ops.append(
-            _Op(
+            Op(
                 process=process,
                 comm=comm,
                 comm_rank=rank,
@@ -208,11 +160,11 @@ class InspectorReader:
                 op=op,
                 sn=int(body[f"{prefix}_sn"]),
                 size_bytes=int(body[f"{prefix}_msg_size_bytes"]),
-                exec_ns=int(float(body[f"{prefix}_exec_time_us"]) * _US),
+                exec_ns=int(float(body[f"{prefix}_exec_time_us"]) * US),
                 dump_ns=dump_ns,
-                start_ns=int(start) * _US if start else None,
-                kernel_start_ns=min(starts) * _US if starts else None,
-                kernel_stop_ns=max(stops) * _US if stops else None,
+                start_ns=int(start) * US if start else None,
+                kernel_start_ns=min(starts) * US if starts else None,
+                kernel_stop_ns=max(stops) * US if stops else None,
                 peer=int(body["p2p_peer"]) if prefix == "p2p" else None,
                 algo=body.get("coll_algo"),
                 proto=body.get("coll_proto"),
@@ -280,7 +232,7 @@ class InspectorReader:
                     CommInfo(
                         job=self.job,
                         ts_ns=first,
-                        comm_hash=_hash(comm),
+                        comm_hash=comm_hash(comm),
                         role=CommRole.WORLD if len(by_rank) == world else CommRole.OTHER,
                         ranks=members[comm],
                         name=f"inspector {comm}",
@@ -289,7 +241,7 @@ class InspectorReader:
                 )
         ends = self._common_ends()
         calls: list[Collective] = []
-        waiting: list[_Op] = []
+        waiting: list[Op] = []
         for o in self._ops:
             c = self._collective(o, ranks, members, ends, final)
             if c is None and not final and o.process in ranks:
@@ -313,7 +265,7 @@ class InspectorReader:
         return ends
 
     def _collective(
-        self, o: _Op, ranks: dict, members: dict[str, list[int]], ends: dict, final: bool
+        self, o: Op, ranks: dict, members: dict[str, list[int]], ends: dict, final: bool
     ) -> Collective | None:
         if o.process not in ranks:
             return None
@@ -336,7 +288,7 @@ class InspectorReader:
             job=self.job,
             node=o.process[0] or "unknown",
             rank=ranks[o.process],
-            comm_hash=_hash(o.comm),
+            comm_hash=comm_hash(o.comm),
             comm_size=o.n_ranks,
             rank_in_comm=o.comm_rank,
             op=o.op,
@@ -353,7 +305,7 @@ class InspectorReader:
         )
 
     def _proxy_summary(
-        self, p: _Proxy, ranks: dict, members: dict[str, list[int]]
+        self, p: ProxyOp, ranks: dict, members: dict[str, list[int]]
     ) -> ProxySummary | None:
         m = members.get(p.comm)
         if m is None or not 0 <= p.peer < len(m):
@@ -363,7 +315,7 @@ class InspectorReader:
             job=self.job,
             node=p.process[0] or "unknown",
             rank=ranks[p.process],
-            comm_hash=_hash(p.comm),
+            comm_hash=comm_hash(p.comm),
             seq=p.parent_sn,
             channel=p.channel,
             peer=m[p.peer],
@@ -375,37 +327,6 @@ class InspectorReader:
             last_ns=max(p.last_ns, p.first_ns),
             **p.waits,
         )
-
-
-def _proxy(process: tuple[str, int], comm: str, body: dict[str, Any], dump_ns: int) -> _Proxy:
-    ts = body.get("event_trace_ts") or {}
-    first = int(ts.get("proxy_op_start_ts") or 0) * _US or dump_ns
-    last = int(ts.get("proxy_op_stop_ts") or 0) * _US or first
-    steps = int(body.get("n_steps", 0))
-    return _Proxy(
-        process=process,
-        comm=comm,
-        parent_sn=int(body.get("parent_sn", 0)),
-        channel=int(body.get("channel_id", 0)),
-        peer=int(body["peer"]),
-        send=str(body.get("direction", "send")) == "send",
-        steps=steps,
-        done=int(body.get("n_steps_completed", steps)),
-        size_bytes=int(body.get("trans_size_bytes", 0)),
-        first_ns=first,
-        last_ns=last,
-        waits={},
-    )
-
-
-def _hash(comm_id: str) -> int:
-    """A communicator's hash from the Inspector's id (hex, as NCCL's commHash)."""
-    try:
-        return int(comm_id, 16) & (2**64 - 1)
-    except ValueError:
-        import hashlib
-
-        return int.from_bytes(hashlib.sha1(comm_id.encode()).digest()[:8], "little")
 
 
 def import_files(paths: Iterable[Path], job: str) -> tuple[list[msgspec.Struct], InspectorReader]:
