@@ -325,7 +325,7 @@ def test_a_slow_nic_is_one_nic_incident_not_several_link_ones() -> None:
 
 
 def test_a_slow_nic_needs_a_layout_where_it_differs_from_a_link() -> None:
-    from producers.sim.scenarios import NotApplicable
+    from producers.sim.draws import NotApplicable
 
     with pytest.raises(NotApplicable, match="two other nodes"):
         build("slow-nic", scale="tiny", seed=0)

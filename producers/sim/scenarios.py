@@ -17,26 +17,16 @@ from dataclasses import dataclass, field, replace
 import msgspec
 import numpy as np
 
+from producers.sim import draws
 from producers.sim.emit import Emitter
 from producers.sim.engine import Engine
 from producers.sim.faults import (
     HANGS,
-    BubbleDelay,
-    ComputeHang,
     Fault,
-    GPUStallInTransfer,
-    HostStarvation,
     IntermittentGPU,
-    MissingRecv,
-    NetworkHang,
-    SlowGPU,
-    SlowLink,
-    SlowNIC,
-    TransientGPU,
 )
 from producers.sim.job import JobSpec
 from producers.sim.trace import StepTrace
-from schemas.enums import Phase
 from schemas.records import event_time
 from schemas.results import FaultLabel
 
@@ -155,190 +145,6 @@ def _time_ordered(emitter: Emitter, trace: StepTrace) -> list[msgspec.Struct]:
 # --------------------------------------------------------------------------- catalogue
 
 
-def _stage_rank(spec: JobSpec, rng: np.random.Generator, stage: int | None = None) -> int:
-    p = int(rng.integers(spec.pp)) if stage is None else stage
-    return spec.rank(p, int(rng.integers(spec.dpc)), int(rng.integers(spec.tp)))
-
-
-def _remote_peers(spec: JobSpec, u: int, upstream: bool) -> list[int]:
-    """The ranks on other nodes that ``u`` sends to: its DP-ring successor and its next
-    pipeline stage (activations), and with ``upstream`` its previous stage (gradients)."""
-    p, d, t = spec.coords(u)
-    peers = [spec.rank(p, (d + 1) % spec.dpc, t)] if spec.dpc > 1 else []
-    stages = (p + 1, p - 1) if upstream else (p + 1,)
-    peers += [spec.rank(q, d, t) for q in stages if 0 <= q < spec.pp]
-    return [v for v in peers if spec.node_of(v) != spec.node_of(u)]
-
-
-def _inter_node_edge(spec: JobSpec, rng: np.random.Generator) -> tuple[int, int]:
-    """A link that crosses nodes: a DP-ring edge or a pipeline (activation) edge."""
-    edges = [(u, v) for u in range(spec.world_size) for v in _remote_peers(spec, u, False)]
-    if not edges:
-        raise ValueError("this layout has no inter-node link")
-    u, v = edges[int(rng.integers(len(edges)))]
-    return u, v
-
-
-def _onset(spec: JobSpec, rng: np.random.Generator, steps: int) -> int:
-    return int(rng.integers(max(4, steps // 4), max(5, steps // 2)))
-
-
-def _healthy(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    return []
-
-
-def _slow_gpu(
-    spec: JobSpec,
-    rng: np.random.Generator,
-    steps: int,
-    factors: tuple[float, ...] = (1.3, 1.5, 2.0),
-) -> list[Fault]:
-    return [
-        SlowGPU(
-            onset_step=_onset(spec, rng, steps),
-            rank=_stage_rank(spec, rng),
-            factor=float(rng.choice(factors)),
-        )
-    ]
-
-
-def _intermittent(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    return [
-        IntermittentGPU(
-            onset_step=_onset(spec, rng, steps),
-            rank=_stage_rank(spec, rng),
-            factor=2.0,
-            period_steps=max(6, steps // 5),
-            burst_steps=2,
-        )
-    ]
-
-
-def _transient(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    onset = _onset(spec, rng, steps)
-    return [
-        TransientGPU(
-            onset_step=onset,
-            end_step=onset + 1,
-            rank=_stage_rank(spec, rng),
-            factor=float(rng.choice([2.0, 3.0])),
-        )
-    ]
-
-
-def _host_cpu(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    return [
-        HostStarvation(
-            onset_step=_onset(spec, rng, steps),
-            node=int(rng.integers(spec.num_nodes)),
-            launch_delay_us=300.0,
-        )
-    ]
-
-
-def _slow_link(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    u, v = _inter_node_edge(spec, rng)
-    return [SlowLink(onset_step=_onset(spec, rng, steps), src_rank=u, dst_rank=v, factor=5.0)]
-
-
-class NotApplicable(ValueError):
-    """The scenario cannot happen in this layout (e.g. it needs more nodes)."""
-
-
-def _slow_nic(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    """A NIC whose rank sends to at least two other nodes (else it looks like one link)."""
-    ranks = [u for u in range(spec.world_size) if len(set(_remote_peers(spec, u, True))) >= 2]
-    if not ranks:
-        raise NotApplicable("no rank here sends to two other nodes: a slow NIC looks like a link")
-    rank = ranks[int(rng.integers(len(ranks)))]
-    return [SlowNIC(onset_step=_onset(spec, rng, steps), rank=rank, factor=4.0)]
-
-
-def _compute_hang(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    return [
-        ComputeHang(
-            onset_step=_onset(spec, rng, steps),
-            rank=_stage_rank(spec, rng),
-            phase=Phase(rng.choice([Phase.FORWARD, Phase.BACKWARD])),
-            microbatch=int(rng.integers(spec.num_microbatches)),
-            layer=int(rng.integers(spec.layers_per_stage)),
-        )
-    ]
-
-
-def _missing_recv(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    stage = int(rng.integers(1, spec.pp)) if spec.pp > 1 else 0
-    return [
-        MissingRecv(
-            onset_step=_onset(spec, rng, steps),
-            rank=_stage_rank(spec, rng, stage),
-            phase=Phase.FORWARD,
-            microbatch=min(3, spec.num_microbatches - 1),
-        )
-    ]
-
-
-def _network_hang(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    u, v = _inter_node_edge(spec, rng)
-    return [NetworkHang(onset_step=_onset(spec, rng, steps), src_rank=u, dst_rank=v)]
-
-
-def _gpu_stall(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    u, v = _inter_node_edge(spec, rng)
-    return [GPUStallInTransfer(onset_step=_onset(spec, rng, steps), src_rank=u, dst_rank=v)]
-
-
-def _bubble(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    onset = _onset(spec, rng, steps)
-    return [find_bubble_slot(spec, onset, rng)]
-
-
-def _mixed(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    gpu = SlowGPU(onset_step=_onset(spec, rng, steps), rank=_stage_rank(spec, rng), factor=2.0)
-    return [gpu, *_slow_link(spec, rng, steps)]
-
-
-def _story(spec: JobSpec, rng: np.random.Generator, steps: int) -> list[Fault]:
-    """A link degrades, then a GPU slows down, then a rank never posts its Recv."""
-    u, v = _inter_node_edge(spec, rng)
-    gpu = _stage_rank(spec, rng)
-    stage = int(rng.integers(1, spec.pp)) if spec.pp > 1 else 0
-    hung = _stage_rank(spec, rng, stage)
-    return [
-        SlowLink(onset_step=steps // 5, src_rank=u, dst_rank=v, factor=5.0),
-        SlowGPU(onset_step=steps // 2, rank=gpu, factor=2.0),
-        MissingRecv(
-            onset_step=steps - 4,
-            rank=hung,
-            phase=Phase.FORWARD,
-            microbatch=min(3, spec.num_microbatches - 1),
-        ),
-    ]
-
-
-def find_bubble_slot(spec: JobSpec, onset: int, rng: np.random.Generator) -> BubbleDelay:
-    """A (rank, backward micro-batch) on stage 0 whose delay the pipeline absorbs.
-
-    Found by simulation: the delay is accepted if an iteration with it lasts
-    within 0.2% of the same iteration without it.
-    """
-    if spec.pp < 2:
-        raise ValueError("a pipeline bubble needs pp >= 2")
-    base = Engine(replace(spec, kernels=False)).step().duration_ns
-    rank = spec.rank(0, int(rng.integers(spec.dpc)), int(rng.integers(spec.tp)))
-    M = spec.num_microbatches
-    for mb in range(M - 1, -1, -1):
-        for frac in (0.5, 0.3, 0.15):
-            delay_ms = base / spec.num_microbatches * frac / 1e6
-            f = BubbleDelay(
-                onset_step=0, rank=rank, phase=Phase.BACKWARD, microbatch=mb, delay_ms=delay_ms
-            )
-            d = Engine(replace(spec, kernels=False), [f]).step().duration_ns
-            if d <= base * 1.002:
-                return replace(f, onset_step=onset)
-    raise ValueError("no bubble slot absorbs a delay in this layout")
-
-
 @dataclass(frozen=True)
 class ScenarioDef:
     description: str
@@ -349,42 +155,46 @@ class ScenarioDef:
 
 
 SCENARIOS: dict[str, ScenarioDef] = {
-    "healthy": ScenarioDef("noise only: jitter, persistent per-rank offsets, clock skew", _healthy),
-    "slow-gpu": ScenarioDef("one GPU computes 1.3-2x slower from a random step", _slow_gpu),
+    "healthy": ScenarioDef(
+        "noise only: jitter, persistent per-rank offsets, clock skew", draws.healthy
+    ),
+    "slow-gpu": ScenarioDef("one GPU computes 1.3-2x slower from a random step", draws.slow_gpu),
     "mild-gpu": ScenarioDef(
         "one GPU computes 1.10-1.15x slower from a random step, in a compute-bound job "
         "(4 ms a layer's forward)",
-        functools.partial(_slow_gpu, factors=(1.10, 1.12, 1.15)),
+        functools.partial(draws.slow_gpu, factors=(1.10, 1.12, 1.15)),
         spec={"fwd_ms_per_layer": 4.0},
     ),
     "intermittent-gpu": ScenarioDef(
-        "one GPU slows 2x for 2-step bursts, periodically", _intermittent, steps=60
+        "one GPU slows 2x for 2-step bursts, periodically", draws.intermittent, steps=60
     ),
-    "transient-gpu": ScenarioDef("one GPU computes 2-3x slower for one step", _transient),
+    "transient-gpu": ScenarioDef("one GPU computes 2-3x slower for one step", draws.transient),
     "host-cpu": ScenarioDef(
-        "every rank of one node launches 300 us late (starved host CPU)", _host_cpu
+        "every rank of one node launches 300 us late (starved host CPU)", draws.host_cpu
     ),
-    "slow-link": ScenarioDef("one inter-node link runs 5x slower", _slow_link),
-    "slow-nic": ScenarioDef("one NIC runs 4x slower on all its links (needs 3+ nodes)", _slow_nic),
+    "slow-link": ScenarioDef("one inter-node link runs 5x slower", draws.slow_link),
+    "slow-nic": ScenarioDef(
+        "one NIC runs 4x slower on all its links (needs 3+ nodes)", draws.slow_nic
+    ),
     "compute-hang": ScenarioDef(
-        "one rank stops before a tensor-parallel collective", _compute_hang
+        "one rank stops before a tensor-parallel collective", draws.compute_hang
     ),
     "missing-recv": ScenarioDef(
-        "one rank never posts its pipeline Recv (forward, micro-batch 3)", _missing_recv
+        "one rank never posts its pipeline Recv (forward, micro-batch 3)", draws.missing_recv
     ),
     "network-hang": ScenarioDef(
-        "one inter-node transfer is posted and never completes", _network_hang
+        "one inter-node transfer is posted and never completes", draws.network_hang
     ),
     "gpu-stall": ScenarioDef(
         "a sending GPU stops mid-transfer: posted, never completed, waiting on the GPU",
-        _gpu_stall,
+        draws.gpu_stall,
     ),
     "bubble-delay": ScenarioDef(
-        "a delay inside a pipeline bubble: must cost no throughput", _bubble
+        "a delay inside a pipeline bubble: must cost no throughput", draws.bubble
     ),
-    "mixed": ScenarioDef("a 2x slower GPU and a 5x slower link at once", _mixed),
+    "mixed": ScenarioDef("a 2x slower GPU and a 5x slower link at once", draws.mixed),
     "story": ScenarioDef(
-        "a link degrades, a GPU slows down, then a rank never posts its Recv", _story, steps=36
+        "a link degrades, a GPU slows down, then a rank never posts its Recv", draws.story, steps=36
     ),
 }
 
@@ -410,4 +220,4 @@ def build(
     return Run(name, spec, faults, n)
 
 
-__all__ = ["HANGS", "SCALES", "SCENARIOS", "Run", "build", "find_bubble_slot", "scale_spec"]
+__all__ = ["HANGS", "SCALES", "SCENARIOS", "Run", "build", "scale_spec"]
