@@ -15,29 +15,24 @@ from collections.abc import Iterator
 import msgspec
 import numpy as np
 
+from producers.sim.emit_kernels import CLOCK, KernelEmitter
 from producers.sim.engine import Engine
-from producers.sim.trace import KERNEL_NAMES, OPS, StepTrace
-from schemas.enums import ClockSource, CollOp, Direction, DType, KernelKind
+from producers.sim.trace import OPS, StepTrace
+from schemas.enums import Direction, DType
 from schemas.records import (
     Collective,
     CommProgress,
     Heartbeat,
-    Kernel,
     LinkSample,
     ProxySummary,
 )
 
-_CLOCK = ClockSource.SIMULATED
 #: An unfinished proxy operation is reported this long after it started, with the
 #: time it spent so far in the state it is stuck in (the NCCL plugin's MEGATRACE_STUCK_MS).
 STUCK_REPORT_NS = 500_000_000
-_NCCL_KERNEL = {
-    op: f"ncclDevKernel_{op.value}_Sum_bf16_RING_LL" if not op.is_p2p else "ncclDevKernel_SendRecv"
-    for op in CollOp
-}
 
 
-class Emitter:
+class Emitter(KernelEmitter):
     """Builds records for one engine's job, step after step."""
 
     def __init__(self, engine: Engine) -> None:
@@ -135,7 +130,7 @@ class Emitter:
                     job=job,
                     node=nodes[r],
                     rank=r,
-                    clock=_CLOCK,
+                    clock=CLOCK,
                     comm_hash=hashes[cm],
                     comm_size=sizes[cm],
                     rank_in_comm=ri,
@@ -203,7 +198,7 @@ class Emitter:
                     job=job,
                     node=nodes[r],
                     rank=r,
-                    clock=_CLOCK,
+                    clock=CLOCK,
                     comm_hash=hashes[cm],
                     seq=sq,
                     channel=ch,
@@ -218,55 +213,6 @@ class Emitter:
                     **waits,
                 )
             )
-        return out
-
-    def kernels(self, tr: StepTrace) -> list[Kernel]:
-        out: list[Kernel] = []
-        k = tr.kernels
-        if len(k["rank"]):
-            rank = k["rank"].astype(np.int64)
-            start, end = self._abs(k["start"], rank), self._abs(k["end"], rank)
-            for r, s, e, nm, corr in zip(
-                rank.tolist(),
-                start.tolist(),
-                end.tolist(),
-                k["name"].astype(int).tolist(),
-                k["corr"].astype(np.int64).tolist(),
-                strict=True,
-            ):
-                out.append(self._kernel(r, s, e, 7, KERNEL_NAMES[nm], KernelKind.COMPUTE, corr))
-        c = tr.colls
-        if len(c["rank"]):
-            rank = c["rank"].astype(np.int64)
-            start, end = self._abs(c["start"], rank), self._abs(c["end"], rank)
-            comm = c["comm"].astype(np.int64)
-            for r, s, e, cm, op, cnt in zip(
-                rank.tolist(),
-                start.tolist(),
-                end.tolist(),
-                comm.tolist(),
-                c["op"].astype(int).tolist(),
-                c["count"].astype(np.int64).tolist(),
-                strict=True,
-            ):
-                if e < 0:
-                    continue  # still running: CUPTI reports a kernel when it ends
-                o = OPS[op]
-                out.append(
-                    self._kernel(
-                        r,
-                        s,
-                        e,
-                        13,
-                        _NCCL_KERNEL[o],
-                        KernelKind.NCCL,
-                        self._next_corr(),
-                        comm_hash=self.comm_hash[cm],
-                        coll_op=o,
-                        count=cnt,
-                        group_size=self.comm_size[cm],
-                    )
-                )
         return out
 
     def links(self, tr: StepTrace) -> list[LinkSample]:
@@ -300,7 +246,7 @@ class Emitter:
                     job=self.spec.job,
                     node=self.nodes[s],
                     rank=s,
-                    clock=_CLOCK,
+                    clock=CLOCK,
                     ts_ns=t,
                     window_ns=int(x),
                     nic=self.nics[s],
@@ -316,37 +262,6 @@ class Emitter:
                 )
             )
         return out
-
-    def _kernel(
-        self,
-        rank: int,
-        start: int,
-        end: int,
-        stream: int,
-        name: str,
-        kind: KernelKind,
-        corr: int,
-        **nccl: object,
-    ) -> Kernel:
-        return Kernel(
-            job=self.spec.job,
-            node=self.nodes[rank],
-            rank=rank,
-            clock=_CLOCK,
-            device=rank % self.spec.gpus_per_node,
-            stream=stream,
-            name=name,
-            kind=kind,
-            correlation_id=corr,
-            start_ns=start,
-            end_ns=end,
-            **nccl,
-        )  # type: ignore[arg-type]
-
-    def _next_corr(self) -> int:
-        """CUPTI correlation ids are unique per launch; NCCL launches count from 2**32."""
-        self._corr = getattr(self, "_corr", 1 << 32) + 1
-        return self._corr
 
     def heartbeats(
         self, ts_ns: np.ndarray | int, step: int, cpu_wait: np.ndarray | None = None
@@ -378,7 +293,7 @@ class Emitter:
                     job=sp.job,
                     node=self.nodes[r],
                     rank=r,
-                    clock=_CLOCK,
+                    clock=CLOCK,
                     ts_ns=int(ts[r]) + int(self.skew[r]),
                     pid=10_000 + r,
                     step=step,
