@@ -379,16 +379,9 @@ def event_time(record: Struct) -> int:
 
 #: Records a node (or a stand-in for one) publishes.
 EVENT_TYPES: tuple[type[Record], ...] = (
-    JobInfo,
-    RankInfo,
-    CommInfo,
-    Collective,
-    ProxySummary,
-    Kernel,
-    Heartbeat,
-    LinkSample,
+    JobInfo, RankInfo, CommInfo, Collective, ProxySummary, Kernel, Heartbeat, LinkSample,
     Iteration,
-)
+)  # fmt: skip
 
 
 #: the analysis' records, once defined in this module (:mod:`schemas.results` now):
