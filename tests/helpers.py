@@ -152,3 +152,24 @@ def latest_verdicts(json_lines: str) -> list[dict]:
         v = json.loads(line)
         latest[v["verdict_id"]] = v
     return list(latest.values())
+
+
+def instance(comm, seq, ranks, arrivals, ends, size=2, sender=-1, op=None):
+    """An aligned instance of job "j" (all-reduce unless ``op`` says), as the aligner makes it."""
+    from detectors.align import Instance
+    from schemas.enums import CollOp
+
+    op = CollOp.ALL_REDUCE if op is None else op
+    return Instance(
+        "j",
+        comm,
+        seq,
+        op,
+        sender,
+        size,
+        8,
+        tuple(ranks),
+        tuple(arrivals),
+        tuple(arrivals),
+        tuple(ends),
+    )
