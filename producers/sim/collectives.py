@@ -10,26 +10,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from producers.sim.job import JobSpec, Layout
-from producers.sim.trace import OP_CODE, Columns
+from producers.sim.trace import OP_CODE, EngineState
 from schemas.enums import CollOp
 
 INF = np.inf
 
 
-class Collectives:
+class Collectives(EngineState):
     """Collectives of a stage's groups: their timing and their records (the engine's
-    state below)."""
+    state: :class:`~producers.sim.trace.EngineState`'s, and below)."""
 
-    spec: JobSpec
-    layout: Layout
-    T: np.ndarray
-    launch: np.ndarray
-    lead: np.ndarray
     tp_elems: int
     tp_seq: list[int]
     group_seq: list[int]
-    colls: Columns
 
     def _tp_collective(self, s: int, op: CollOp, phase: int, mb: int, layer: int) -> None:
         sp = self.spec

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from producers.sim.job import JobSpec, Layout
 from schemas.enums import CollOp, Phase
 
 OPS = list(CollOp)
@@ -102,3 +103,17 @@ class StepTrace:
     @property
     def duration_ns(self) -> float:
         return float(self.end.max() - self.start.min())
+
+
+class EngineState:
+    """What the engine's parts (:class:`~producers.sim.collectives.Collectives`,
+    :class:`~producers.sim.transfers.Transfers`) read of the engine: the job and its
+    layout, each rank's clock (``T``, float ns since the job start, per (stage, d, tp)),
+    launch delay and host lead, and the step's call records."""
+
+    spec: JobSpec
+    layout: Layout
+    T: np.ndarray
+    launch: np.ndarray
+    lead: np.ndarray
+    colls: Columns

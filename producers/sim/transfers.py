@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from producers.sim.faults import GPUStallInTransfer, NetworkHang
-from producers.sim.job import JobSpec, Layout
-from producers.sim.trace import CHUNK_BYTES, PHASE_CODE, Columns
+from producers.sim.trace import CHUNK_BYTES, PHASE_CODE, Columns, EngineState
 from schemas.enums import CollOp, Phase
 
 INF = np.inf
@@ -35,15 +34,10 @@ class _P2P:
         return (self.kind, self.pair, self.mb)
 
 
-class Transfers:
+class Transfers(EngineState):
     """Transfers of the engine's ranks: their timing and what they record (the engine's
-    state below)."""
+    state: :class:`~producers.sim.trace.EngineState`'s, and below)."""
 
-    spec: JobSpec
-    layout: Layout
-    T: np.ndarray
-    launch: np.ndarray
-    lead: np.ndarray
     step_no: int
     act_elems: int
     grad_elems: int
@@ -54,7 +48,6 @@ class Transfers:
     _net_hang_done: set[int]
     _pending: dict
     _done: dict
-    colls: Columns
     proxies: Columns
     links: Columns
     #: the engine's: where a rank hangs, and how a call is recorded
