@@ -59,7 +59,8 @@ def simulated(
 ) -> tuple[list[tuple[str, str, int]], Callable[[tuple[str, str, int]], Case]]:
     """The simulator's catalogue: the (scenario, scale, seed) runs to make, and how to make
     one (a scenario that does not apply to a shape is left out, and said)."""
-    from producers.sim.scenarios import SCENARIOS, NotApplicable, build
+    from producers.sim.draws import NotApplicable
+    from producers.sim.scenarios import SCENARIOS, build
 
     todo: list[tuple[str, str, int]] = []
     skipped: list[str] = []

@@ -184,7 +184,7 @@ def run_plugin(out: Path, *, iters: int = 50, wait_s: float = 60.0) -> tuple[lis
         MEGATRACE_HEARTBEAT_MS="200",
         PYTHONUNBUFFERED="1",
     )
-    code = f"from producers.gpu_check import nccl_child; nccl_child({iters})"
+    code = f"from producers.gpu_check_nccl import nccl_child; nccl_child({iters})"
     with _receiver(sock) as s, open(out / "nccl.log", "w") as log:
         p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log, stderr=log)
         got = _drain(s, lambda: p.poll() is not None, wait_s)
