@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 
 from megatrace.cli import cli
 from producers.cupti import Activity, map_activities
 from producers.gpu_check_collector import collector_verdicts
+from producers.gpu_check_cupti import cupti_verdicts
 from producers.gpu_check_nccl import plugin_verdicts
 from schemas.codec import decode
 from schemas.enums import CollOp, DType, KernelKind
@@ -29,10 +31,15 @@ def recorded_activity() -> list[Activity]:
     return [Activity(**a) for a in json.loads((DATA / "h200_cupti_activity.json").read_text())]
 
 
-def test_real_cupti_activity_marks_exactly_the_nccl_kernels() -> None:
-    kernels = map_activities(
+def recorded_kernels() -> list[Kernel]:
+    """The recorded activity as the collector maps it (on a host clock 10**18 ns on)."""
+    return map_activities(
         recorded_activity(), job="j", node="gpu-node-0", rank=0, clock_offset_ns=10**18
     )
+
+
+def test_real_cupti_activity_marks_exactly_the_nccl_kernels() -> None:
+    kernels = recorded_kernels()
     nccl = [k for k in kernels if k.kind == KernelKind.NCCL]
     # marked by correlation; the names only confirm it here
     assert len(nccl) == 5 and all("ncclDevKernel" in k.name for k in nccl)
@@ -40,6 +47,42 @@ def test_real_cupti_activity_marks_exactly_the_nccl_kernels() -> None:
     gemms = [k for k in kernels if k.name.startswith("nvjet")]  # cuBLAS's GEMMs on Hopper
     assert len(gemms) >= 10 and all(k.kind == KernelKind.COMPUTE for k in gemms)
     assert all(k.start_ns > 10**18 and k.end_ns >= k.start_ns for k in kernels)
+
+
+def _cupti_failing(records: list[Kernel], **change: object) -> list[str]:
+    """The CUPTI checks that fail on ``records``, for the recorded run's workload: it ran
+    from 1 ms before its first kernel to 1 ms after its last, launched five grouped NCCL
+    calls, copied 256 MB to the GPU and ran 8192x8192 GEMMs. Their times by CUDA events
+    were not recorded: CUPTI's own are given, so the GEMM check is not judged here."""
+    kernels = recorded_kernels()
+    longest = sorted(k.end_ns - k.start_ns for k in kernels if k.kind == KernelKind.COMPUTE)
+    args: dict = dict(
+        t0=min(k.start_ns for k in kernels) - 1_000_000,
+        t1=max(k.end_ns for k in kernels) + 1_000_000,
+        gemm_ms=[d / 1e6 for d in longest[-10:]], copy_ms=5.0, copy_bytes=256 << 20,
+        nccl_launches=5, copied=True,
+    )  # fmt: skip
+    args.update(change)
+    return [c.name for c in cupti_verdicts(records, **args) if not c.ok]
+
+
+def test_the_recorded_cupti_run_passes_the_check_and_fails_where_its_records_would_be_wrong(
+) -> None:  # fmt: skip
+    """The check on the H200's activity as recorded passes; it fails when the records are
+    off the host clock, an NCCL kernel goes unmarked, fewer kernels are marked than
+    launched, the data did not arrive, or the copy is missing."""
+    kernels = recorded_kernels()
+    assert _cupti_failing(kernels) == []
+    late = [msgspec.structs.replace(k, start_ns=k.start_ns + 10**9, end_ns=k.end_ns + 10**9)
+            for k in kernels]  # fmt: skip
+    assert _cupti_failing(late) == ["cupti host clock"]
+    first = next(i for i, k in enumerate(kernels) if k.kind == KernelKind.NCCL)
+    unmarked = [*kernels]
+    unmarked[first] = msgspec.structs.replace(kernels[first], kind=KernelKind.COMPUTE)
+    assert "cupti nccl marking" in _cupti_failing(unmarked)
+    assert _cupti_failing(kernels, nccl_launches=6) == ["cupti nccl marking"]
+    assert _cupti_failing(kernels, copied=False) == ["cupti nccl marking"]
+    assert _cupti_failing([k for k in kernels if k.kind != KernelKind.MEMCPY]) == ["cupti copies"]
 
 
 def test_without_the_api_records_no_kernel_would_be_marked() -> None:
