@@ -50,7 +50,7 @@ from detectors.gpu_wait import GpuWaitBaseline
 from detectors.hang import HangDiagnosis
 from detectors.incidents import StepTimeLedger
 from detectors.job_folders import JobFolders
-from detectors.job_inputs import SideInputs
+from detectors.job_inputs import Out, SideInputs
 from detectors.link_tracker import LinkTracker
 from detectors.merge import CommLiveness
 from detectors.node import NodeAnalyzer, NodeDigest
@@ -77,8 +77,6 @@ from schemas.results import CommStructure
 
 #: Records of a job held until its job record comes (they may overtake it); beyond, refused.
 EARLY_HELD = 100_000
-
-Out = list[msgspec.Struct]
 
 
 class JobAnalyzer(SideInputs):

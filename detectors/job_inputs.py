@@ -25,6 +25,7 @@ from detectors.watchdog import HangWatch
 from schemas.config import DetectSettings
 from schemas.records import Heartbeat, LinkSample, ProxySummary
 
+#: what the job's handlers return (its rows, verdicts and dead letters)
 Out = list[msgspec.Struct]
 
 
@@ -109,4 +110,4 @@ class SideInputs:
         return self.links.edge_throughput(e, self.topo, warm, self.expected_step_ns)
 
 
-__all__ = ["SideInputs"]
+__all__ = ["Out", "SideInputs"]

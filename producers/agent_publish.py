@@ -22,6 +22,7 @@ from producers.spool import Position, Spool
 if TYPE_CHECKING:
     from producers.agent import AgentHealth
 
+# the agent's log: the publisher is its thread, and operators filter on that name
 log = logging.getLogger("producers.agent")
 
 

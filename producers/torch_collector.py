@@ -56,8 +56,7 @@ from typing import Any
 
 import msgspec
 
-from producers.torch_recorder import Collector, CollectorError, Sink, _torch
-from schemas.layout import comm_hash
+from producers.torch_recorder import Collector, CollectorError, Sink, torch_distributed
 
 
 def default_sink() -> Sink:
@@ -176,7 +175,7 @@ def _launch(argv: list[str]) -> None:
     """``-m producers.torch_collector script.py ...``: enable once the process group is up."""
     import runpy
 
-    dist = _torch()
+    dist = torch_distributed()
     original = dist.init_process_group
 
     def init_then_enable(*args: Any, **kwargs: Any) -> Any:
@@ -195,4 +194,4 @@ if __name__ == "__main__":
     _launch(sys.argv[1:])
 
 
-__all__ = ["Collector", "CollectorError", "comm_hash", "disable", "enable", "saving", "step"]
+__all__ = ["Collector", "CollectorError", "disable", "enable", "saving", "step"]

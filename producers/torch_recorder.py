@@ -53,7 +53,8 @@ class CollectorError(RuntimeError):
     """The collector cannot run (torch missing, or enabled before the process group)."""
 
 
-def _torch() -> Any:
+def torch_distributed() -> Any:
+    """``torch.distributed``, or :class:`CollectorError` saying how to install torch."""
     try:
         import torch.distributed as dist
     except ImportError:
@@ -78,7 +79,7 @@ class Collector(Hooks):
         flush_s: float = 0.05,
         kernels: bool = False,
     ) -> None:
-        dist = _torch()
+        dist = torch_distributed()
         if not dist.is_initialized():
             raise CollectorError("enable the collector after torch.distributed.init_process_group")
         self.dist = dist
@@ -318,4 +319,4 @@ class Collector(Hooks):
             self._thread.join(5)
 
 
-__all__ = ["Collector", "CollectorError", "Sink"]
+__all__ = ["Collector", "CollectorError", "Sink", "torch_distributed"]

@@ -17,6 +17,7 @@ import torch.distributed as dist  # noqa: E402
 
 from producers import torch_calls, torch_collector  # noqa: E402
 from schemas.enums import CollOp, CommRole  # noqa: E402
+from schemas.layout import comm_hash  # noqa: E402
 from schemas.records import Collective, CommInfo, Heartbeat, JobInfo, RankInfo  # noqa: E402
 
 
@@ -115,10 +116,10 @@ def test_a_drain_beside_the_collectors_thread_reports_each_call_once(pg: None) -
 
 
 def test_the_same_group_gets_the_same_hash_on_every_member() -> None:
-    a = torch_collector.comm_hash("group", (0, 1, 2, 3))
-    assert a == torch_collector.comm_hash("group", [0, 1, 2, 3])
-    assert a != torch_collector.comm_hash("group", (0, 1, 2, 4))
-    assert a != torch_collector.comm_hash("p2p", (0, 1, 2, 3))
+    a = comm_hash("group", (0, 1, 2, 3))
+    assert a == comm_hash("group", [0, 1, 2, 3])
+    assert a != comm_hash("group", (0, 1, 2, 4))
+    assert a != comm_hash("p2p", (0, 1, 2, 3))
 
 
 def test_kernels_without_cupti_are_a_clear_error_and_wrap_nothing(pg: None) -> None:

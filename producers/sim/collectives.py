@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from producers.sim.trace import OP_CODE, EngineState
+from producers.sim.trace import INF, OP_CODE, EngineState
 from schemas.enums import CollOp
-
-INF = np.inf
 
 
 class Collectives(EngineState):

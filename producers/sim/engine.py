@@ -56,9 +56,6 @@ from producers.sim.trace import (
 from producers.sim.transfers import _P2P, Transfers
 from schemas.enums import CollOp, Phase
 
-INF = np.inf
-
-
 #: a starved host's ranks' threads wait for a CPU longer than they run
 STARVED_CPU_WAIT = 1.2
 

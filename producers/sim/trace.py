@@ -22,6 +22,8 @@ KERNEL_NAMES = [
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_nt_n_tilesize128x128x64",
     "multi_tensor_apply_kernel_adam",
 ]
+#: a time that never comes (a hung rank's clock, a transfer that never completes)
+INF = np.inf
 CHUNK_BYTES = 512 * 1024  # bytes per NCCL proxy step
 
 

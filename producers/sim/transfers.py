@@ -16,10 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from producers.sim.faults import GPUStallInTransfer, NetworkHang
-from producers.sim.trace import CHUNK_BYTES, PHASE_CODE, Columns, EngineState
+from producers.sim.trace import CHUNK_BYTES, INF, PHASE_CODE, Columns, EngineState
 from schemas.enums import CollOp, Phase
-
-INF = np.inf
 
 
 @dataclass(frozen=True)
