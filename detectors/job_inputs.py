@@ -7,7 +7,7 @@ measure for jobs without link samples)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -99,15 +99,28 @@ class SideInputs:
         return out + self.slowdowns.links_moved(self.topo)
 
     def _edge_throughput(self, e: EdgeThroughput) -> Out:
-        """An edge's proxy throughput: GPU-wait evidence, and the links' measure for jobs
-        without link samples (see :meth:`LinkTracker.edge_throughput`)."""
+        """An edge's proxy throughput (see :meth:`_edges_in`)."""
+        return self._edges_in((e,))
+
+    def _edges_in(self, edges: Sequence[EdgeThroughput]) -> Out:
+        """Edges' proxy throughputs, in their order: GPU-wait evidence, and the links'
+        measure for jobs without link samples (see :meth:`LinkTracker.edge_throughput`).
+        The job's batches bring them together, thousands a step at scale: what they
+        read of the job (its warm-up, its links) is read once for them all."""
         assert self.topo is not None
-        self.now_ns = max(self.now_ns, e.ts_ns)
-        recent = self.ledger.recent  # thousands a step: read once
+        recent = self.ledger.recent
         warm = bool(recent) and recent[-1].step >= self.settings.warmup_steps
-        if warm:
-            self.gpu_wait.update(e.src_rank, float(e.gpu_wait_ns))
-        return self.links.edge_throughput(e, self.topo, warm, self.expected_step_ns)
+        gpu_wait, links, topo, per_step = (
+            self.gpu_wait, self.links, self.topo, self.expected_step_ns
+        )  # fmt: skip
+        out: Out = []
+        for e in edges:
+            if e.ts_ns > self.now_ns:
+                self.now_ns = e.ts_ns
+            if warm:
+                gpu_wait.update(e.src_rank, float(e.gpu_wait_ns))
+            out += links.edge_throughput(e, topo, warm, per_step)
+        return out
 
 
 __all__ = ["Out", "SideInputs"]

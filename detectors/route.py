@@ -159,6 +159,8 @@ class Route:
         self.nodes: dict[tuple[str, str], NodeAnalyzer] = {}
         self.jobs: dict[str, JobAnalyzer] = {}
         self._pending: dict[tuple[str, Any], list[Any]] = {}  # (stage, key) -> its batch
+        # while a poll goes through: job -> what its communicators and nodes sent it
+        self._gathering: dict[str, list[Any]] | None = None
         self._seen = 0
         self._poll_ns = 0  # the newest time of the records in the poll
         self._flush_at = 0  # a poll goes through once its time reaches this
@@ -167,7 +169,7 @@ class Route:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         defaults = {"poll": None, "hook": None, "nodes": {}, "_pending": {}, "_seen": 0,
-                    "_poll_ns": 0, "_flush_at": 0, "rows": True}  # fmt: skip
+                    "_poll_ns": 0, "_flush_at": 0, "rows": True, "_gathering": None}  # fmt: skip
         self.__dict__.update({**defaults, **state})  # one pickled before these existed
 
     def __getstate__(self) -> dict[str, Any]:
@@ -287,7 +289,12 @@ class Route:
             st = self.settings
             node = self.nodes[key] = NodeAnalyzer(st.warmup_steps, st.link_drop)
         digest = self._timed("node", node.update, samples)
-        return [] if digest is None else self._timed("job", self.jobs[key[0]].update, digest)
+        if digest is None:
+            return []
+        if self._gathering is not None:  # a poll's: with the others for its job
+            self._gathering.setdefault(key[0], []).append(digest)
+            return []
+        return self._timed("job", self.jobs[key[0]].update, digest)
 
     def _forward(self, job: str, items: Iterable[Any]) -> list[msgspec.Struct]:
         """A communicator's batch of items to its job; step parts and progress merged per
@@ -295,18 +302,26 @@ class Route:
         out: list[msgspec.Struct] = []
         analyzer = self.jobs[job]
         touched: dict[tuple[str, int], PartMerger] = {}
+        direct: list[Any] = []  # to the job as one batch, as the flow's job step takes them
         for x in items:
             if not to_shard(x):
-                out += self._timed("job", analyzer.update, x)
+                direct.append(x)
                 continue
             key = (job, shard_of(x.comm_hash, self.settings.part_shards))
             if self.poll is not None:  # merged with the poll's other parts of its shard
                 self._pending.setdefault(("shard", key), []).append(x)
                 continue
+            if direct:  # (unbatched, each merged part goes to the job in its turn)
+                out += self._timed("job", analyzer.update_many, direct)
+                direct = []
             merger = self.mergers.get(key) or self.mergers.setdefault(key, PartMerger())
             touched[key] = merger
             for y in self._timed("shard", merger.update, x):
                 out += self._timed("job", analyzer.update, y)
+        if direct and self._gathering is not None:  # a poll's: with the others for its job
+            self._gathering.setdefault(job, []).extend(direct)
+        elif direct:
+            out += self._timed("job", analyzer.update_many, direct)
         for key in touched:
             out += self._shard(key, [])
         return out
@@ -327,11 +342,18 @@ class Route:
         out: list[msgspec.Struct] = []
         pending, self._pending = self._pending, {}
         shards: dict[Any, list[Any]] = {}  # parts sent on since the last poll (a marker's,
-        for (stage, key), items in pending.items():  # the timers'), then the poll's
+        # the timers'), then the poll's; what the communicators and nodes send their job
+        # directly goes as one batch, in the same order, as the flow's job step takes a
+        # poll's (one item at a time, each would find the job's state cold)
+        self._gathering = {}
+        for (stage, key), items in pending.items():
             if stage == "shard":
                 shards[key] = items
             else:
                 out += self._comm(key, items) if stage == "comm" else self._node(key, items)
+        gathered, self._gathering = self._gathering, None
+        for job, batch in gathered.items():
+            out += self._timed("job", self.jobs[job].update_many, batch)
         for (_, key), parts in self._pending.items():
             shards.setdefault(key, []).extend(parts)
         self._pending = {}

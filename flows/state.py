@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime, timedelta
+from itertools import chain
 from typing import Any, NamedTuple
 
 import msgspec
@@ -218,11 +219,8 @@ class AnalyzeLogic(StatefulBatchLogic[list[Any], list[msgspec.Struct], tuple[Job
     def on_batch(self, values: list[list[Any]]) -> tuple[list[list[msgspec.Struct]], bool]:
         if self.analyzer is None:
             self.analyzer = JobAnalyzer(values[0][0].job, self.settings)
-        out: list[msgspec.Struct] = []
-        update = self.analyzer.update
-        for batch in values:
-            for item in batch:
-                out += update(item)
+        # every batch at once, in order: the job takes a run of items together
+        out = self.analyzer.update_many(chain.from_iterable(values))
         self.clock.moved(self.analyzer.coll_now_ns)
         out += self.analyzer.tick(self.clock.now())
         return _one(out), StatefulBatchLogic.RETAIN

@@ -99,8 +99,9 @@ def analyze(scale: str, steps: int, say: Callable[[str], None], poll: int = 5000
 
     say(
         f"{scale}: {run.spec.world_size} ranks, {len(records) / n:,.0f} records per step, "
-        f"{len(route.comms):,} communicators; after {warm} steps the job receives "
-        f"{(to_job - at_warm[1]) / steady:,.0f} items per step ({to_job / n:,.0f} over all)"
+        f"{len(route.comms):,} communicators; after {warm} steps the job's worker is called "
+        f"{(to_job - at_warm[1]) / steady:,.0f} times a step ({to_job / n:,.0f} over all: a "
+        "poll's items from its communicators and nodes at once, each record of its own)"
     )
     say(f"  per communicator: alignment + folding (all communicators,  {ms('comm')}")
     say("    parallel across flow workers)")

@@ -71,7 +71,7 @@ def test_bench_analyze_times_every_stage_of_the_route_and_counts_what_reaches_th
     analyze("tiny", 8, lines.append, poll=500)
     text = "\n".join(lines)
     head = re.match(r"tiny: 8 ranks, ([\d,]+) records per step, (\d+) communicators; .* "
-                    r"receives ([\d,]+) items per step", text)  # fmt: skip
+                    r"is called ([\d,]+) times a step", text)  # fmt: skip
     assert head is not None, text
     assert int(head[2]) >= 4 and int(head[3].replace(",", "")) > 0
     cost = {

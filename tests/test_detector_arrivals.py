@@ -171,3 +171,68 @@ def test_marks_read_ahead_of_a_communicators_calls_do_not_close_its_steps_empty(
         parts += [x for x in folder.update(inst(seq))[1] if isinstance(x, StepPart)]
     parts += [x for x in folder.flush()[1] if isinstance(x, StepPart)]
     assert [(p.step, p.n) for p in parts] == [(s, 2) for s in range(6)]
+
+
+def test_a_job_given_its_items_in_batches_concludes_what_it_does_item_by_item() -> None:
+    """The flow hands the job a poll's items at once (:meth:`JobAnalyzer.update_many`, which
+    takes a run of edges' throughputs together): the same results, in the same order, as
+    one at a time; an edge naming a rank outside the layout is a dead letter in its turn,
+    and items before the job record are held as :meth:`JobAnalyzer.update` holds them."""
+    import random
+
+    from detectors.edges import EdgeThroughput
+    from detectors.job import JobAnalyzer
+    from schemas.records import DeadLetter, LinkSample
+
+    run = build("slow-link", scale="tiny", seed=1, kernels=False)
+    # no link samples: the edges' throughputs are the links' measure, and find the link
+    recs = [r for r in run.records() if not isinstance(r, LinkSample)]
+    items: list[object] = []
+    update, update_many = JobAnalyzer.update, JobAnalyzer.update_many
+    inside = [False]
+
+    def record(self: JobAnalyzer, item: object) -> list[msgspec.Struct]:
+        if not inside[0]:
+            items.append(item)
+        return update(self, item)
+
+    def record_many(self: JobAnalyzer, batch: list[object]) -> list[msgspec.Struct]:
+        items.extend(batch)
+        inside[0] = True
+        try:
+            return update_many(self, batch)
+        finally:
+            inside[0] = False
+
+    JobAnalyzer.update, JobAnalyzer.update_many = record, record_many  # type: ignore[method-assign]
+    try:  # the items a job takes, in their order
+        list(Replay().run(recs))
+    finally:
+        JobAnalyzer.update, JobAnalyzer.update_many = update, update_many  # type: ignore[method-assign]
+    edges = [i for i, x in enumerate(items) if isinstance(x, EdgeThroughput)]
+    assert len(edges) > 100
+    world = run.spec.world_size
+    bad = items[edges[len(edges) // 2]]
+    assert isinstance(bad, EdgeThroughput)
+    items.insert(edges[len(edges) // 2], bad._replace(dst_rank=world + 3))
+    # an edge that overtook the job record, held with the other early records
+    first = next(x for x in items if isinstance(x, EdgeThroughput))
+    items.insert(0, first)
+    one_by_one = JobAnalyzer(run.spec.job, Replay().settings)
+    expected = [o for x in items for o in one_by_one.update(x)]
+    batched = JobAnalyzer(run.spec.job, Replay().settings)
+    rng, got, i = random.Random(0), [], 0
+    while i < len(items):
+        n = rng.choice((1, 7, 300))
+        got += batched.update_many(items[i : i + n])
+        i += n
+    got += batched.finish()
+    expected += one_by_one.finish()
+    assert [msgspec.json.encode(o) for o in got] == [msgspec.json.encode(o) for o in expected]
+    # the senders' waits on their data, as each took its windows in order
+    for rank in range(world):
+        assert batched.gpu_wait.evidence(rank) == one_by_one.gpu_wait.evidence(rank)
+    letters = [o for o in got if isinstance(o, DeadLetter)]
+    assert len(letters) == 1 and f"rank {world + 3} is outside" in letters[0].error
+    found = [o for o in got if isinstance(o, Verdict)]
+    assert {(v.kind.value, v.link) for v in found} == {("link_degradation", run.labels[0].link)}
