@@ -345,13 +345,16 @@ class Route:
         # the timers'), then the poll's; what the communicators and nodes send their job
         # directly goes as one batch, in the same order, as the flow's job step takes a
         # poll's (one item at a time, each would find the job's state cold)
-        self._gathering = {}
-        for (stage, key), items in pending.items():
-            if stage == "shard":
-                shards[key] = items
-            else:
-                out += self._comm(key, items) if stage == "comm" else self._node(key, items)
-        gathered, self._gathering = self._gathering, None
+        gathered: dict[str, list[Any]] = {}
+        self._gathering = gathered
+        try:
+            for (stage, key), items in pending.items():
+                if stage == "shard":
+                    shards[key] = items
+                else:
+                    out += self._comm(key, items) if stage == "comm" else self._node(key, items)
+        finally:
+            self._gathering = None
         for job, batch in gathered.items():
             out += self._timed("job", self.jobs[job].update_many, batch)
         for (_, key), parts in self._pending.items():
