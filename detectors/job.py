@@ -71,7 +71,6 @@ from schemas.records import (
     LinkSample,
     ProxySummary,
     RankInfo,
-    event_time,
 )
 from schemas.results import CommStructure
 
@@ -162,7 +161,7 @@ class JobAnalyzer(SideInputs):
                 out += self.update(rec)
         handle = _HANDLERS.get(type(item))
         if handle is None:  # a record the analysis only keeps time by
-            self.now_ns = max(self.now_ns, event_time(item))
+            self._record_time(item)
             return out
         if self.topo is not None and (refused := self._outside(item)) is not None:
             return [*out, refused]
@@ -173,7 +172,7 @@ class JobAnalyzer(SideInputs):
         a run of edges' throughputs in the layout (thousands a step at scale) together."""
         out: Out = []
         run: list[EdgeThroughput] = []
-        world = -1 if self.topo is None or self._early else self.topo.job.world_size
+        world = self._world
         for item in items:
             if type(item) is EdgeThroughput and item.src_rank < world and item.dst_rank < world:
                 run.append(item)
@@ -182,10 +181,15 @@ class JobAnalyzer(SideInputs):
                 out += self._edges_in(run)
                 run = []
             out += self.update(item)
-            world = -1 if self.topo is None or self._early else self.topo.job.world_size
+            world = self._world  # (a job record, or the early records replayed)
         if run:
             out += self._edges_in(run)
         return out
+
+    @property
+    def _world(self) -> int:
+        """The layout's ranks while items go straight to their handlers (-1: held)."""
+        return -1 if self.topo is None or self._early else self.topo.job.world_size
 
     def _outside(self, item: Any) -> msgspec.Struct | None:
         assert self.topo is not None
@@ -193,9 +197,6 @@ class JobAnalyzer(SideInputs):
         if letter is not None:
             self.refused += 1
         return letter
-
-    def _record_time(self, rec: Any) -> None:
-        self.now_ns = max(self.now_ns, event_time(rec))
 
     def _job_in(self, info: JobInfo) -> Out:
         # metadata keeps no time: it describes the job (read from a compacted topic, or

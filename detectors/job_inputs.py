@@ -23,7 +23,7 @@ from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
 from detectors.watchdog import HangWatch
 from schemas.config import DetectSettings
-from schemas.records import Heartbeat, LinkSample, ProxySummary
+from schemas.records import Heartbeat, LinkSample, ProxySummary, event_time
 
 #: what the job's handlers return (its rows, verdicts and dead letters)
 Out = list[msgspec.Struct]
@@ -45,10 +45,13 @@ class SideInputs:
     saves: Saves
     book: VerdictBook
     restart_ns: int
-    #: the analyzer's: move its clock, and the step time it expects
-    _record_time: Callable[[object], None]
+    #: the analyzer's: the step time it expects
     expected_step_ns: Callable[[], float | None]
     tick: Callable[..., Out]
+
+    def _record_time(self, rec: object) -> None:
+        """A record that moves the job's clock."""
+        self.now_ns = max(self.now_ns, event_time(rec))
 
     def _heartbeat_in(self, hb: Heartbeat) -> Out:
         """Liveness and progress (see :meth:`HangWatch.heartbeat`). A rank's new process

@@ -289,12 +289,15 @@ class Route:
             st = self.settings
             node = self.nodes[key] = NodeAnalyzer(st.warmup_steps, st.link_drop)
         digest = self._timed("node", node.update, samples)
-        if digest is None:
+        return [] if digest is None else self._to_job(key[0], [digest])
+
+    def _to_job(self, job: str, items: list[Any]) -> list[msgspec.Struct]:
+        """What a communicator or node sends its job directly: to the job now, or while a
+        poll goes through, with the poll's others for it (see :meth:`_flush_poll`)."""
+        if self._gathering is not None:
+            self._gathering.setdefault(job, []).extend(items)
             return []
-        if self._gathering is not None:  # a poll's: with the others for its job
-            self._gathering.setdefault(key[0], []).append(digest)
-            return []
-        return self._timed("job", self.jobs[key[0]].update, digest)
+        return self._timed("job", self.jobs[job].update_many, items) if items else []
 
     def _forward(self, job: str, items: Iterable[Any]) -> list[msgspec.Struct]:
         """A communicator's batch of items to its job; step parts and progress merged per
@@ -311,17 +314,13 @@ class Route:
             if self.poll is not None:  # merged with the poll's other parts of its shard
                 self._pending.setdefault(("shard", key), []).append(x)
                 continue
-            if direct:  # (unbatched, each merged part goes to the job in its turn)
-                out += self._timed("job", analyzer.update_many, direct)
-                direct = []
+            out += self._to_job(job, direct)  # (unbatched: each merged part in its turn)
+            direct = []
             merger = self.mergers.get(key) or self.mergers.setdefault(key, PartMerger())
             touched[key] = merger
             for y in self._timed("shard", merger.update, x):
                 out += self._timed("job", analyzer.update, y)
-        if direct and self._gathering is not None:  # a poll's: with the others for its job
-            self._gathering.setdefault(job, []).extend(direct)
-        elif direct:
-            out += self._timed("job", analyzer.update_many, direct)
+        out += self._to_job(job, direct)
         for key in touched:
             out += self._shard(key, [])
         return out
