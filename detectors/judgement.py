@@ -32,7 +32,7 @@ from detectors.changepoint import ShiftDetector
 from detectors.cpu_wait import CpuWaits
 from detectors.cpu_wait import findings as cpu_findings
 from detectors.culprits import first_culprit
-from detectors.incidents import Incident, StepTimeLedger
+from detectors.incidents import Culprit, Incident, StepTimeLedger
 from detectors.link_tracker import LinkTracker
 from detectors.slowdown import SlowdownLocalizer
 from detectors.steps import StepReport
@@ -59,7 +59,7 @@ class Judgement:
     settle_s: float = 1.0
 
     _slowdown: Callable[..., list[msgspec.Struct]]
-    explained: Callable[[], tuple[set[int], set[str]]]
+    explained: Callable[[Culprit | None], tuple[set[int], set[str]]]
 
     shift: ShiftDetector
 
@@ -107,14 +107,18 @@ class Judgement:
         ratio = self.ledger.ratio_since(onset)
         return ratio is None or ratio >= 1.0 + self.shift.bar
 
-    def locate(self, reps: list[StepReport], topo: Topology) -> Incident | None:
+    def locate(
+        self, reps: list[StepReport], topo: Topology, again: Culprit | None = None
+    ) -> Incident | None:
         """The first localised candidate not explained by a degraded link (MEGATRACE checks
-        links first: a rank whose NIC is slow arrives late without computing slowly)."""
+        links first: a rank whose NIC is slow arrives late without computing slowly), nor
+        by another open incident (``again``: the one localised again, whose own ranks its
+        culprits may be)."""
         # a link explains its ends' lateness only from when it degraded: a GPU that slowed
         # before its own link did is still the culprit of what it began
         link_ends = self.links.ends_before(reps[0].end_ns if reps else 0)
         increase = float(np.mean([r.duration_ns for r in reps])) - self.ledger.level_before(reps)
-        named, _ = self.explained()
+        named, _ = self.explained(again)
         found = self.findings(reps, topo, increase)
         return first_culprit(found, link_ends, increase, topo, named)
 

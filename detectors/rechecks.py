@@ -34,7 +34,7 @@ class Rechecks:
     settle_steps: int
     _unsettled: dict[Culprit, int] | None
 
-    locate: Callable[[list[StepReport], Topology], Incident | None]
+    locate: Callable[[list[StepReport], Topology, Culprit | None], Incident | None]
     _slowdown: Callable[..., list[msgspec.Struct]]
 
     def _recheck(self, rep: StepReport, topo: Topology) -> list[msgspec.Struct]:
@@ -48,7 +48,7 @@ class Rechecks:
             if len(reps) < self.settle_steps:
                 continue
             del self._unsettled[culprit]
-            found = self.locate(reps, topo) if culprit in self.open else None
+            found = self.locate(reps, topo, culprit) if culprit in self.open else None
             if (
                 found is None
                 or found.culprit == culprit

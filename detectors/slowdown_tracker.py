@@ -225,11 +225,14 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
             return False
         return quota_holds(self.cpu, rep.end_ns - int(self.settle_s * 1e9), rep.end_ns)
 
-    def explained(self) -> tuple[set[int], set[str]]:
-        """The ranks and hosts its open slowdowns name (what they explain elsewhere)."""
+    def explained(self, but: Culprit | None = None) -> tuple[set[int], set[str]]:
+        """The ranks and hosts its open slowdowns name (what they explain elsewhere), but
+        incident ``but``'s."""
         ranks: set[int] = set()
         nodes: set[str] = set()
         for c in self.open:
+            if c == but:
+                continue
             if c.kind == "rank":
                 ranks.add(int(c.name))
                 if (v := self.book.current(c.verdict_kind.value, c.key)) is not None:

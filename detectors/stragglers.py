@@ -29,7 +29,6 @@ ledger and localisation.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -37,11 +36,11 @@ import numpy as np
 
 from detectors import texts
 from detectors.changepoint import SPIKE_OVER_REST
+from detectors.episodes import episode, one_culprit
 from detectors.incidents import Culprit, Incident, StepTimeLedger
 from detectors.steps import StepReport
 from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
-from detectors.who_waits import too_many
 from schemas.enums import VerdictKind
 
 #: a burst waiting to be reported: (onset, ratio, length, the step it is reported at,
@@ -89,7 +88,7 @@ class Stragglers:
         inc = self.locate([r for r in self.ledger.since(onset) if r.step <= onset + length], topo)
         named = inc is not None and (inc.rank is not None or inc.culprit.kind == "node")
         held, due = self._held, rep.step + self.shift.persistence
-        if held is not None and rep.step <= held[3] and (not named or _one(inc, held[4])):
+        if held is not None and rep.step <= held[3] and (not named or one_culprit(inc, held[4])):
             # another burst before the held one was due, of its culprit (or its host's,
             # or one of its host's ranks) or of none named: one episode (a CPU quota lets
             # a fast step through), held as one
@@ -182,29 +181,10 @@ class Stragglers:
         return saves is not None and saves.most(reps[0].start_ns, reps[-1].end_ns) >= lost / 2
 
     def _episode(self, inc: Incident, topo: Topology) -> Incident:
-        """The bursts ``inc``'s burst goes on from: those of a culprit that named a rank it
-        names too (a rank stalled inside a collective comes out of it with its peer, and
-        the bursts name one, the other or both), named as the ranks of both; else
-        ``inc``'s own. Not where the ranks of both would be too many to be culprits
-        (:func:`~detectors.who_waits.too_many`): they are what the job does."""
+        """The bursts ``inc``'s burst goes on from (:func:`~detectors.episodes.episode`)."""
         if self._burst_named is None:
             self._burst_named = {}
-        named = self._burst_named
-        mine = set(inc.named)
-        own = [inc.culprit] if inc.culprit in named else []  # its own bursts first
-        for culprit in own + [c for c in named if c != inc.culprit]:
-            earlier = named[culprit]
-            if not self.bursts.get(culprit):
-                continue
-            theirs = earlier.named
-            if culprit != inc.culprit and not mine & set(theirs):
-                continue
-            ranks = tuple(dict.fromkeys([*theirs, *sorted(mine - set(theirs))]))
-            if too_many(ranks, topo):
-                continue
-            return replace(earlier, ranks=ranks if len(ranks) > 1 else (),
-                           evidence={**earlier.evidence, **inc.evidence})  # fmt: skip
-        return inc
+        return episode(inc, self._burst_named, self.bursts, topo)
 
     def _recurs(self, inc: Incident, bursts: list[tuple[int, float, int]], rep: StepReport) -> bool:
         """Whether ``inc``'s culprit bursting again (``bursts``, the newest last) is an
@@ -365,14 +345,6 @@ class Stragglers:
         )
         done = self.book.resolve(kind.value, key, end)
         return [x for x in (v, done) if x is not None]
-
-
-def _one(a: Incident | None, b: Incident) -> bool:
-    """Whether ``a`` names what ``b`` does: the same culprit, or one host (it and one of
-    its ranks, or two of its ranks: a starved host's ranks take turns to come last)."""
-    if a is None or a.culprit == b.culprit:
-        return True
-    return {a.culprit.kind, b.culprit.kind} <= {"node", "rank"} and a.node == b.node is not None
 
 
 def _lost(reps: list[StepReport], level: float) -> float:

@@ -171,6 +171,20 @@ def test_two_ranks_starved_of_cpu_at_once_are_one_slowdown_naming_both(order: st
 
 
 @pytest.mark.parametrize("order", ORDERS)
+def test_two_ranks_starved_together_are_both_named_still_once_the_slowdown_settled(
+    order: str,
+) -> None:
+    """The same case, another run (its first 26 steps): ranks 6 and 1 named together at
+    the slowdown's onset, step 11. Localised again once it settled, both are found again,
+    rank 1 now the more throttled (0.95 s a second, rank 6 0.70): the slowdown names the
+    two still. The incident being localised again is no other incident that would
+    explain its own ranks away."""
+    (v,) = last_verdicts("lab_megatron_two_ranks_cpu_run2.jsonl.gz", order)
+    assert (v.kind.value, v.cause.value, v.onset_step) == ("slowdown", "host_cpu", 11)
+    assert sorted(v.culprit_ranks) == [1, 6] and v.rank == v.culprit_ranks[0]
+
+
+@pytest.mark.parametrize("order", ORDERS)
 def test_a_rank_a_little_slower_under_its_quota_is_a_slowdown_not_bursts(order: str) -> None:
     """Case megatron-mild-rank (TP 2 x PP 2 x DP 2): rank 1 held to 0.15 CPU from step 8,
     just under what it uses; the lab measured 13% of the throughput lost. The job's steps

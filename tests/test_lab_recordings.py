@@ -54,35 +54,6 @@ def test_a_one_step_straggler_in_a_pipeline_is_named_with_the_time_it_cost(order
     assert 3.2 < v.evidence["step_time_ratio"] < 3.7
 
 
-@pytest.mark.parametrize("order", ORDERS)
-def test_ranks_held_up_together_inside_one_collective_are_named_together(order: str) -> None:
-    """Case megatron-intermittent: the same job, rank 1 frozen (its cgroup's freezer) for
-    0.3 s at steps 9, 17, 25 and 33. At step 17 the freeze caught it inside a tensor-
-    parallel all-reduce with rank 0, which took 390 ms: both had come to it on time, and
-    came out of it within 5 ms of each other. Everybody else waited for the two; which
-    of them came last to the calls after it (rank 0, by milliseconds) tells nothing of
-    which one stopped. The stalls recur, so it is an intermittent slowdown: of ranks 0
-    and 1, never of rank 0 alone. The same in whatever order the records come."""
-    vs = last_verdicts("lab_megatron_intermittent_rank1.jsonl.gz", order)
-    (v,) = [v for v in vs if v.kind.value == "intermittent_slowdown"]
-    assert (sorted(v.culprit_ranks), v.onset_step) == ([0, 1], 17)
-    assert all(1 in v.culprit_ranks for v in vs), [(v.kind, v.culprit_ranks) for v in vs]
-
-
-@pytest.mark.parametrize("order", ORDERS)
-def test_bursts_naming_a_rank_then_it_and_its_peer_are_one_intermittent_slowdown(
-    order: str,
-) -> None:
-    """Case megatron-intermittent, another run: rank 1 frozen for two steps now and then
-    from step 9. The first stalls' bursts named its tensor-parallel peer, rank 0 (held up
-    with it), a later one ranks 0 and 1, the last rank 1: one rank's stalls, told as one
-    intermittent slowdown naming the ranks its bursts named, not one of rank 0 and
-    another of rank 1."""
-    vs = last_verdicts("lab_megatron_intermittent_rank1_run2.jsonl.gz", order)
-    (v,) = [v for v in vs if v.kind.value == "intermittent_slowdown"]
-    assert (sorted(v.culprit_ranks), v.onset_step) == ([0, 1], 9)
-
-
 def test_what_follows_a_one_step_straggler_is_priced_against_the_level_before_it() -> None:
     """The same recording: after the straggler, steps 10-12 ran 1.2x slower than before it
     (291-300 ms against 245 ms). Whatever that is called, its cost is the time it added

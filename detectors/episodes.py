@@ -1,0 +1,99 @@
+"""Which bursts of slow steps are one straggler's: the episodes of
+:class:`~detectors.stragglers.Stragglers`.
+
+A rank stalled inside a collective comes out of it with its peers, so the bursts of one
+stalled rank do not always name it: they name it, a peer it held inside the call, or
+both, and now and then a neighbour the stall held up besides. The members of one
+tensor-parallel group leave every all-reduce of theirs together (the group is the unit
+the critical path is made of), so a burst naming one of them and a burst naming
+another are one rank's stalls as much as two bursts naming the same rank.
+
+>>> from detectors.incidents import Culprit, Incident
+>>> from detectors.topology import Topology
+>>> from schemas.enums import Cause, CommRole
+>>> from schemas.records import CommInfo, JobInfo
+>>> topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=8, tp=2, pp=2, dp=2))
+>>> for h, ranks in enumerate(([0, 1], [2, 3], [4, 5], [6, 7])):
+...     topo.add(CommInfo(job="j", ts_ns=0, comm_hash=h, role=CommRole.TP, ranks=ranks))
+>>> def burst(*ranks):
+...     return Incident(Culprit.rank(ranks[0]), Cause.COMPUTE, rank=ranks[0],
+...                     ranks=ranks if len(ranks) > 1 else ())
+>>> first = burst(5, 1)  # rank 1 stalled; its pipeline peer 5 was held up with it
+>>> named, bursts = {first.culprit: first}, {first.culprit: [(9, 2.9, 1)]}
+>>> later = episode(burst(0), named, bursts, topo)  # its tensor-parallel peer, alone
+>>> later.culprit == first.culprit, later.rank, later.ranks
+(True, 1, (1, 0))
+>>> episode(burst(2), named, bursts, topo) == burst(2)  # another group: its own
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from detectors.incidents import Culprit, Incident
+from detectors.topology import Topology
+from detectors.who_waits import too_many
+from schemas.enums import CommRole
+
+
+def episode(
+    inc: Incident,
+    named: dict[Culprit, Incident],
+    bursts: dict[Culprit, list[tuple[int, float, int]]],
+    topo: Topology,
+) -> Incident:
+    """The bursts ``inc``'s burst goes on from: those of a culprit (``named``: each
+    culprit's bursts as last named; ``bursts``: theirs, kept while they may recur) that
+    named a rank it names too, or a rank of one tensor-parallel group with one it names.
+    Named as the ranks of both; in a group they share, as the ranks of it that the two
+    named (the first of them the incident's rank). Else ``inc``'s own. Not where the
+    ranks would be too many to be culprits (:func:`~detectors.who_waits.too_many`):
+    they are what the job does."""
+    mine = set(inc.named)
+    own = [inc.culprit] if inc.culprit in named else []  # its own bursts first
+    for culprit in own + [c for c in named if c != inc.culprit]:
+        earlier = named[culprit]
+        if not bursts.get(culprit):
+            continue
+        theirs = earlier.named
+        if culprit != inc.culprit and not mine & set(theirs):
+            group = tp_group(theirs, topo) & tp_group(mine, topo)
+            if not group:
+                continue
+            theirs = tuple(r for r in theirs if r in group)
+            ranks = tuple(dict.fromkeys([*theirs, *sorted(mine & group)]))
+        else:
+            ranks = tuple(dict.fromkeys([*theirs, *sorted(mine - set(theirs))]))
+        if too_many(ranks, topo):
+            continue
+        out = replace(earlier, ranks=ranks if len(ranks) > 1 else (),
+                      evidence={**earlier.evidence, **inc.evidence})  # fmt: skip
+        if earlier.rank is not None and earlier.rank != ranks[0]:  # it named others
+            r = ranks[0]
+            out = replace(out, rank=r, gpu=topo.gpu(r), node=topo.node(r),
+                          pp_stage=topo.coords(r)[0])  # fmt: skip
+        return out
+    return inc
+
+
+def tp_group(ranks: tuple[int, ...] | set[int], topo: Topology) -> set[int]:
+    """The ranks that share a tensor-parallel communicator with one of ``ranks`` (none
+    where the job has no such communicator)."""
+    mine = set(ranks)
+    out: set[int] = set()
+    for info in topo.comms.values():
+        if info.role is CommRole.TP and not mine.isdisjoint(info.ranks):
+            out.update(info.ranks)
+    return out
+
+
+def one_culprit(a: Incident | None, b: Incident) -> bool:
+    """Whether ``a`` names what ``b`` does: the same culprit, or one host (it and one of
+    its ranks, or two of its ranks: a starved host's ranks take turns to come last)."""
+    if a is None or a.culprit == b.culprit:
+        return True
+    return {a.culprit.kind, b.culprit.kind} <= {"node", "rank"} and a.node == b.node is not None
+
+
+__all__ = ["episode", "one_culprit", "tp_group"]
