@@ -220,11 +220,11 @@ def network_summary(*, link: str, ratio: float, onset: int, comms: int) -> str:
     ...                             comms=4).split(" - "):
     ...     print(part)
     link degradation: the network between node-0 and node-1
-    4 communicators across it transfer 3.04x slower together since step 12
+    4 communicators across it transfer 3.04x slower since step 12
     """
     return (
         f"link degradation: {network(link)} - {plural(comms, 'communicator')} across it "
-        f"transfer {ratio:.2f}x slower together since step {onset}"
+        f"transfer {ratio:.2f}x slower since step {onset}"
     )
 
 

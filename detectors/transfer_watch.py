@@ -5,14 +5,10 @@ a collector that sees only ``torch.distributed`` calls) still shows each communi
 transfer time in every step: the time its instances took after the last member came
 (:attr:`~detectors.steps.StepReport.transfer_sum_ns`). A link that got slower makes
 every communicator crossing it transfer slower, whether or not the step time shows it
-(a pipeline hides a slow point-to-point transfer in its bubbles), though not equally:
-a communicator whose transfers are mostly latency (small messages) slows less than one
-that moves large buffers. So the network between a set of nodes is degraded when the
-communicators spanning exactly those nodes take, together, ``slow`` times their usual
-transfer time or more (each one's median over ``window`` steps, weighted by its usual
-time: each moves the same bytes every step, so this is the inverse of the data's
-throughput across those nodes), and every one of them ``back`` times or more; it is
-back once every one of them is under ``back`` times its usual.
+(a pipeline hides a slow point-to-point transfer in its bubbles). So the network
+between a set of nodes is degraded when every communicator spanning exactly those
+nodes takes ``slow`` times its own usual transfer time or more, as a median over
+``window`` steps; and back once every one of them is under ``back`` times it.
 
 A collective's timings cannot tell a slow link from a slow member that does the
 transferring (a CPU-bound rank moving Gloo's buffers): the communicators must be two
@@ -50,8 +46,8 @@ from detectors.topology import Topology
 @dataclass(frozen=True)
 class NetworkEvent:
     """The network between ``nodes`` (named ``link``, as ``"a<->b"``) got slower or came
-    back: its communicators' transfers take ``ratio`` times their usual (together when
-    it got slower, the most of them when it came back), since ``onset_step``."""
+    back: its communicators' transfers take ``ratio`` times their usual (the least of
+    them), since ``onset_step``."""
 
     kind: str  # "degraded" | "recovered"
     link: str
@@ -81,14 +77,13 @@ class TransferWatch:
     window
         Steps a communicator's ratio is the median of.
     slow
-        The network is degraded when the communicators across it transfer, together, this
-        many times slower than usual or more: half the throughput. Collective transfer
-        times vary by a third from step to step on busy hosts; a link's own counters
+        The network is degraded when every communicator across it transfers this many
+        times slower than usual or more: half the throughput. Collective transfer times
+        vary by a third from step to step on busy hosts; a link's own counters
         (:class:`~detectors.links.LinkMonitor`) are judged far finer.
     back
-        Every communicator across it must be this many times slower than usual or more
-        (one alone is a member), and it came back when they are all under this many
-        times their usual (one of them back is the noise of a slow network).
+        It came back when they are all under this many times their usual (one of them
+        back is the noise of a slow network).
     min_comms
         Communicators across the same nodes needed to tell the network from a member.
     """
@@ -164,12 +159,10 @@ class TransferWatch:
             if set.intersection(*(set(topo.comms[c].ranks) for c, _ in comms)):
                 continue  # one rank in all of them could be what is slow
             levels = [float(np.median([r for _, _, r in c.recent])) for _, c in comms]
-            usual = [c.baseline for _, c in comms]
-            together = float(np.dot(levels, usual) / sum(usual))
             opened = link in self.degraded
-            if not opened and together >= self.slow and min(levels) >= self.back:
+            if not opened and min(levels) >= self.slow:  # every one of them slow
                 onset, onset_ns = _onset([c for _, c in comms], self.back)
-                ev = NetworkEvent("degraded", link, nodes, onset, onset_ns, together,
+                ev = NetworkEvent("degraded", link, nodes, onset, onset_ns, min(levels),
                                   len(comms))  # fmt: skip
                 self.degraded.add(link)
                 out.append(ev)
