@@ -51,7 +51,7 @@ t=5 s (its wait share like the others'):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +69,8 @@ APART = 0.5
 THROTTLED_APART = 0.1
 #: how far back the share before the shift is taken
 BEFORE_NS = 5 * 10**9
+#: ranks kept from a CPU wait at least this share of their wait before
+STILL = 0.9
 #: a rank's quieter times: this quantile of its throttled shares between heartbeats
 QUIET = 0.25
 
@@ -345,6 +347,41 @@ def quota_holds(cpu: CpuWaits, start_ns: int, end_ns: int) -> bool:
     return bool((held >= 1).any())
 
 
+def cpu_bound(cpu: CpuWaits, ranks: Iterable[int], start_ns: int, end_ns: int) -> bool:
+    """Whether ``ranks`` were kept from a CPU from ``start_ns`` to ``end_ns``: their wait
+    share (the median of theirs) :data:`APART` or more, as a starved rank's stands apart,
+    and no less than before (:data:`STILL` of it at least). Ranks that wait on a slower
+    network sleep in their transfers and wait for a CPU less than they did; ranks ready
+    to run and not given a CPU (a host crowded by other work) do their transfers late,
+    whatever the network does: their collectives' timings tell how much CPU they got.
+    False where their shares are not known.
+
+    >>> cpu = CpuWaits()
+    >>> for t in range(12):  # 2 ranks, a heartbeat a second, each ready and kept waiting
+    ...     for r in range(2):  # 0.7 s a second, 0.8 from t=8 s
+    ...         cpu.update(r, t * 10**9, int((0.7 * t + 0.1 * max(0, t - 8)) * 1e9))
+    >>> cpu_bound(cpu, [0, 1], 8 * 10**9, 11 * 10**9)
+    True
+
+    Asleep in slower transfers from t=8 s, they wait for a CPU less than they did:
+
+    >>> cpu = CpuWaits()
+    >>> for t in range(12):
+    ...     for r in range(2):
+    ...         cpu.update(r, t * 10**9, int((0.7 * min(t, 8) + 0.5 * max(0, t - 8)) * 1e9))
+    >>> cpu_bound(cpu, [0, 1], 8 * 10**9, 11 * 10**9)
+    False
+    """
+    if cpu.empty:
+        return False
+    after, before = cpu.shares(start_ns, end_ns)
+    idx = [r for r in ranks if r < len(after)]
+    if not idx or np.isnan(after[idx]).any() or np.isnan(before[idx]).any():
+        return False
+    now, usual = float(np.median(after[idx])), float(np.median(before[idx]))
+    return now >= APART and now >= STILL * usual
+
+
 def findings(
     cpu: CpuWaits, reps: Sequence[StepReport], topo: Topology, start_ns: int | None = None
 ) -> list[SlowdownFinding]:
@@ -374,9 +411,11 @@ def findings(
 __all__ = [
     "APART",
     "BEFORE_NS",
+    "STILL",
     "THROTTLED_APART",
     "CpuStarved",
     "CpuWaits",
+    "cpu_bound",
     "findings",
     "quota_holds",
     "starved",

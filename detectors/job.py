@@ -322,7 +322,7 @@ class JobAnalyzer(SideInputs):
         ranks, nodes = self.slowdowns.explained()
         return out + self.links.transfer_times(
             rep, self.topo, explained_ranks=ranks, explained_nodes=nodes,
-            settling=self.slowdowns.pending is not None,
+            settling=self.slowdowns.pending is not None, cpu=self.cpu,
         )  # fmt: skip
 
     def _saved_in(self, rep: StepReport) -> bool:

@@ -24,12 +24,13 @@ that does this; it uses the tracker's ledger, links and localisation.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import msgspec
 import numpy as np
 
 from detectors.changepoint import ShiftDetector
-from detectors.cpu_wait import CpuWaits
+from detectors.cpu_wait import CpuWaits, cpu_bound
 from detectors.cpu_wait import findings as cpu_findings
 from detectors.culprits import first_culprit
 from detectors.incidents import Culprit, Incident, StepTimeLedger
@@ -140,7 +141,12 @@ class Judgement:
             # if nobody did, the transfers between nodes that took longer
             found += self.localizer.who_waits(reps, topo, increase)
             if not self.links.open:
-                found += self.localizer.slow_transfers(reps, topo, increase)
+                bound = (
+                    None
+                    if self.cpu is None
+                    else partial(cpu_bound, self.cpu, end_ns=reps[-1].end_ns)
+                )
+                found += self.localizer.slow_transfers(reps, topo, increase, cpu_bound=bound)
         return found
 
 

@@ -30,11 +30,14 @@ charged its share of the step time through the job's
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import msgspec
 
 from detectors import texts
+from detectors.cpu_wait import CpuWaits
+from detectors.cpu_wait import cpu_bound as _cpu_bound
 from detectors.edges import EdgeThroughput
 from detectors.gpu_wait import GpuWaitBaseline
 from detectors.incidents import Culprit, Incident, StepTimeLedger
@@ -248,13 +251,15 @@ class LinkTracker:
         explained_ranks: set[int],
         explained_nodes: set[str],
         settling: bool,
+        cpu: CpuWaits | None = None,
     ) -> list[msgspec.Struct]:
         """A complete step's transfer times, for a job whose sources measure no link: the
         network between nodes that degraded or came back
         (:class:`~detectors.transfer_watch.TransferWatch`). The ranks and hosts that open
         slowdowns name (``explained_*``) are not judged, nor a network whose step time's
-        incident is open already; ``settling``: a step-time shift is being localised,
-        nothing opens or closes."""
+        incident is open already, nor one whose members were kept from a CPU (``cpu``,
+        their heartbeats' waits: :func:`~detectors.cpu_wait.cpu_bound`); ``settling``: a
+        step-time shift is being localised, nothing opens or closes."""
         if self.seen or self.proxied or not rep.complete or rep.step == 0:
             return []  # step 0 holds the job's start-up (its first connections)
         if self.transfers is None:  # pickled before it had one
@@ -262,6 +267,7 @@ class LinkTracker:
         events = self.transfers.update(
             rep.step, rep.start_ns, rep.transfer_sum_ns, topo, skip_ranks=explained_ranks,
             skip_nodes=explained_nodes, hold=settling,
+            cpu_bound=None if cpu is None else partial(_cpu_bound, cpu, end_ns=rep.end_ns),
         )  # fmt: skip
         out: list[msgspec.Struct] = []
         for ev in events:

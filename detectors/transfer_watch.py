@@ -35,7 +35,7 @@ nodes that another incident already explains (:meth:`TransferWatch.update`).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,11 +116,14 @@ class TransferWatch:
         skip_ranks: Iterable[int] = (),
         skip_nodes: Iterable[str] = (),
         hold: bool = False,
+        cpu_bound: Callable[[set[int], int], bool] | None = None,
     ) -> list[NetworkEvent]:
         """A complete step's transfer times per communicator: the networks that degraded
         or came back. Communicators with a rank in ``skip_ranks``, and networks touching a
         node in ``skip_nodes``, are not judged (another incident explains them); ``hold``:
-        nothing changes state (the step-time incidents are being settled)."""
+        nothing changes state (the step-time incidents are being settled). A network whose
+        communicators' members were kept from a CPU since their slow steps began
+        (``cpu_bound(ranks, since_ns)``) is not degraded: they moved the data late."""
         groups: dict[tuple[str, ...], list[tuple[int, _Comm]]] = {}
         skip_r, skip_n = set(skip_ranks), set(skip_nodes)
         for c, x in transfer_sum_ns.items():
@@ -145,8 +148,10 @@ class TransferWatch:
             ratio = x / comm.baseline
             comm.recent.append((step, start_ns, ratio))
             link = "<->".join(nodes)
-            if link not in self.degraded and ratio < self.back:  # follows a healthy drift
-                comm.baseline += 0.05 * (x - comm.baseline)
+            if link not in self.degraded and len(comm.recent) == self.window:
+                level = sorted(r for _, _, r in comm.recent)[self.window // 2]
+                if level < self.back:  # follows a healthy drift
+                    comm.baseline *= 1.0 + 0.05 * (level - 1.0)
             if skip_r.isdisjoint(info.ranks):
                 groups.setdefault(nodes, []).append((c, comm))
         out: list[NetworkEvent] = []
@@ -162,6 +167,9 @@ class TransferWatch:
             opened = link in self.degraded
             if not opened and min(levels) >= self.slow:  # every one of them slow
                 onset, onset_ns = _onset([c for _, c in comms], self.back)
+                members = set().union(*(topo.comms[c].ranks for c, _ in comms))
+                if cpu_bound is not None and cpu_bound(members, onset_ns):
+                    continue
                 ev = NetworkEvent("degraded", link, nodes, onset, onset_ns, min(levels),
                                   len(comms))  # fmt: skip
                 self.degraded.add(link)

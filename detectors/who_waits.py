@@ -13,7 +13,7 @@ does this over the baselines it keeps (the attributes below).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -133,7 +133,12 @@ class WhoWaits:
         return np.mean([r.blame_any_ns for r in reps], axis=0) - base
 
     def slow_transfers(
-        self, reports: Sequence[StepReport], topo: Topology, increase: float, share: float = 0.8
+        self,
+        reports: Sequence[StepReport],
+        topo: Topology,
+        increase: float,
+        share: float = 0.8,
+        cpu_bound: Callable[[set[int], int], bool] | None = None,
     ) -> list[SlowdownFinding]:
         """The network, where the step time added went into transfers between nodes: the
         communicators spanning nodes whose instances' transfer times (after everyone
@@ -141,7 +146,9 @@ class WhoWaits:
         and little else (where every rank computes slower too, as on a busy host, the
         transfers are not the cause). The culprit is the node every one of them
         has in common, if one; else the network between their nodes (a collective's
-        timings cannot tell which node's link is slow when it spans only those)."""
+        timings cannot tell which node's link is slow when it spans only those). Not
+        where their members were kept from a CPU through those steps
+        (``cpu_bound(ranks, since_ns)``): they moved the data late."""
         reps = [r for r in reports if r.complete] or list(reports)
         base = getattr(self, "base_xsum", {})
         if not reps or not base or increase <= 0:
@@ -158,6 +165,9 @@ class WhoWaits:
         if total < share * increase:
             return []
         grown = [c for c, g in growth.items() if g >= 0.2 * total]
+        members = set().union(*(topo.comms[c].ranks for c in grown))
+        if cpu_bound is not None and cpu_bound(members, reps[0].start_ns):
+            return []
         node_sets = [{topo.node(r) for r in topo.comms[c].ranks} for c in grown]
         common = set.intersection(*node_sets)
         nodes = sorted(set.union(*node_sets))

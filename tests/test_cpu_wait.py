@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from detectors.cpu_wait import CpuWaits, starved
+from detectors.cpu_wait import CpuWaits, cpu_bound, starved
 from infra.netlab import NetLab
 from producers.host_cpu import cgroup_throttled, process_cpu
 
@@ -55,6 +55,22 @@ def test_a_slow_network_starves_nobody() -> None:
     # every rank blocks in its transfers: their waits for a CPU drop together
     cpu = _waits([0.6] * 8, [0.05] * 8)
     assert starved(cpu, 5 * S, 10 * S, NODES) == ()
+
+
+def test_a_crowded_host_keeps_every_rank_from_a_cpu_a_slow_network_puts_them_to_sleep() -> None:
+    """What tells slower transfers of the network from those of ranks that got less CPU
+    (:func:`~detectors.cpu_wait.cpu_bound`): every rank kept waiting as long as before or
+    longer is crowded out; every rank waiting less sleeps in its transfers."""
+    crowded = _waits([0.75] * 8, [0.85] * 8)
+    assert cpu_bound(crowded, range(8), 5 * S, 10 * S)
+    asleep = _waits([0.65] * 8, [0.3] * 8)  # the lab's slow link beside Megatron's ranks
+    assert not cpu_bound(asleep, range(8), 5 * S, 10 * S)
+    # ranks that seldom wait for a CPU (a GPU job's) are not crowded out whatever happens
+    idle = _waits([0.05] * 8, [0.08] * 8)
+    assert not cpu_bound(idle, range(8), 5 * S, 10 * S)
+    # shares not known (no heartbeat counters, or not yet): nothing is said
+    assert not cpu_bound(CpuWaits(), range(8), 5 * S, 10 * S)
+    assert not cpu_bound(crowded, range(8), 20 * S, 21 * S)
 
 
 def test_a_rank_starved_before_the_shift_is_not_what_changed() -> None:
