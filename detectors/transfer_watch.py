@@ -8,12 +8,16 @@ every communicator crossing it transfer slower, whether or not the step time sho
 (a pipeline hides a slow point-to-point transfer in its bubbles). So the network
 between a set of nodes is degraded when every communicator spanning exactly those
 nodes takes ``slow`` times its own usual transfer time or more, as a median over
-``window`` steps; and back once every one of them is under ``back`` times it.
+``window`` steps; and back once every one of them is under ``back`` times it. A
+communicator's usual time follows the median of its newest ``window`` steps while that
+is under ``back`` times it: following each step under that bar instead would hold it
+under the level of a job whose transfers vary by half from step to step.
 
 A collective's timings cannot tell a slow link from a slow member that does the
 transferring (a CPU-bound rank moving Gloo's buffers): the communicators must be two
 or more with no rank common to all of them, and the caller leaves out the ranks and
-nodes that another incident already explains (:meth:`TransferWatch.update`).
+nodes that another incident already explains (:meth:`TransferWatch.update`), and tells
+whether the members were kept from a CPU as their transfers slowed (a crowded host).
 
 >>> from detectors.topology import Topology
 >>> from schemas.enums import CommRole
