@@ -51,8 +51,9 @@ t=5 s (its wait share like the others'):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -382,6 +383,14 @@ def cpu_bound(cpu: CpuWaits, ranks: Iterable[int], start_ns: int, end_ns: int) -
     return now >= APART and now >= STILL * usual
 
 
+def cpu_bound_until(
+    cpu: CpuWaits | None, end_ns: int
+) -> Callable[[Iterable[int], int], bool] | None:
+    """:func:`cpu_bound` up to ``end_ns`` as the network rules take it (``(ranks,
+    start_ns)``), or None where the job sends no heartbeats."""
+    return None if cpu is None else partial(cpu_bound, cpu, end_ns=end_ns)
+
+
 def findings(
     cpu: CpuWaits, reps: Sequence[StepReport], topo: Topology, start_ns: int | None = None
 ) -> list[SlowdownFinding]:
@@ -416,6 +425,7 @@ __all__ = [
     "CpuStarved",
     "CpuWaits",
     "cpu_bound",
+    "cpu_bound_until",
     "findings",
     "quota_holds",
     "starved",

@@ -24,13 +24,12 @@ that does this; it uses the tracker's ledger, links and localisation.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import msgspec
 import numpy as np
 
 from detectors.changepoint import ShiftDetector
-from detectors.cpu_wait import CpuWaits, cpu_bound
+from detectors.cpu_wait import CpuWaits, cpu_bound_until
 from detectors.cpu_wait import findings as cpu_findings
 from detectors.culprits import first_culprit
 from detectors.incidents import Culprit, Incident, StepTimeLedger
@@ -141,11 +140,7 @@ class Judgement:
             # if nobody did, the transfers between nodes that took longer
             found += self.localizer.who_waits(reps, topo, increase)
             if not self.links.open:
-                bound = (
-                    None
-                    if self.cpu is None
-                    else partial(cpu_bound, self.cpu, end_ns=reps[-1].end_ns)
-                )
+                bound = cpu_bound_until(self.cpu, reps[-1].end_ns)
                 found += self.localizer.slow_transfers(reps, topo, increase, cpu_bound=bound)
         return found
 

@@ -30,14 +30,12 @@ charged its share of the step time through the job's
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import msgspec
 
 from detectors import texts
-from detectors.cpu_wait import CpuWaits
-from detectors.cpu_wait import cpu_bound as _cpu_bound
+from detectors.cpu_wait import CpuWaits, cpu_bound_until
 from detectors.edges import EdgeThroughput
 from detectors.gpu_wait import GpuWaitBaseline
 from detectors.incidents import Culprit, Incident, StepTimeLedger
@@ -267,7 +265,7 @@ class LinkTracker:
         events = self.transfers.update(
             rep.step, rep.start_ns, rep.transfer_sum_ns, topo, skip_ranks=explained_ranks,
             skip_nodes=explained_nodes, hold=settling,
-            cpu_bound=None if cpu is None else partial(_cpu_bound, cpu, end_ns=rep.end_ns),
+            cpu_bound=cpu_bound_until(cpu, rep.end_ns),
         )  # fmt: skip
         out: list[msgspec.Struct] = []
         for ev in events:
