@@ -53,6 +53,20 @@ class HangDiagnosis:
     #: other (comm_hash, seq) calls the culprit is missing from
     alternatives: tuple[tuple[int, int], ...] = ()
 
+    @property
+    def counted(self) -> bool:
+        """Judged from heartbeats: ``seq`` is a rank's count of the communicator's calls
+        (a transfer's own sequence numbers count one direction of a pair)."""
+        return "source_heartbeats" in self.evidence
+
+    @property
+    def unwitnessed(self) -> bool:
+        """A call every member joined, judged stuck in the network from its time alone:
+        no proxy operation of it was seen waiting (a job whose sources count no network
+        work, as Gloo's and the original tool's logs do). A slow transfer looks the same
+        until it completes."""
+        return self.cause == Cause.NETWORK_LINK and "steps_not_done" not in self.evidence
+
 
 def _members(inst: Instance, member_of: dict[int, tuple[int, ...]] | None) -> tuple[int, ...]:
     if inst.sender >= 0:  # point-to-point: the two ends

@@ -201,6 +201,13 @@ class HangEvidence:
             for cp in hb.comms
         )
 
+    def oldest_open(self, comm_hash: int) -> Instance | None:
+        """The partial instance of ``comm_hash`` its first member joined earliest, of those
+        not completed since."""
+        open_calls = [i for (c, *_), i in self.partials.items()
+                      if c == comm_hash and not self.completed(i)]  # fmt: skip
+        return min(open_calls, key=lambda i: i.first_arrival_ns, default=None)
+
     def partial(self, comm_hash: int, sender: int, seq: int) -> Instance | None:
         """The partial instance ``seq`` of ``comm_hash`` sent by ``sender`` (to any peer)."""
         for (comm, by, _, q), inst in self.partials.items():

@@ -24,6 +24,9 @@ from detectors.verdicts import VerdictBook
 from schemas.config import DetectSettings
 from schemas.enums import Cause, CollOp, CommRole, Phase, VerdictKind
 
+#: a hang in the network named by its nodes where its call spans this many at most
+NAMED_NODES = 8
+
 #: where a call sits in the schedule: (diagnosis, its partial instance or None, its op,
 #: the sender's stage, the receiver's stage, when it began) -> a position, or None where
 #: not known
@@ -51,6 +54,7 @@ def report_hang(
     detected: int,
     view: JobView,
     partial_of: Callable[[int, int, int], Instance | None],
+    oldest_open: Callable[[int], Instance | None] = lambda comm_hash: None,
     progress_ns: int,
     reported: str | None,
     ended: str,
@@ -59,7 +63,9 @@ def report_hang(
     """The hang verdict of ``diag`` in the job's book, and its culprit key.
 
     ``partial_of(comm, sender, seq)``: the call's partial instance, where an aligner
-    reported it; ``progress_ns``: the job's last progress (the onset where nothing
+    reported it; ``oldest_open(comm)``: the oldest partial instance of a communicator
+    (a hang judged from heartbeats' counts, on a pipeline's, is placed by it);
+    ``progress_ns``: the job's last progress (the onset where nothing
     earlier is known); ``reported``: the culprit of the hang already reported (one
     incident, renamed); ``ended``: what ended in this hang (the recording, the job's
     processes), or ""; ``saving``: the ranks saving a checkpoint, and since when (a
@@ -67,8 +73,14 @@ def report_hang(
     """
     topo = view.topo
     role = topo.role(diag.comm_hash)
-    rank, op, sender = diag.culprit_rank, diag.op, diag.sender
     members = tuple(topo.comms[diag.comm_hash].ranks) if diag.comm_hash in topo.comms else ()
+    if role is CommRole.PP and diag.sender < 0 and diag.counted:
+        # a heartbeat counts a pair's transfers both ways (or none): its count is no
+        # transfer's sequence number; the oldest transfer open on it is where it stands
+        oldest = oldest_open(diag.comm_hash)
+        if oldest is not None and not any(partial_of(diag.comm_hash, s, diag.seq) for s in members):
+            diag = dataclasses.replace(diag, seq=oldest.seq, sender=oldest.sender)
+    rank, op, sender = diag.culprit_rank, diag.op, diag.sender
     if role is CommRole.PP and sender < 0:
         # which end sends: the partial instance knows; else the lower stage (forward)
         found = [s for s in members if partial_of(diag.comm_hash, s, diag.seq)]
@@ -98,8 +110,19 @@ def report_hang(
     several = [r for r in diag.missing if r is not None]
     if len(several) > 1 and diag.cause == Cause.COMPUTE:
         fields["culprit_ranks"] = several
+    link: str | None = None
     if diag.link:
-        fields.update(link=topo.link_name(*diag.link), src_rank=diag.link[0], dst_rank=diag.link[1])
+        link = topo.link_name(*diag.link)
+        fields.update(src_rank=diag.link[0], dst_rank=diag.link[1])
+    elif diag.unwitnessed:
+        # no proxy operation names the edge: the network between the call's nodes, as a
+        # slower one is named from transfer times ("a<->b"), where they are few enough
+        # to be a lead (a world communicator's thousands of nodes are none)
+        nodes = sorted({topo.node(r) for r in members})
+        if 1 < len(nodes) <= NAMED_NODES:
+            link = "<->".join(nodes)
+    if link is not None:
+        fields["link"] = link
     on_link = diag.link is not None and diag.cause != Cause.COMPUTE
     culprit = f"link:{diag.link[0]}->{diag.link[1]}" if on_link else f"rank:{rank}"
     if reported:
@@ -118,7 +141,7 @@ def report_hang(
         node=topo.node(rank) if rank is not None else None,
         several=(several, sorted({topo.node(r) for r in several})),
         waiting=len(diag.waiting),
-        link=topo.link_name(*diag.link) if diag.link else None,
+        link=link,
         producing=diag.link is not None and rank == diag.link[0],
         ended=ended,
     )

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from schemas.enums import VerdictKind
+from schemas.enums import Cause, VerdictKind
 from schemas.results import FaultLabel, Verdict
 
 #: the throughput a fault cost, in bands (lower bounds): recall is kept per band
@@ -239,7 +239,8 @@ def _culprit_ok(lab: FaultLabel, v: Verdict) -> bool:
         return False  # a hang's culprit includes what stopped: the GPU or the network
     if lab.link is not None:
         return v.link == lab.link
-    if lab.kind is VerdictKind.LINK_DEGRADATION and v.link:  # the node whose link it is
+    if lab.cause is Cause.NETWORK_LINK and v.link:  # the node whose link it is (degraded
+        # or failed: a hang in the network)
         return lab.node == v.node or lab.node in _link_nodes(v.link)
     if lab.rank is not None:  # named alone, or among the several the verdict names
         return v.rank == lab.rank or lab.rank in v.culprit_ranks

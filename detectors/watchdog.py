@@ -9,7 +9,9 @@ lately where that was longer (its present pace: a job slowed by a link under a l
 call is silent in it every step; at least ``min_hang_ms``; a recording's end is silence
 that goes on; while a rank saves a checkpoint, at least ``save_hang_s``: the job's own
 pause, which its peers wait out at their next collective, and no pace; before a start of
-the job completed a collective, at least ``start_hang_s``), and localises it from what
+the job completed a collective, at least ``start_hang_s``; a call every member joined,
+with no proxy operation to show its transfer stopped, at least ``stall_hang_s``: a slow
+transfer is silent as long), and localises it from what
 its records say of each rank (:mod:`detectors.hang_evidence`, with :mod:`detectors.hang`):
 the member missing from the earliest call the others wait in (several, if several never
 joined it), or, where every member joined, the edge whose proxy operations never
@@ -321,8 +323,8 @@ class HangWatch:
             diag = diagnose_hang(list(self.partials.values()), list(self.stuck.ops.values()),
                                  _members(view), self.evidence().went_past)  # fmt: skip
             detected = now
-        if diag is None:
-            return []
+        if diag is None or (diag.unwitnessed and not final and silent <= st.stall_hang_s * 1e9):
+            return []  # (a transfer every member joined, slow or stuck: only time tells)
         return self._verdict(diag, silent, detected, view)
 
     def saving(self, within_ns: float) -> dict[int, int]:
@@ -353,12 +355,14 @@ class HangWatch:
     def _verdict(
         self, diag: HangDiagnosis, silent: int, detected: int, view: JobView
     ) -> list[msgspec.Struct]:
+        evidence = self.evidence()
         out, culprit = report_hang(
             diag,
             silent=silent,
             detected=detected,
             view=view,
-            partial_of=self.evidence().partial,
+            partial_of=evidence.partial,
+            oldest_open=evidence.oldest_open,
             progress_ns=self.hb_progress_ns or self.last_progress_ns,
             reported=self.open,
             ended=self.final,

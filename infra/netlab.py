@@ -6,7 +6,8 @@ namespace of its own (the switch), so nothing in the host's own network is touch
 a node's ranks run inside its namespace (``ip netns exec``) and talk Gloo over its
 link. Faults:
 
-* a slow link: a ``tbf`` rate limit on both ends of a node's veth (``tc``);
+* a slow link: a ``tbf`` rate limit on both ends of a node's veth (``tc``); a failed
+  one: both ends set down;
 * a slow rank or node: a cgroup v1 ``cpu`` quota on its processes;
 * a hung rank: ``SIGSTOP``, or the cgroup v1 ``freezer``; a killed rank: ``SIGKILL``.
 
@@ -197,6 +198,14 @@ class NetLab:
     def clear_link(self, node: Node) -> None:
         for ns, dev in ((node.ns, node.dev), (self.switch, node.switch_dev)):
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+
+    def cut_link(self, node: Node, cut: bool = True) -> None:
+        """A link that failed: both ends of ``node``'s link down (a NIC or cable lost;
+        the node's ranks reach nothing beyond it, and TCP retransmits into it); ``cut``
+        False brings it back."""
+        state = "down" if cut else "up"
+        for ns, dev in ((node.ns, node.dev), (self.switch, node.switch_dev)):
+            _run("ip", "-n", ns, "link", "set", dev, state, check=cut)
 
     def cgroup(self, name: str, pids: list[int]) -> str:
         """A cpu and a freezer cgroup holding ``pids``; returns its name."""

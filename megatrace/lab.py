@@ -6,7 +6,8 @@ parallelism, Megatron-style TP x PP x DP, and a job shaped like nothing megatrac
 knows) on lab "nodes", network namespaces joined by a bridge (:mod:`infra.netlab`),
 with the PyTorch collector in every rank and a node agent per node, through the local
 broker and the dataflow into ClickHouse: the production path. Faults come from
-outside the job: ``tbf`` on a node's link, a cgroup CPU quota on a rank or on a node's
+outside the job: ``tbf`` on a node's link, the link set down (a hang in the network),
+a cgroup CPU quota on a rank or on a node's
 ranks (for good; or on a rank for twice the job's usual step time: a transient
 straggler), the cgroup ``freezer`` on a rank now and then (a rank that stalls, as a GPU
 that drops its clocks for a moment: intermittent), ``SIGSTOP``, ``SIGKILL``; each is
@@ -41,7 +42,7 @@ Say = Callable[[str], None]
 class Fault:
     """One fault: what, on whom (a rank, or a node's index), from which step of rank 0."""
 
-    kind: str  # slow_link | slow_rank | slow_node | hang | kill | transient | stall
+    kind: str  # slow_link | link_down | slow_rank | slow_node | hang | kill | transient | stall
     target: int
     at_step: int = 12
     #: a transient straggler's rank is held to its quota, and a stalled rank frozen, for
@@ -95,6 +96,7 @@ def _cases() -> list[Case]:
             case("slow-link", Fault("slow_link", 1, at)),
             case("slow-rank", Fault("slow_rank", 1, at)),
             case("hang", Fault("hang", 2, at)),
+            case("link-down", Fault("link_down", 1, at)),
         ]
         if wl in ("ddp", "megatron", "moe"):
             stall_every = 15 if wl == "ddp" else 8
@@ -144,6 +146,10 @@ def too_few_steps(steps: int | None) -> str | None:
 BITE_NS = 8_000_000
 #: how long a hung job is left hung before the lab ends it
 HANG_S = 8.0
+#: how long a job hung in the network (every rank in a call whose transfer cannot
+#: move) is left hung: such a call is a hang only past the detectors' ``stall_hang_s``
+#: (5 s), a slow transfer being as silent until then
+STALL_HOLD_S = 13.0
 #: how long after a rank is killed the job is started again, where a case restarts it
 #: (torchrun's agent sees a worker fail within its monitor interval, 5 s by default)
 RESTART_S = 4.0
@@ -278,13 +284,16 @@ class Ranks:
         ask.touch()
         deadline = time.monotonic() + timeout_s
         live = {r for r, p in enumerate(self.procs) if p.poll() is None} - stopped
-        while time.monotonic() < deadline:
-            dumped = {int(p.name.split("_")[1]) for p in self.fr_dir.glob("rank_*")}
-            if live <= dumped:
-                break
+        while time.monotonic() < deadline and not live <= self.dumped():
             time.sleep(0.1)
         ask.unlink()  # a stopped rank, continued to be killed, must not answer late
-        return len(list(self.fr_dir.glob("rank_*")))
+        return len(self.dumped())
+
+    def dumped(self) -> set[int]:
+        """The ranks whose Flight Recorder dump is written (``rank_<N>``; one being
+        written is ``rank_<N>.tmp`` until it is whole)."""
+        names = (p.name.removeprefix("rank_") for p in self.fr_dir.glob("rank_*"))
+        return {int(n) for n in names if n.isdigit()}
 
     def pids(self, ranks: list[int]) -> list[int]:
         return [self.procs[r].pid for r in ranks]
@@ -311,9 +320,23 @@ class Ranks:
 
 def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
     """Each fault of the case, at its step; then the job to its end (a hung one is ended
-    after :data:`HANG_S`)."""
+    after :data:`HANG_S`). Every fault is lifted after, also where the case failed (a
+    link left down would hang the next case)."""
     ends: list[Callable[[], None]] = []
+    try:
+        _inject(lab, ranks, case, out, ends)
+    finally:
+        for end in ends:
+            end()
+    ranks.wait(timeout_s=60 + 4 * case.steps)
+
+
+def _inject(
+    lab: NetLab, ranks: Ranks, case: Case, out: list[Injected], ends: list[Callable[[], None]]
+) -> None:
+    """:func:`inject`'s faults, each one's lifting appended to ``ends``."""
     hang_at: float | None = None
+    hold_s = HANG_S
     stopped: set[int] = set()
     for i, f in enumerate(case.faults):
         if not ranks.wait_step(f.at_step, timeout_s=300):
@@ -324,6 +347,11 @@ def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
             node = lab.nodes[f.target]
             lab.limit_link(node, f.rate_mbit)
             ends.append(lambda node=node: lab.clear_link(node))
+        elif f.kind == "link_down":  # the job cannot go on: a hang in the network
+            node = lab.nodes[f.target]
+            lab.cut_link(node)
+            ends.append(lambda node=node: lab.cut_link(node, False))
+            hang_at, hold_s = time.monotonic(), STALL_HOLD_S
         elif f.kind in ("slow_rank", "slow_node"):
             who = [f.target] if f.kind != "slow_node" else ranks.node_ranks(f.target)
             group = lab.cgroup(f"{case.name[:20]}-{i}", ranks.pids(who))
@@ -366,16 +394,13 @@ def inject(lab: NetLab, ranks: Ranks, case: Case, out: list[Injected]) -> None:
                 ranks.launch(case.restart_at, attempt=1)
                 hang_at = None
     if hang_at is not None:  # the job cannot go on: leave it hung a while, then end it
-        time.sleep(max(0.0, HANG_S - (time.monotonic() - hang_at)))
+        time.sleep(max(0.0, hold_s - (time.monotonic() - hang_at)))
         ranks.dump_flight_recorders(stopped)  # as the watchdogs would, at their timeout
         ranks.kill()
     else:
         # faults last to the end of training, not through the processes' exit: a quota
         # held through it would count the seconds their teardown was throttled
         ranks.wait_step(case.steps - 1, timeout_s=60 + 4 * case.steps)
-    for end in ends:
-        end()
-    ranks.wait(timeout_s=60 + 4 * case.steps)
 
 
 def _lift(lab: NetLab, group: str, inj: Injected) -> None:

@@ -30,8 +30,9 @@ def labels_of(run: CaseRun, nodes: list[Node]) -> list[FaultLabel]:
         onset_step = next((m.step for m in marks if inj.onset_ns <= m.end_ns < until), f.at_step)
         per_node = run.case.per_node
         common: dict[str, Any] = {}
-        if f.kind == "slow_link":
-            kind, cause = VerdictKind.LINK_DEGRADATION, Cause.NETWORK_LINK
+        if f.kind in ("slow_link", "link_down"):
+            kind = VerdictKind.LINK_DEGRADATION if f.kind == "slow_link" else VerdictKind.HANG
+            cause = Cause.NETWORK_LINK
             common["node"] = nodes[f.target].name
         elif f.kind == "slow_node":
             kind, cause = VerdictKind.SLOWDOWN, Cause.HOST_CPU

@@ -146,6 +146,14 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     collective completes is a hang only past this long: its ranks load the model and the
     data, and join their first collective at their own pace (PyTorch's default
     collective timeout).
+    ``stall_hang_s``: a call every member joined, where no proxy operation shows its
+    transfer waiting, is a hang only past this long (and past ``hang_factor``'s bar): a
+    degraded link moves a large call's data many times slower than usual (a link
+    throttled to a tenth took a mixture of experts' exchange a hundred times its usual
+    time) and a transport retransmits over a link that drops packets for seconds before
+    it gives up (NCCL's InfiniBand timeout, TCP's back-off); from the call's time alone
+    the two are a stall that has not ended yet. Proxy operations that stopped moving
+    are seen sooner.
     ``part_shards``: the flow merges the communicators' step parts under this many
     keys per job before the job's analysis (that step's parallelism).
     """
@@ -165,6 +173,7 @@ class DetectSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     transient_min_lost_ms: float = 50.0
     save_hang_s: float = 600.0
     start_hang_s: float = 600.0
+    stall_hang_s: float = 5.0
     part_shards: int = 16
 
     def __post_init__(self) -> None:

@@ -7,6 +7,7 @@ from detectors.hang import diagnose_from_heartbeats
 from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
 from detectors.watchdog import HangWatch, JobView
+from schemas.config import DetectSettings
 from schemas.enums import Cause, CommRole
 from schemas.records import CommInfo, CommProgress, Heartbeat, JobInfo
 
@@ -36,13 +37,14 @@ def test_the_call_every_member_waits_in_is_named_not_one_they_all_completed() ->
     assert (diag.cause, diag.comm_hash, diag.seq) == (Cause.NETWORK_LINK, SYNC, 13)
 
 
-def _watch() -> tuple[HangWatch, JobView]:
+def _watch(stall_hang_s: float = DetectSettings().stall_hang_s) -> tuple[HangWatch, JobView]:
     topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=3, dp=3))
     for comm, ranks in MEMBERS.items():
         topo.add(CommInfo(job="j", ts_ns=0, comm_hash=comm, role=CommRole.OTHER,
                           ranks=list(ranks)))  # fmt: skip
     view = JobView(topo, VerdictBook("j"), expected_ns=0.1 * S, coll_now_ns=0,
-                   place=lambda *_: None)  # fmt: skip
+                   place=lambda *_: None,
+                   settings=DetectSettings(stall_hang_s=stall_hang_s))  # fmt: skip
     return HangWatch(), view
 
 
@@ -64,13 +66,30 @@ def _steps(watch: HangWatch, view: JobView, until: float, silent: list[tuple[flo
     return out
 
 
+def test_a_transfer_every_member_joined_is_slow_before_it_is_hung() -> None:
+    """Steps of 0.1 s, then syncs of 0.85 to 1.9 s (a link degraded under them), both
+    ranks in each and no proxy operation to say whether its transfer moves: slow
+    transfers, no hang. The same job stopped for good in a sync is hung, told once it
+    was silent ``stall_hang_s`` (5 s)."""
+    watch, view = _watch()
+    lengths = (1.5, 1.5, 0.85, 1.9, 1.5)
+    silences = [(2.0 + 2.5 * k, 2.0 + 2.5 * k + n) for k, n in enumerate(lengths)]
+    assert not [v for v in _steps(watch, view, 14.0, silences) if v.kind.value == "hang"]
+    watch, view = _watch()
+    told = _steps(watch, view, 12.0, [(2.0, 3.5), (4.0, 99.0)])
+    (hang,) = [v for v in told if v.kind.value == "hang"]
+    assert hang.cause == Cause.NETWORK_LINK
+    assert 5.0 <= hang.detected_ns / S - 4.0 <= 5.3
+
+
 def test_a_job_silent_as_long_as_it_just_was_every_step_is_not_hung() -> None:
-    """Steps of 0.1 s, then a sync that takes 1.5 s (a link degraded under it), then one
+    """The job's pace, where a stall is a hang as soon as any silence is (a stall floor
+    at the hang's, 0.5 s): steps of 0.1 s, then a sync that takes 1.5 s, then one
     every 2.5 s, of 0.85 to 1.9 s. The first silence is three times the floor of a
     hang, and five times the usual step, with nothing yet to say otherwise: a hang,
     over when the job moves. The next ones are the job's new pace: no hang, nor where
     one shorter than half the others is followed by the longest."""
-    watch, view = _watch()
+    watch, view = _watch(stall_hang_s=0.5)
     lengths = (1.5, 1.5, 0.85, 1.9, 1.5)
     silences = [(2.0 + 2.5 * k, 2.0 + 2.5 * k + n) for k, n in enumerate(lengths)]
     told = _steps(watch, view, 14.0, silences)
@@ -79,10 +98,10 @@ def test_a_job_silent_as_long_as_it_just_was_every_step_is_not_hung() -> None:
 
 
 def test_a_job_that_stops_after_a_slow_step_is_hung_all_the_same() -> None:
-    """The same job, stopped for good after its first slow sync: a hang, told later
-    than the floor would (the job just came out of a long silence), and no later than
-    twice that silence."""
-    watch, view = _watch()
+    """The same job (and stall floor), stopped for good after its first slow sync: a
+    hang, told later than the floor would (the job just came out of a long silence),
+    and no later than twice that silence."""
+    watch, view = _watch(stall_hang_s=0.5)
     told = _steps(watch, view, 12.0, [(2.0, 3.5), (4.0, 99.0)])
     hangs = [v for v in told if v.kind.value == "hang" and v.status.value == "open"]
     assert len(hangs) == 2  # the slow sync, then the stop

@@ -4,6 +4,8 @@ records, and the lab leaves nothing behind. Needs root, iproute2, cgroup v1 and 
 from __future__ import annotations
 
 import subprocess
+import sys
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -246,3 +248,37 @@ def test_cleanup_removes_what_a_crashed_lab_left(tmp_path) -> None:
     # the process died here: nothing removed but what the state file lists
     removed = cleanup(tmp_path, prefix="mtcrash")
     assert _leftovers("mtcrash") == [] and removed
+
+
+def test_a_cut_link_reaches_nothing_beyond_its_node_until_it_is_back(tmp_path) -> None:
+    """``cut_link``: a node whose link is down reaches no other node (a TCP connection
+    across it cannot be made), the other nodes still reach each other, and the link
+    brought back carries again."""
+    lab = NetLab(tmp_path, nodes=3, prefix="mtcut")
+
+    def reaches(src: int, dst: int) -> bool:
+        # a listener on dst, a connection from src (nc is not everywhere: Python is)
+        serve = "import socket; s=socket.create_server(('', 7777)); s.settimeout(3); s.accept()"
+        reach = f"import socket; socket.create_connection(('{lab.nodes[dst].ip}', 7777), 1)"
+        srv = subprocess.Popen(["ip", "netns", "exec", lab.nodes[dst].ns, sys.executable,
+                                "-c", serve], stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            for _ in range(20):  # (until the listener is up)
+                got = subprocess.run(["ip", "netns", "exec", lab.nodes[src].ns, sys.executable,
+                                      "-c", reach], capture_output=True)  # fmt: skip
+                if got.returncode == 0 or b"refused" not in got.stderr:
+                    return got.returncode == 0
+                time.sleep(0.1)
+            return False
+        finally:
+            srv.kill()
+            srv.wait()
+
+    with lab:
+        lab.up()
+        assert reaches(0, 1) and reaches(2, 1)
+        lab.cut_link(lab.nodes[1])
+        assert not reaches(0, 1) and not reaches(1, 2) and reaches(0, 2)
+        lab.cut_link(lab.nodes[1], False)
+        assert reaches(0, 1)
+    assert _leftovers("mtcut") == []

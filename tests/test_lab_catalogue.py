@@ -9,10 +9,11 @@ shows here.
 
 What they miss or add, with the reason seen in the records:
 
-- hangs: 9 of 9 with the culprit in each run; 2 false in each, the mixture of experts'
-  slow link (its 4.7 MB gradient sync takes 1.5 s where a step took 90 ms: every member
-  posted it and none completed it for longer than a hang's limit; resolved as it
-  completes);
+- hangs: 9 of 9 with the culprit in each run, none false (the mixture of experts' slow
+  link makes its 4.7 MB gradient sync take 1.5 s where a step took 90 ms: every member
+  posted it and nothing counts its transfer, so it is a slow transfer until silent
+  ``stall_hang_s``; told as a hang resolved by the release before this one's, twice
+  in each run);
 - links: 8 of 8 in run 1; 7 of 8 in run 2 (missed, Megatron's slow link beside a rank
   under a quota: of its three communicators across the nodes not through that rank,
   one 1.5-1.8x slower, under the twice a network must show); in run 3, 6 of the 7 that
@@ -47,7 +48,7 @@ What they miss or add, with the reason seen in the records:
 
 Run 4, recorded live on the release that judges the network against each
 communicator's recent median and not from ranks kept from a CPU (and scored the same by
-the release before it): hangs 9 of 9, the same 2 false; links 5 of the 7 that cost
+the release before it): hangs 9 of 9, none false; links 5 of the 7 that cost
 throughput (DDP's and Megatron's beside a rank under a quota missed, as in run 2);
 slowdowns 14 of 14 with the culprit (Megatron's rank held just under what it uses cost
 under the 5% a slowdown must, and is not counted), DDP's rank held just under what it
@@ -108,7 +109,7 @@ def scored(request: pytest.FixtureRequest) -> tuple[Bars, Score]:
 def test_every_hang_and_degraded_link_is_found_with_its_culprit(scored: tuple[Bars, Score]) -> None:
     bars, s = scored
     hang, link = (s.kinds[k] for k in ("hang", "link_degradation"))
-    assert (hang.tp, hang.fn, hang.culprit_ok) == (9, 0, 9) and hang.fp <= 2
+    assert (hang.tp, hang.fn, hang.culprit_ok, hang.fp) == (9, 0, 9, 0)
     assert link.tp >= bars.links and link.culprit_ok == link.tp and link.fp == 0
 
 

@@ -20,14 +20,13 @@ def test_a_link_degraded_under_a_large_sync_is_that_link_not_a_hang_every_step(
     """Case moe-slow-link: lab-n1's link limited to 100 Mbit/s (tbf) from step 12. The
     experts' 4.7 MB gradient sync crosses it and takes 1.5 s where a whole step took
     90 ms: every step, the job is silent three times as long as the floor of a hang,
-    then moves. The first silence, before any slower step was seen, is taken for a hang
-    of that sync, on the network (every member posted it); it stays the only one: the
-    next ones are the job's new pace. The link is found as what slowed the job."""
+    then moves. Every member posted the sync and nothing counts its transfer's progress
+    (Gloo): a slow transfer, not a hang, until it was silent ``stall_hang_s`` (5 s). No
+    hang; the link is found as what slowed the job."""
     verdicts = last_verdicts(RECORDING, order)
     links = [v for v in verdicts if v.kind.value == "link_degradation"]
     assert [(v.link, v.onset_step) for v in links] == [("lab-n0<->lab-n1", 13)]
-    hangs = [v for v in verdicts if v.kind.value == "hang"]
-    assert len(hangs) <= 1
+    assert not [v for v in verdicts if v.kind.value == "hang"]
     roles = {
         r.comm_hash: (r.role.value, tuple(r.ranks))
         for r in read_records(RECORDING)
@@ -35,9 +34,3 @@ def test_a_link_degraded_under_a_large_sync_is_that_link_not_a_hang_every_step(
     }
     # the collector, told ep 2, declared the expert-parallel pairs as such
     assert {("ep", (0, 1)), ("ep", (2, 3))} <= set(roles.values())
-    for hang in hangs:  # the sync every member waited in, not the experts' exchange
-        assert hang.cause.value == "network_link"
-        assert roles[hang.comm_hash] in (("other", (0, 2)), ("other", (1, 3)))
-        # its step, where told: with the markers read first, only the newest 64 are kept,
-        # and the call came before them (its step is not known, not the oldest kept)
-        assert hang.onset_step in (13, None)
