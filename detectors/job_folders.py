@@ -30,7 +30,7 @@ from detectors.folder import StepFolder
 from detectors.hang import HangDiagnosis
 from detectors.schedule import CommSchedule, ScheduleBook
 from detectors.topology import Position, Topology
-from schemas.enums import CollOp, CommRole
+from schemas.enums import CollOp
 from schemas.records import Iteration
 from schemas.results import AlignedCollective, CommStructure
 
@@ -99,10 +99,6 @@ class JobFolders:
         note = self.note_of(diag.comm_hash)
         if partial is not None and folder is not None:
             return folder.position(partial, now=True)
-        if diag.counted and topo.role(diag.comm_hash) is CommRole.PP:
-            # a heartbeat's count of a pipeline's transfers (both ways, or none) is no
-            # transfer's sequence number: the markers place it, or nothing does
-            return folder.position_at(at_ns) if folder is not None and at_ns else None
         if note is not None and not note.agrees:
             return None
         pos = topo.position(diag.comm_hash, diag.seq, op or CollOp.ALL_REDUCE, *stages)

@@ -32,7 +32,7 @@ from schemas.topics import Topics
 from tests.helpers import PersistentBroker, flow_config, publisher
 
 pytest.importorskip("noida_db")
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 
 @pytest.fixture

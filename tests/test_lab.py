@@ -16,7 +16,11 @@ from schemas.config import Settings
 
 torch = pytest.importorskip("torch", reason="the lab runs real PyTorch jobs: pip install torch")
 why = missing()
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(why is not None, reason=why or "")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.serial,
+    pytest.mark.skipif(why is not None, reason=why or ""),
+]
 
 
 def _netns() -> set[str]:

@@ -28,7 +28,7 @@ from schemas.results import Verdict
 from schemas.tables import TABLE_FOR
 from tests.helpers import megatrace_cmd, publisher
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 READ = """
 import json, sys

@@ -30,7 +30,7 @@ from schemas.enums import Phase, VerdictKind
 from schemas.topics import Topics
 from tests.helpers import flow_config, wait_until_delivered
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 ROOT = Path(__file__).parent.parent
 
 
