@@ -87,6 +87,7 @@ class HangWatch:
         self.__dict__.setdefault("joined", {})
         self.__dict__.setdefault("silence", (0, 0, 0))
         self.__dict__.setdefault("starting", False)  # (a snapshot of a job under way)
+        self.__dict__.setdefault("woke_ns", 0)
 
     def _reset(self) -> None:
         self.partials: dict[Key, Instance] = {}
@@ -106,6 +107,7 @@ class HangWatch:
         self.saw_save_ns = 0  # the newest heartbeat that showed a rank saving a checkpoint
         self.exited: dict[int, int] = {}  # rank -> its process's last heartbeat (exiting)
         self.starting = True  # this start of the job has completed no collective yet
+        self.woke_ns = 0  # the first heartbeat after the job's last progress
 
     # ------------------------------------------------------------------ inputs
     def heartbeat(self, hb: Heartbeat, book: VerdictBook) -> list[msgspec.Struct]:
@@ -130,6 +132,8 @@ class HangWatch:
             done = self.hb_done[hb.rank] = {}
         if not self.hb_progress_ns:  # the job's first heartbeat: its start, as progress
             self.hb_progress_ns = ts
+        if ts > self.hb_progress_ns and not self.hb_progress_ns < self.woke_ns <= ts:
+            self.woke_ns = ts  # the first heartbeat since the job's last progress
         moved = False
         for cp in hb.comms:
             if cp.completed_seq > done.get(cp.comm_hash, -1):
@@ -304,8 +308,12 @@ class HangWatch:
                     if silent <= limit:
                         return []
             fresh = sum(hb.ts_ns > self.hb_progress_ns for hb in self.hb_latest.values())
-            if fresh < world and silent <= 3 * limit and not final:
-                return []  # wait until every rank reported after the freeze
+            # wait until every rank reported after the freeze, or one has not for a hang's
+            # limit since the first did (heartbeats that come together, as the ranks' dumps
+            # at a watchdog's timeout do, are no rank's silence)
+            since = self.hb_now_ns - self.woke_ns if self.woke_ns > self.hb_progress_ns else 0
+            if fresh < world and (silent <= 3 * limit or since <= limit) and not final:
+                return []
             calls_ns = max(view.coll_now_ns, now_ns) - self.hb_progress_ns
             evidence = self.evidence()
             blind = evidence.blind(view.topo)

@@ -394,3 +394,26 @@ def test_real_gloo_dumps_name_the_killed_last_rank_once_told_the_jobs_size(tmp_p
         t.extractall(tmp_path, filter="data")
     (told,) = analyze(tmp_path, str(tmp_path / "fr"), "--world-size", "4")
     assert (told["kind"], told["rank"]) == ("hang", 3)
+
+
+def test_real_gloo_dumps_of_a_job_hung_in_the_network_name_no_rank(tmp_path: Path) -> None:
+    """The dumps of a real job hung in the network (``megatrace lab``, case ddp-link-down:
+    DDP over Gloo, 4 ranks on 2 nodes, node lab-n1's link set down at step 12; every rank
+    dumped at the hang timeout). Every rank issued all-reduces 31 and 32 and completed
+    30: each waits in the same call. Their dumps come within milliseconds of each other,
+    two minutes after their last progress: none of them is a rank that stopped beating,
+    and the hang is the network's, not a rank's."""
+    import tarfile
+
+    from detectors.replay import Replay
+    from producers.flight_recorder import import_dumps
+    from schemas.results import Verdict
+
+    with tarfile.open(Path(__file__).parent / "data" / "fr_gloo_ddp_link_down.tar.gz") as t:
+        t.extractall(tmp_path, filter="data")
+    records, skipped = import_dumps(sorted((tmp_path / "fr").glob("rank_*")), "lab-ddp")
+    assert skipped == {}
+    verdicts = {v.verdict_id: v for v in Replay().run(records) if isinstance(v, Verdict)}
+    (hang,) = verdicts.values()
+    assert (hang.kind.value, hang.cause.value) == ("hang", "network_link")
+    assert hang.rank is None and hang.culprit_ranks == []
