@@ -74,16 +74,15 @@ def report_hang(
     topo = view.topo
     role = topo.role(diag.comm_hash)
     members = tuple(topo.comms[diag.comm_hash].ranks) if diag.comm_hash in topo.comms else ()
-    if role is CommRole.PP and diag.sender < 0 and diag.counted:
-        # a heartbeat counts a pair's transfers both ways (or none): its count is no
-        # transfer's sequence number; the oldest transfer open on it is where it stands
-        oldest = oldest_open(diag.comm_hash)
-        if oldest is not None and not any(partial_of(diag.comm_hash, s, diag.seq) for s in members):
-            diag = dataclasses.replace(diag, seq=oldest.seq, sender=oldest.sender)
     rank, op, sender = diag.culprit_rank, diag.op, diag.sender
     if role is CommRole.PP and sender < 0:
         # which end sends: the partial instance knows; else the lower stage (forward)
         found = [s for s in members if partial_of(diag.comm_hash, s, diag.seq)]
+        oldest = oldest_open(diag.comm_hash) if not found and diag.counted else None
+        if oldest is not None:
+            # a heartbeat counts a pair's transfers both ways (or none): its count is no
+            # transfer's sequence number; the oldest transfer open on it is where it stands
+            diag, found = dataclasses.replace(diag, seq=oldest.seq), [oldest.sender]
         sender = found[0] if found else (diag.link[0] if diag.link else members[0])
     partial = partial_of(diag.comm_hash, sender, diag.seq)
     if op is None and partial is not None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.netlab import NetLab, Node
+from schemas.config import DetectSettings
 from schemas.records import Iteration
 from schemas.results import FaultLabel, Verdict
 
@@ -147,9 +148,9 @@ BITE_NS = 8_000_000
 #: how long a hung job is left hung before the lab ends it
 HANG_S = 8.0
 #: how long a job hung in the network (every rank in a call whose transfer cannot
-#: move) is left hung: such a call is a hang only past the detectors' ``stall_hang_s``
-#: (5 s), a slow transfer being as silent until then
-STALL_HOLD_S = 13.0
+#: move) is left hung: such a call is a hang only past the detectors' ``stall_hang_s``,
+#: a slow transfer being as silent until then
+STALL_HOLD_S = HANG_S + DetectSettings().stall_hang_s
 #: how long after a rank is killed the job is started again, where a case restarts it
 #: (torchrun's agent sees a worker fail within its monitor interval, 5 s by default)
 RESTART_S = 4.0
