@@ -86,7 +86,8 @@ def _cost(marks: list[Iteration], inj: Injected) -> float:
     and the step time it lost is that fault's. A brief fault (a transient, or stalls now
     and then) costs the time it added over the steps it touched, their mean: most of those
     steps may run as usual, or faster as the job catches up, and their median would then
-    price a step or two twice as long at nothing."""
+    price a step or two twice as long at nothing. Their usual step is the median of the
+    steps before and during: a brief fault leaves most of them as they were."""
     durations = [(m.end_ns, m.duration_ns) for m in marks if m.duration_ns]
     before = [d for t, d in durations if t < inj.onset_ns][-10:]
     end = 1 << 62
@@ -95,9 +96,14 @@ def _cost(marks: list[Iteration], inj: Injected) -> float:
     during = [d for t, d in durations if inj.onset_ns < t <= end]
     if not before or not during:
         return 0.0
-    brief = inj.fault.kind in ("stall", "transient")
-    typical = np.mean(during) if brief else np.median(during)
-    cost = float(max(0.0, 1 - np.median(before) / typical))
+    if inj.fault.kind in ("stall", "transient"):
+        # the usual step is the median around the fault, before it and while it lasted:
+        # stalls now and then leave most of dozens of steps as usual, and the ten before
+        # them may run a warm-up's or the machine's own load's few ms longer
+        usual, typical = np.median(before + during), np.mean(during)
+    else:
+        usual, typical = np.median(before), np.median(during)
+    cost = float(max(0.0, 1 - usual / typical))
     if inj.throttled is not None and inj.throttled[1] > inj.onset_ns:
         held, read_ns = inj.throttled
         cost = min(cost, held / (read_ns - inj.onset_ns))

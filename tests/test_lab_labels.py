@@ -73,6 +73,17 @@ def test_a_rank_stalled_now_and_then_is_labelled_intermittent_at_the_time_its_st
     assert label.onset_step == 12 and label.throughput_cost > 0.05  # a cost that must be found
 
 
+def test_stalls_after_slower_steps_are_priced_against_the_job_s_usual_step() -> None:
+    """The ten steps before the first stall ran 24 ms (a warm-up, or the machine's own
+    load) and the job's usual step is 20 ms: four stalls adding 80 ms each over 31 steps
+    cost what they added to the usual step, not what is left after the slower start."""
+    stalled = {12, 22, 32, 42}
+    marks = _marks([24 if s < 12 else 100 if s in stalled else 20 for s in range(60)])
+    inj = Injected(Fault("stall", 1, 12, times=4, every=10), marks[11].end_ns + 1,
+                   ended_ns=marks[42].end_ns - 1)  # fmt: skip
+    assert _cost(marks, inj) == pytest.approx(1 - 20 / ((31 * 20 + 4 * 80) / 31))
+
+
 def test_a_quota_for_a_step_beside_faster_ones_is_labelled_at_the_time_it_added() -> None:
     """A transient quota that made one step twice as long while the two it also spanned ran
     a little faster than usual (the job catching up): it cost the time it added over those
