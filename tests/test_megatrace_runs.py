@@ -181,7 +181,7 @@ def test_a_one_step_straggler_in_a_pipeline_is_named_from_logs_without_ids(
     tool's oldest variant (no opCount, no groupHash): the ranks of its pipeline replica
     downstream are held up with it and wait no more than it does in their own
     collectives; it is the one that arrived last, far more than any other."""
-    run = build("transient-gpu", scale="small", seed=4)
+    run = build("transient-gpu", scale="small", seed=4, steps=25)  # the fault at step 15
     records = list(run.records(emit_kernels=False))
     config = write_logs(run, records, tmp_path / "logs", ids=False, save_count=False,
                         streams="group")  # fmt: skip

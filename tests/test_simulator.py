@@ -41,6 +41,41 @@ def test_sequence_numbers_agree_across_members(ep: int, cp: int) -> None:
     assert sends == recvs
 
 
+def test_heartbeats_count_what_each_rank_issued_and_completed_as_the_collector_does() -> None:
+    """Each step's heartbeats carry, per communicator, a collective's newest seq, and for a
+    pair of pipeline stages how many Sends and Recvs the rank issued and completed (one
+    counter both ways, as the PyTorch collector keeps it; each direction numbers its own
+    seq), so a pipeline hang is judged from the same counts in the simulator as in a real
+    job."""
+    from producers.sim.emit import Emitter
+    from schemas.records import Heartbeat
+
+    engine = Engine(scale_spec("tiny", kernels=False), [])
+    emitter = Emitter(engine)
+    issued: Counter = Counter()
+    completed: Counter = Counter()
+    newest: dict[tuple[int, int], int] = {}
+    pairs = 0
+    for _ in range(3):
+        records = list(emitter.step_records(engine.step()))
+        for r in records:
+            if isinstance(r, Collective) and r.op.is_p2p:
+                issued[(r.rank, r.comm_hash)] += 1
+                completed[(r.rank, r.comm_hash)] += r.end_ns is not None
+            elif isinstance(r, Collective):
+                newest[(r.rank, r.comm_hash)] = max(newest.get((r.rank, r.comm_hash), -1), r.seq)
+        for hb in (r for r in records if isinstance(r, Heartbeat)):
+            for p in hb.comms:
+                key = (hb.rank, p.comm_hash)
+                if key in issued:
+                    assert (p.issued_seq, p.completed_seq) == (issued[key] - 1,
+                                                               completed[key] - 1)  # fmt: skip
+                    pairs += 1
+                else:
+                    assert p.issued_seq == p.completed_seq == newest[key]
+    assert pairs == 3 * 8  # each step, both ends of the tiny job's four pairs of stages
+
+
 def test_a_slow_rank_is_the_last_arriver_of_its_group() -> None:
     spec = scale_spec("tiny", kernels=False)
     slow = 5

@@ -136,11 +136,11 @@ def test_a_rank_of_64_computing_a_tenth_slower_is_named() -> None:
     assert {(v.kind, v.rank, v.onset_step) for v in found} == {(VerdictKind.SLOWDOWN, 28, 15)}
 
 
-@pytest.mark.parametrize(("apart", "intermittent"), [(100, False), (10, True)])
+@pytest.mark.parametrize(("apart", "intermittent"), [(50, False), (10, True)])
 def test_a_rank_straggling_again_is_intermittent_only_where_it_costs_the_job(
     apart: int, intermittent: bool
 ) -> None:
-    """A GPU 3x slower for one step, three times: 100 steps apart they cost the job a few
+    """A GPU 3x slower for one step, three times: 50 steps apart they cost the job a few
     percent of its time, three transient stragglers (as many stragglers as there were);
     10 apart, a tenth of it, an intermittent slowdown (a slowdown must cost 5%)."""
     from producers.sim.faults import TransientGPU

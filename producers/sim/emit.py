@@ -103,10 +103,16 @@ class Emitter(KernelEmitter):
         start = self._abs(c["start"], rank)
         end = self._abs(c["end"], rank)
         seq = c["seq"].astype(np.int64)
-        # progress for heartbeats
-        np.maximum.at(self.issued, (rank, slot), seq)
+        # progress for heartbeats: a collective's newest seq; a pair's transfers counted
+        # both ways in one counter, as the PyTorch collector counts a pair communicator's
+        # Sends and Recvs (each direction numbers its own: no seq says how many)
         done = end >= 0
-        np.maximum.at(self.completed, (rank[done], slot[done]), seq[done])
+        pair = (slot == 2) | (slot == 3)
+        coll = ~pair
+        np.maximum.at(self.issued, (rank[coll], slot[coll]), seq[coll])
+        np.maximum.at(self.completed, (rank[coll & done], slot[coll & done]), seq[coll & done])
+        np.add.at(self.issued, (rank[pair], slot[pair]), 1)
+        np.add.at(self.completed, (rank[pair & done], slot[pair & done]), 1)
         job, nodes, hashes, sizes = sp.job, self.nodes, self.comm_hash, self.comm_size
         ops = [OPS[i] for i in range(len(OPS))]
         out = []

@@ -73,16 +73,18 @@ class Run:
         yield from engine.layout.metadata()
         self.labels = []
         onset_ns: dict[int, int] = {}
+        durations: list[float] = []
         for step in range(self.steps):
             trace = engine.step()
             onset_ns[step] = self.spec.t0_ns + int(np.nanmin(trace.start))
+            durations.append(trace.duration_ns)
             yield from _time_ordered(emitter, trace)
             if progress:
                 progress(step + 1, self.steps)
             if trace.hung:
                 yield from self._hang_heartbeats(emitter, trace)
                 break
-        costs = self.fault_costs()
+        costs = self.fault_costs(ran=durations)
         self.labels = [
             msgspec.structs.replace(
                 f.label(self.spec, onset_ns[f.onset_step]),
@@ -93,15 +95,19 @@ class Run:
             if f.onset_step in onset_ns
         ]
 
-    def fault_costs(self, window: int = 6) -> list[float]:
+    def fault_costs(self, window: int = 6, ran: list[float] | None = None) -> list[float]:
         """Each fault's measured throughput cost: 1 - t_without / t_with over its window.
 
         Counterfactual simulation with the same seed (identical jitter), so the
         number is the fault's own effect on the iteration, critical path and all.
+        ``ran``: the step times of this run as :meth:`records` simulated them, which
+        are t_with where no fault is a hang (its kernels draw nothing from the seed).
         """
         out = []
         # a hang stops the steps after it, so a slowdown's cost is measured without hangs
         running = [g for g in self.faults if not isinstance(g, HANGS)]
+        if len(running) < len(self.faults):
+            ran = None
         for f in self.faults:
             if isinstance(f, HANGS):
                 out.append(1.0)
@@ -112,7 +118,10 @@ class Run:
                 out.append(0.0)
                 continue
             others = [g for g in running if g is not f]
-            t_with = _step_times(self.spec, running, last)[f.onset_step :]
+            if ran is not None and len(ran) >= last:
+                t_with = ran[f.onset_step : last]
+            else:
+                t_with = _step_times(self.spec, running, last)[f.onset_step :]
             t_without = _step_times(self.spec, others, last)[f.onset_step :]
             out.append(float(max(0.0, 1.0 - sum(t_without) / sum(t_with))))
         return out
