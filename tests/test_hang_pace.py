@@ -37,6 +37,35 @@ def test_the_call_every_member_waits_in_is_named_not_one_they_all_completed() ->
     assert (diag.cause, diag.comm_hash, diag.seq) == (Cause.NETWORK_LINK, SYNC, 13)
 
 
+def test_a_call_one_member_completed_and_the_others_wait_in_is_where_the_job_is_stuck() -> None:
+    """Rank 0's share of the gradient sync 13 came before the link went: it completed it
+    and waits in sync 14, which rank 2, still waiting in 13, never reached. No one is
+    missing from 13 (both issued it): the job is stuck in that transfer, rank 2 in it."""
+    latest = {
+        0: beat(0, 1, {EXPERTS: (111, 111), SYNC: (14, 13)}),
+        1: beat(1, 1, {EXPERTS: (111, 111)}),
+        2: beat(2, 1, {SYNC: (13, 12)}),
+    }
+    diag = diagnose_from_heartbeats(latest, MEMBERS, [])
+    assert diag is not None
+    assert (diag.cause, diag.comm_hash, diag.seq, diag.culprit_rank, diag.waiting) == (
+        Cause.NETWORK_LINK, SYNC, 13, None, (2,)
+    )  # fmt: skip
+
+
+def test_a_member_that_never_issued_the_call_its_peer_waits_in_is_named() -> None:
+    """The same, but rank 2 completed sync 12 and issued nothing since: it never joined
+    13, which rank 0 waits in (the collective after it is not reached by anyone)."""
+    latest = {
+        0: beat(0, 1, {EXPERTS: (111, 111), SYNC: (13, 12)}),
+        1: beat(1, 1, {EXPERTS: (111, 111)}),
+        2: beat(2, 1, {SYNC: (12, 12)}),
+    }
+    diag = diagnose_from_heartbeats(latest, MEMBERS, [])
+    assert diag is not None
+    assert (diag.cause, diag.culprit_rank, diag.seq) == (Cause.COMPUTE, 2, 13)
+
+
 def _watch(stall_hang_s: float = DetectSettings().stall_hang_s) -> tuple[HangWatch, JobView]:
     topo = Topology.from_job(JobInfo(job="j", ts_ns=0, world_size=3, dp=3))
     for comm, ranks in MEMBERS.items():

@@ -3,7 +3,9 @@ each workload's ``link-down`` case, ``megatrace lab --case ddp-link-down ...``).
 lab-n1's link is set down at step 12 (8 for Megatron): every rank waits in a call whose
 transfer cannot move, TCP retransmits into the link, and nothing in Gloo's calls counts
 the transfer's progress. From the calls alone that is a slow transfer until it lasts; the
-lab leaves the job hung 13 s, then ends it."""
+lab leaves the job hung 13 s, then ends it. ``run2`` keeps a sharded data-parallel job
+one of whose ranks completed the hung all-gather (its share came before the link went)
+and went on to the next call, which the others never reached."""
 
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from schemas.config import DetectSettings
 from schemas.enums import Cause, VerdictKind
 from tests.recordings import replayed
 
-CORPUS = Path(__file__).parent / "corpus" / "netdown" / "run1"
-CASES = sorted(p.name for p in CORPUS.iterdir())
+CORPUS = Path(__file__).parent / "corpus" / "netdown"
+CASES = sorted(f"{run.name}/{p.name}" for run in CORPUS.iterdir() for p in run.iterdir())
 
 
 @pytest.mark.parametrize("case", CASES)
