@@ -23,16 +23,21 @@ def beat(rank: int, t: float, calls: dict[int, tuple[int, int]]) -> Heartbeat:
     ])  # fmt: skip
 
 
+def _sync_beats(rank0: tuple[int, int], rank2: tuple[int, int]) -> dict[int, Heartbeat]:
+    """Latest heartbeats: ranks 0 and 2's gradient sync (issued, completed) as given; rank 0
+    and its expert-parallel peer 1 completed every call of theirs (111)."""
+    return {
+        0: beat(0, 1, {EXPERTS: (111, 111), SYNC: rank0}),
+        1: beat(1, 1, {EXPERTS: (111, 111)}),
+        2: beat(2, 1, {SYNC: rank2}),
+    }
+
+
 def test_the_call_every_member_waits_in_is_named_not_one_they_all_completed() -> None:
     """Ranks 0 and 2 both wait in their gradient sync (issued 13, completed 12); rank 0
     and its expert-parallel peer completed every call of theirs (111). Rank 0 waiting
     elsewhere leaves nothing of the experts' stuck: the sync is where the job stands."""
-    latest = {
-        0: beat(0, 1, {EXPERTS: (111, 111), SYNC: (13, 12)}),
-        1: beat(1, 1, {EXPERTS: (111, 111)}),
-        2: beat(2, 1, {SYNC: (13, 12)}),
-    }
-    diag = diagnose_from_heartbeats(latest, MEMBERS, [])
+    diag = diagnose_from_heartbeats(_sync_beats((13, 12), (13, 12)), MEMBERS, [])
     assert diag is not None
     assert (diag.cause, diag.comm_hash, diag.seq) == (Cause.NETWORK_LINK, SYNC, 13)
 
@@ -41,12 +46,7 @@ def test_a_call_one_member_completed_and_the_others_wait_in_is_where_the_job_is_
     """Rank 0's share of the gradient sync 13 came before the link went: it completed it
     and waits in sync 14, which rank 2, still waiting in 13, never reached. No one is
     missing from 13 (both issued it): the job is stuck in that transfer, rank 2 in it."""
-    latest = {
-        0: beat(0, 1, {EXPERTS: (111, 111), SYNC: (14, 13)}),
-        1: beat(1, 1, {EXPERTS: (111, 111)}),
-        2: beat(2, 1, {SYNC: (13, 12)}),
-    }
-    diag = diagnose_from_heartbeats(latest, MEMBERS, [])
+    diag = diagnose_from_heartbeats(_sync_beats((14, 13), (13, 12)), MEMBERS, [])
     assert diag is not None
     assert (diag.cause, diag.comm_hash, diag.seq, diag.culprit_rank, diag.waiting) == (
         Cause.NETWORK_LINK, SYNC, 13, None, (2,)
@@ -56,12 +56,7 @@ def test_a_call_one_member_completed_and_the_others_wait_in_is_where_the_job_is_
 def test_a_member_that_never_issued_the_call_its_peer_waits_in_is_named() -> None:
     """The same, but rank 2 completed sync 12 and issued nothing since: it never joined
     13, which rank 0 waits in (the collective after it is not reached by anyone)."""
-    latest = {
-        0: beat(0, 1, {EXPERTS: (111, 111), SYNC: (13, 12)}),
-        1: beat(1, 1, {EXPERTS: (111, 111)}),
-        2: beat(2, 1, {SYNC: (12, 12)}),
-    }
-    diag = diagnose_from_heartbeats(latest, MEMBERS, [])
+    diag = diagnose_from_heartbeats(_sync_beats((13, 12), (12, 12)), MEMBERS, [])
     assert diag is not None
     assert (diag.cause, diag.culprit_rank, diag.seq) == (Cause.COMPUTE, 2, 13)
 
