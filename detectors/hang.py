@@ -327,17 +327,13 @@ def diagnose_from_heartbeats(
                 behind.append((r, comm, max(by_rank.get(r, -1) + 1, first), at_top))
         # members waiting in this communicator's call (one waiting in another's, all
         # of this one's calls completed, is not stuck here)
-        stuck = [r for r in at_top if r in waiting_on.get(comm, ())]
-        if stuck and len(at_top) == len(members):
-            stuck_comms.append((comm, top, at_top))
-        elif stuck:
-            # every member issued the first call some members wait in, and others
-            # completed it and went on (their share came before the transfer stopped): no
-            # one is missing from it, its waiters are stuck in it
-            waiters = [r for r in members if r in waiting_on.get(comm, ()) and r in done]
-            open_at = min(done[r] + 1 for r in waiters)
-            in_it = tuple(r for r in waiters if done[r] < open_at)
-            if open_at < top and all(by_rank.get(r, -1) >= open_at for r in members):
+        if any(r in waiting_on.get(comm, ()) for r in at_top):
+            # the first call its waiters could not complete, if every member issued it, is
+            # stuck with no one missing, in the members that did not complete it (others
+            # may have and gone on: their share came before the transfer stopped)
+            open_at = min(done[r] + 1 for r in members if r in waiting_on.get(comm, ()))
+            if all(by_rank.get(r, -1) >= open_at for r in members):
+                in_it = tuple(r for r in members if done.get(r, -1) < open_at)
                 stuck_comms.append((comm, open_at, in_it))
     culprits = [b for b in behind if b[0] not in waiting]
     # a member never heard from while its peers were (it wrote no dump: killed or
