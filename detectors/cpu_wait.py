@@ -57,6 +57,7 @@ from functools import partial
 
 import numpy as np
 
+from detectors.cpu_counters import BEFORE_NS, CpuWaits
 from detectors.steps import StepReport
 from detectors.topology import Topology
 from detectors.who_waits import SlowdownFinding
@@ -68,8 +69,6 @@ APART = 0.5
 #: seconds throttled per second by which ranks held back by their CPU quota stand apart
 #: from the others, and by which each grew over its own before
 THROTTLED_APART = 0.1
-#: how far back the share before the shift is taken
-BEFORE_NS = 5 * 10**9
 #: ranks kept from a CPU wait at least this share of their wait before
 STILL = 0.9
 #: a rank's quieter times: this quantile of its throttled shares between heartbeats
@@ -86,161 +85,6 @@ class CpuStarved:
     usual: float  # the job's usual wait share then (the median of its lower half, s/s)
     throttled: float | None = None  # their least throttled share, where a quota held them
     usual_throttled: float | None = None  # the job's usual throttled share then
-
-
-class CpuWaits:
-    """Per rank, its heartbeats' run-queue wait and throttled counters over time (pure;
-    bounded: the last ``keep`` of each rank's, half a minute at two heartbeats a second;
-    an older shift start is taken from the oldest kept).
-
-    Kept as one row per rank, a ring of ``keep`` columns each (a heartbeat writes three
-    numbers in place; thousands of ranks beat every step), read in time order only when
-    a shift's shares are asked for: a few array operations, not a loop over ranks."""
-
-    def __init__(self, keep: int = 64) -> None:
-        self.keep = keep
-        self.ts = np.zeros((0, keep), dtype=np.int64)  # ns
-        self.waits = np.zeros((0, keep), dtype=np.int64)
-        self.throttled = np.zeros((0, keep), dtype=np.int64)
-        self.count: list[int] = []  # each row's samples
-        self.head: list[int] = []  # each row's next column to write (its oldest, once full)
-        # each row's newest time and throttled counter, read by every heartbeat: as plain
-        # numbers, not from the arrays (an element read there costs what a write does)
-        self.last_ts: list[int] = []
-        self.last_throttled: list[int] = []
-
-    def __getstate__(self) -> dict[str, object]:
-        caches = ("_ordered", "_intervals")
-        return {k: v for k, v in self.__dict__.items() if k not in caches}
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self.__dict__.update(state)
-        # pickled before: rows newest last (a ring whose next column is 0), no throttled
-        if "throttled" not in state:
-            self.throttled = np.zeros_like(self.waits)
-        self.count = [int(n) for n in self.count]
-        if "head" not in state:
-            self.head = [0] * len(self.count)
-        if "last_ts" not in state:
-            newest = [(h or self.keep) - 1 for h in self.head]
-            self.last_ts = [int(self.ts[r, c]) for r, c in enumerate(newest)]
-            self.last_throttled = [int(self.throttled[r, c]) for r, c in enumerate(newest)]
-
-    @property
-    def empty(self) -> bool:
-        return not any(self.count)
-
-    def update(self, rank: int, ts_ns: int, wait_ns: int, throttled_ns: int | None = None) -> None:
-        """A heartbeat's counters. One without the throttled counter (not readable this
-        time) keeps the rank's last: a gap is not a quota that held it back."""
-        if rank >= len(self.count):  # room for this rank (doubling: ranks come in any order)
-            grow = max(rank + 1, 2 * len(self.count)) - len(self.count)
-            pad = np.zeros((grow, self.keep), dtype=np.int64)
-            self.ts = np.vstack([self.ts, pad])
-            self.waits = np.vstack([self.waits, pad])
-            self.throttled = np.vstack([self.throttled, pad])
-            for row in (self.count, self.head, self.last_ts, self.last_throttled):
-                row += [0] * grow
-        n = self.count[rank]
-        if n and ts_ns <= self.last_ts[rank]:
-            return
-        if throttled_ns is None:
-            throttled_ns = self.last_throttled[rank]  # 0 before its first
-        col = self.head[rank]
-        self.ts[rank, col] = ts_ns
-        self.waits[rank, col] = wait_ns
-        self.throttled[rank, col] = throttled_ns
-        self.last_ts[rank] = ts_ns
-        self.last_throttled[rank] = throttled_ns
-        self.head[rank] = col + 1 if col + 1 < self.keep else 0
-        if n < self.keep:
-            self.count[rank] = n + 1
-
-    def _in_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The rings (times, waits, throttled) oldest to newest, the newest in the last
-        column; kept until the next heartbeat (a shift's shares ask several times)."""
-        key = (tuple(self.head), tuple(self.count))
-        if getattr(self, "_ordered", (None,))[0] != key:
-            order = (np.asarray(self.head)[:, None] + np.arange(self.keep)) % self.keep
-            rings = (self.ts, self.waits, self.throttled)
-            self._ordered = (key, tuple(np.take_along_axis(x, order, axis=1) for x in rings))
-        return self._ordered[1]
-
-    def rates(self, start_ns: int, end_ns: int, throttled: bool = False) -> np.ndarray:
-        """Every rank's seconds waited (or ``throttled``) per second from its sample
-        nearest ``start_ns`` to its last one at or before ``end_ns`` (NaN: no such
-        interval). A thread that ended takes its counts with it, and a process moved to
-        another cgroup takes up that group's, so a counter that went down adds nothing."""
-        ts, waits, held = self._in_order()
-        counter = held if throttled else waits
-        cols = np.arange(self.keep)
-        kept = cols >= (self.keep - np.asarray(self.count, dtype=np.int64))[:, None]
-        a = np.argmin(np.where(kept, np.abs(ts - start_ns), np.iinfo(np.int64).max), axis=1)
-        upto = kept & (ts <= end_ns)
-        b = self.keep - 1 - np.argmax(upto[:, ::-1], axis=1)
-        ok = upto.any(axis=1) & (b > a)
-        grew = np.where(kept[:, 1:], np.clip(np.diff(counter, axis=1), 0, None), 0)
-        waited = np.concatenate([np.zeros((len(b), 1)), np.cumsum(grew, axis=1)], axis=1)
-        rows = np.arange(len(b))
-        span = (ts[rows, b] - ts[rows, a]).astype(float)
-        done = waited[rows, b] - waited[rows, a]
-        return np.where(ok, done / np.where(ok, span, 1.0), np.nan)
-
-    def held_through(self, start_ns: int, end_ns: int, q: float = 0.5) -> np.ndarray:
-        """Every rank's throttled share over most of the time from ``start_ns`` to
-        ``end_ns``: the lower median of its shares between consecutive heartbeats that
-        end in it (at least half of them, and more than half of an even number, reach
-        it; NaN: none). A quota that held a rank back for a step or two shows in one or
-        two such intervals, one that holds it back still in most of them. (``q``: that
-        quantile of them instead of the median.)"""
-        ends, span, grew, ok = self._held_intervals()
-        pair = ok & (ends > start_ns) & (ends <= end_ns)
-        out = np.where(pair.any(axis=1), 0.0, np.nan)
-        held_back = np.flatnonzero((pair & (grew > 0)).any(axis=1))  # the few a quota held
-        if len(held_back):
-            p, g, d = pair[held_back], grew[held_back], span[held_back]
-            rate = np.where(p, g / np.where(p, d, 1), np.nan)
-            out[held_back] = np.nanquantile(rate, q, axis=1, method="lower")
-        return out
-
-    def _held_intervals(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Between each rank's consecutive heartbeats kept: when the interval ended, how
-        long it was, how long the rank was throttled in it, and whether it is one (both
-        heartbeats kept, time moved); kept with the rings' order (a shift's shares and a
-        step's quota ask several times between two heartbeats)."""
-        ts, _, held = self._in_order()
-        cached = getattr(self, "_intervals", None)
-        if cached is None or cached[0] is not ts:
-            kept = np.arange(self.keep) >= (self.keep - np.asarray(self.count))[:, None]
-            span = np.diff(ts, axis=1)
-            ok = kept[:, 1:] & kept[:, :-1] & (span > 0)
-            grew = np.clip(np.diff(held, axis=1), 0, None)
-            self._intervals = (ts, (ts[:, 1:], span, grew, ok))
-            cached = self._intervals
-        return cached[1]
-
-    def beats(self, ranks: Sequence[int], start_ns: int, end_ns: int) -> int:
-        """The fewest heartbeats kept of any of ``ranks`` from ``start_ns`` to ``end_ns``
-        (their shares over that span are as fine as these are many)."""
-        if not ranks or max(ranks) >= len(self.count):
-            return 0
-        ts = self.ts[list(ranks)]
-        return int(((ts >= start_ns) & (ts <= end_ns) & (ts > 0)).sum(axis=1).min())
-
-    def share(self, rank: int, start_ns: int, end_ns: int) -> float | None:
-        """Rank ``rank``'s :meth:`rates` (None: no interval)."""
-        x = self.rates(start_ns, end_ns)[rank] if rank < len(self.count) else np.nan
-        return None if np.isnan(x) else float(x)
-
-    def shares(
-        self, start_ns: int, end_ns: int, throttled: bool = False
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Every rank's wait (or ``throttled``) share from ``start_ns`` to ``end_ns``, and
-        before it (over :data:`BEFORE_NS`); NaN where unknown. Ranks are 0..the highest
-        seen."""
-        n = int(np.flatnonzero(self.count).max()) + 1 if not self.empty else 0  # ranks heard
-        after = self.rates(start_ns, end_ns, throttled)[:n]
-        return after, self.rates(start_ns - BEFORE_NS, start_ns, throttled)[:n]
 
 
 def _held_before(cpu: CpuWaits, start_ns: int, n: int) -> np.ndarray:
@@ -265,7 +109,12 @@ def _standing(
 
 
 def starved(
-    cpu: CpuWaits, start_ns: int, end_ns: int, nodes: Sequence[str], apart: float = APART
+    cpu: CpuWaits,
+    start_ns: int,
+    end_ns: int,
+    nodes: Sequence[str],
+    apart: float = APART,
+    burst: bool = False,
 ) -> tuple[CpuStarved, ...]:
     """The ranks starved of CPU from ``start_ns`` to ``end_ns`` (``nodes[r]``: rank r's
     node), most starved first: those whose wait share stands ``apart`` or more above the
@@ -274,8 +123,12 @@ def starved(
     throttled share does so by :data:`THROTTLED_APART`. Every rank of one node (two or
     more) is that host; otherwise a quarter of the job at most, each a rank of its own,
     once its node-mates' shares are known. Nothing where a share is missing for half the
-    job or more."""
+    job or more. A ``burst`` (a step or a few, shorter than a heartbeat interval) is read
+    over the heartbeat intervals that cover it (:meth:`CpuWaits.covering`)."""
     after, before = cpu.shares(start_ns, end_ns)
+    read = cpu.covering if burst else cpu.rates
+    if burst:
+        after = cpu.covering(start_ns, end_ns)[: len(after)]
     n = len(nodes)
     if len(after) < n or n < 2:
         return ()
@@ -284,7 +137,7 @@ def starved(
     if len(known) * 2 <= n:
         return ()
     waiting, usual = _standing(s, b, known, apart)
-    t = np.array(cpu.rates(start_ns, end_ns, throttled=True)[:n])
+    t = np.array(read(start_ns, end_ns, throttled=True)[:n])
     t_before = _held_before(cpu, start_ns, n)
     # a quota already holding a rank back varies with what it runs: it began at the
     # shift only where it at least doubled
@@ -392,16 +245,21 @@ def cpu_bound_until(
 
 
 def findings(
-    cpu: CpuWaits, reps: Sequence[StepReport], topo: Topology, start_ns: int | None = None
+    cpu: CpuWaits,
+    reps: Sequence[StepReport],
+    topo: Topology,
+    start_ns: int | None = None,
+    burst: bool = False,
 ) -> list[SlowdownFinding]:
     """The hosts and ranks starved of CPU over ``reps`` (a shift's steps so far; from
-    ``start_ns`` where given, its onset), as localised causes of the step time added."""
+    ``start_ns`` where given, its onset; a ``burst``'s, see :func:`starved`), as localised
+    causes of the step time added."""
     if not reps or cpu.empty:
         return []
     nodes = [topo.node(r) for r in range(topo.job.world_size)]
     out = []
     start = reps[0].start_ns if start_ns is None else start_ns
-    found = starved(cpu, start, reps[-1].end_ns, nodes)
+    found = starved(cpu, start, reps[-1].end_ns, nodes, burst=burst)
     # ranks starved since the same shift are its culprits together (one incident)
     ranks = [c.ranks[0] for c in found if not c.node]
     for c in found:

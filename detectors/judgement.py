@@ -108,18 +108,26 @@ class Judgement:
         return ratio is None or ratio >= 1.0 + self.shift.bar
 
     def locate(
-        self, reps: list[StepReport], topo: Topology, again: Culprit | None = None
+        self,
+        reps: list[StepReport],
+        topo: Topology,
+        again: Culprit | None = None,
+        burst: bool = False,
     ) -> Incident | None:
         """The first localised candidate not explained by a degraded link (MEGATRACE checks
         links first: a rank whose NIC is slow arrives late without computing slowly), nor
         by another open incident (``again``: the one localised again, whose own ranks its
-        culprits may be)."""
+        culprits may be). A ``burst``'s CPU shares are read over the heartbeat intervals
+        that cover it (:func:`~detectors.cpu_wait.starved`)."""
         # a link explains its ends' lateness only from when it degraded: a GPU that slowed
         # before its own link did is still the culprit of what it began
         link_ends = self.links.ends_before(reps[0].end_ns if reps else 0)
         increase = float(np.mean([r.duration_ns for r in reps])) - self.ledger.level_before(reps)
         named, _ = self.explained(again)
-        found = self.findings(reps, topo, increase)
+        cpu = None
+        if burst and self.cpu is not None:
+            cpu = cpu_findings(self.cpu, reps, topo, burst=True)
+        found = self.findings(reps, topo, increase, cpu)
         return first_culprit(found, link_ends, increase, topo, named)
 
     def findings(

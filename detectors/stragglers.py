@@ -9,7 +9,8 @@ A burst that cost the job less than ``transient_min_lost_ms`` is none: a rank th
 scheduler kept waiting for a few of its time slices loses tens of milliseconds, and in a
 job of 20 ms steps that is a step 2-3x slower, as often as every few hundred steps on a
 busy host; a straggler worth a verdict costs more (a GPU twice as slow for one step
-costs its step, 0.1 s or more in training).
+costs its step, 0.1 s or more in training). Unless the kernel counted why: a burst a
+CPU quota made is that quota's straggler, whatever it cost (:mod:`detectors.quota_bursts`).
 
 A burst the job spent saving a checkpoint is none either: a rank saving for at least half
 the time the burst lost (:class:`~detectors.saves.Saves`, where the heartbeats carry the
@@ -38,6 +39,7 @@ from detectors import texts
 from detectors.changepoint import SPIKE_OVER_REST
 from detectors.episodes import episode, one_culprit
 from detectors.incidents import Culprit, Incident, StepTimeLedger
+from detectors.quota_bursts import QuotaBursts
 from detectors.steps import StepReport
 from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     from detectors.slowdown import SlowdownLocalizer
 
 
-class Stragglers:
+class Stragglers(QuotaBursts):
     """Bursts of slow steps, judged with the tracker's verdict book, ledger, change-point
     detector and localisation (the attributes below)."""
 
@@ -68,7 +70,7 @@ class Stragglers:
 
     shift: ShiftDetector
     localizer: SlowdownLocalizer
-    locate: Callable[[list[StepReport], Topology], Incident | None]
+    locate: Callable[[list[StepReport], Topology, Culprit | None, bool], Incident | None]
     #: each culprit's bursts as last named (a later burst naming one of its ranks goes
     #: on from them; None: one pickled before)
     _burst_named: dict[Culprit, Incident] | None = None
@@ -113,6 +115,8 @@ class Stragglers:
             return []
         if not now and rep.step < held[3] + self.shift.persistence and self._still_slow(held):
             return []
+        if not now and self._cpu_pending(held[0], held[2], rep):
+            return []
         self._held = None
         return self._burst(held, rep, topo)
 
@@ -153,12 +157,15 @@ class Stragglers:
         onset, ratio, length, _, inc, bar = held
         reps, level, measured = self._over_level(onset, onset + length)
         ratio = measured or ratio
-        if self._held_others_up(inc, reps):
+        quota = self._quota_held(onset, length, rep, topo)
+        if quota is not None:
+            inc = quota
+        if quota is not None or self._held_others_up(inc, reps):
             bar = 0.0
         if ratio < 1.0 + 2 * bar:
             return []
         lost = _lost(reps, level)
-        if lost < self.transient_min_lost_ms * 1e6:
+        if quota is None and lost < self.transient_min_lost_ms * 1e6:
             return []  # a few of the host scheduler's time slices: no straggler's cost
         if self._saving(reps or [rep], lost):
             return []

@@ -304,3 +304,20 @@ def test_a_snapshot_from_before_the_rings_reads_the_same() -> None:
     old.update(1, 3 * S, 5 * 10**9)  # not newer than its newest kept: ignored
     assert old.rates(1 * S, 4 * S).tolist() == pytest.approx([0.2, 0.4])
     assert old.rates(0, 4 * S, throttled=True).tolist() == [0.0, 0.0]
+
+
+def test_a_quota_that_held_a_rank_back_for_less_than_a_heartbeat_is_read_over_its_beats() -> None:
+    """Heartbeats every 0.25 s; rank 5's quota held it back 50 ms between the beats at 5
+    and 5.25 s, during a burst from 5.05 to 5.11 s. No interval between two heartbeats
+    lies within the burst: read over the beats that cover it, rank 5 was throttled a
+    fifth of that time, and nobody else at all."""
+    cpu = CpuWaits()
+    for r in range(8):
+        for i in range(41):
+            held = 0.05 if r == 5 and i >= 21 else 0.0
+            cpu.update(r, int(i * 0.25 * S) + r * 1000, int(0.3 * i * 0.25 * S), int(held * S))
+    start, end = int(5.05 * S), int(5.11 * S)
+    assert starved(cpu, start, end, NODES) == ()
+    (got,) = starved(cpu, start, end, NODES, burst=True)
+    assert got.ranks == (5,) and got.throttled == pytest.approx(0.2, rel=0.01)
+    assert not cpu.covered(int(10.5 * S)) and cpu.covered(end)

@@ -38,12 +38,13 @@ What they miss or add, with the reason seen in the records:
   while its gradient all-reduces are in flight: no rank late, or bursts named on
   another host; the mixture of experts' as a transient of its rank, or inside the
   slowdown told of its job);
-- transient stragglers 1 of 3 in run 1 (DDP's costs under the 50 ms a straggler must
-  cost, Megatron's 1.8x step is inside its job's noise), 1 false (DDP's rank held just
-  under what it uses, a burst of it before its slowdown was told); 0 of 3 in run 2,
-  none false (DDP's named its peer and cost 45 ms, Megatron's and the mixture of
-  experts' steps 1.6-1.7x, inside their jobs' noise); 2 of 3 in run 3 (DDP's missed), 3
-  false, all bursts of the intermittent jobs named on a host or another rank;
+- transient stragglers 2 of 3 in run 1 (Megatron's 1.8x step is inside its job's noise),
+  1 false (DDP's rank held just under what it uses, a burst of it before its slowdown
+  was told); 1 of 3 in run 2, none false (Megatron's and the mixture of experts' steps
+  1.6-1.7x, inside their jobs' noise); 3 of 3 in run 3, 2 false, bursts of the
+  intermittent jobs named on a host. DDP's (one step 2.2-2.7x, 45-93 ms lost, inside
+  its job's noise or under what a host's hiccup costs) is found in runs 1-3 by the
+  kernel's count of its rank's throttling, read over the heartbeats that cover it;
 - no false alarm over 541 healthy steps in runs 1 and 2, 1 in run 3.
 
 Run 4, recorded live on the release that judges the network against each
@@ -56,7 +57,8 @@ uses found 60 steps late (its steps within the job's noise until then), 1 false 
 Megatron intermittent job's stretch told as its stalled rank's peer's slowdown);
 intermittent stragglers 1 of 3, the mixture of experts' named on rank 1's host
 (Megatron's told as a transient of ranks 5 and 1); transient stragglers 2 of 3 (DDP's
-missed), 2 false (a burst of Megatron's rank held just under what it uses, named as its
+missed: its 2.6x step inside a noise bar of 1.2, its steps 24-62 ms, is no burst), 2
+false (a burst of Megatron's rank held just under what it uses, named as its
 tensor-parallel peer, and a burst of an intermittent job's stalls); no false alarm over
 the healthy steps.
 """
@@ -87,11 +89,11 @@ class Bars:
 
 
 BARS = {
-    "run1": Bars(links=8, slowdowns=14, culprits=13, transient=1, transient_false=1,
+    "run1": Bars(links=8, slowdowns=14, culprits=13, transient=2, transient_false=1,
                  healthy_alarms=0),
-    "run2": Bars(links=7, slowdowns=14, culprits=14, transient=0, transient_false=0,
+    "run2": Bars(links=7, slowdowns=14, culprits=14, transient=1, transient_false=0,
                  healthy_alarms=0),
-    "run3": Bars(links=6, slowdowns=15, culprits=14, transient=2, transient_false=3,
+    "run3": Bars(links=6, slowdowns=15, culprits=14, transient=3, transient_false=2,
                  healthy_alarms=1),
     "run4": Bars(links=5, slowdowns=14, culprits=14, transient=2, transient_false=2,
                  healthy_alarms=0),

@@ -1,0 +1,70 @@
+"""Bursts a CPU quota made: the kernel's count of it, read over the heartbeats.
+
+A rank's heartbeats may carry how long the kernel throttled its cgroup by its CPU quota
+(:mod:`detectors.cpu_counters`). A burst whose rank (or host) its quota held back then,
+and let go since, is that quota's straggler, whatever it cost and however noisy the job:
+the kernel says why, where the job's timings alone could be a host's hiccup. A burst of
+short steps is shorter than a heartbeat interval: its counters are read over the
+heartbeats that cover it, and it is judged once they came.
+
+:class:`QuotaBursts` is the part of :class:`~detectors.stragglers.Stragglers` that does
+this, with the tracker's ledger, CPU counters and localisation (the attributes below).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from detectors.cpu_counters import CpuWaits
+from detectors.cpu_wait import quota_holds
+from detectors.incidents import Culprit, Incident, StepTimeLedger
+from detectors.steps import StepReport
+from detectors.topology import Topology
+from schemas.enums import Cause
+
+
+class QuotaBursts:
+    """Whether a burst waits for its CPU counters, and the quota that made it."""
+
+    ledger: StepTimeLedger
+    cpu: CpuWaits | None
+    settle_s: float
+    locate: Callable[[list[StepReport], Topology, Culprit | None, bool], Incident | None]
+
+    def _cpu_pending(self, onset: int, length: int, rep: StepReport) -> bool:
+        """Whether, as of step ``rep``, the ranks' CPU counters have not come yet for all
+        of the burst's ``length`` steps from ``onset`` (heartbeats come less often than a
+        short step ends), or a CPU quota still holds ranks back since it
+        (:func:`~detectors.cpu_wait.quota_holds`: a burst it began is the first of a
+        slowdown, told as that once it lasted): waited for up to ``settle_s`` past it."""
+        cpu = self.cpu
+        if cpu is None or cpu.empty:
+            return False
+        ends = [r.end_ns for r in self.ledger.since(onset) if r.step < onset + length]
+        end = ends[-1] if ends else rep.end_ns
+        if rep.end_ns >= end + self.settle_s * 1e9:
+            return False
+        return not cpu.covered(end) or quota_holds(cpu, end, rep.end_ns)
+
+    def _quota_held(
+        self, onset: int, length: int, rep: StepReport, topo: Topology
+    ) -> Incident | None:
+        """The burst from ``onset`` (``length`` steps) localised again by the CPU counters
+        that cover it, where a CPU quota held its culprit back then and let go since (up
+        to step ``rep``; the kernel's count of it, not the job's timings): None
+        otherwise. The kernel names the cause, so the burst needs neither to stand out of
+        the job's noise nor to cost the time a scheduler's hiccup does. A quota that holds
+        on is a slowdown's, judged as any."""
+        cpu = self.cpu
+        if cpu is None or not cpu.throttled.any():
+            return None
+        reps = [r for r in self.ledger.since(onset) if r.step < onset + length]
+        if not reps or quota_holds(cpu, reps[-1].end_ns, rep.end_ns):
+            return None
+        inc = self.locate(reps, topo, None, True)
+        if inc is None or inc.cause is not Cause.HOST_CPU:
+            return None
+        return inc if "cpu_throttled_share" in inc.evidence else None
+
+
+__all__ = ["QuotaBursts"]
