@@ -6,7 +6,9 @@ stalled rank do not always name it: they name it, a peer it held inside the call
 both, and now and then a neighbour the stall held up besides. The members of one
 tensor-parallel group leave every all-reduce of theirs together (the group is the unit
 the critical path is made of), so a burst naming one of them and a burst naming
-another are one rank's stalls as much as two bursts naming the same rank.
+another are one rank's stalls as much as two bursts naming the same rank. So are a burst
+naming a host and one naming a rank on it: a rank that stalls holds its host's others
+up with it, and a burst names the host where they all came late.
 
 >>> from detectors.incidents import Culprit, Incident
 >>> from detectors.topology import Topology
@@ -17,7 +19,7 @@ another are one rank's stalls as much as two bursts naming the same rank.
 ...     topo.add(CommInfo(job="j", ts_ns=0, comm_hash=h, role=CommRole.TP, ranks=ranks))
 >>> def burst(*ranks):
 ...     return Incident(Culprit.rank(ranks[0]), Cause.COMPUTE, rank=ranks[0],
-...                     ranks=ranks if len(ranks) > 1 else ())
+...                     node=topo.node(ranks[0]), ranks=ranks if len(ranks) > 1 else ())
 >>> first = burst(5, 1)  # rank 1 stalled; its pipeline peer 5 was held up with it
 >>> named, bursts = {first.culprit: first}, {first.culprit: [(9, 2.9, 1)]}
 >>> later = episode(burst(0), named, bursts, topo)  # its tensor-parallel peer, alone
@@ -25,6 +27,14 @@ another are one rank's stalls as much as two bursts naming the same rank.
 (True, 1, (1, 0))
 >>> episode(burst(2), named, bursts, topo) == burst(2)  # another group: its own
 True
+
+A host's burst, then one of its ranks': one episode, named as the rank.
+
+>>> host = Incident(Culprit.node(topo.node(3)), Cause.HOST_CPU, node=topo.node(3))
+>>> named, bursts = {host.culprit: host}, {host.culprit: [(13, 2.9, 1)]}
+>>> later = episode(burst(3), named, bursts, topo)
+>>> later.culprit == host.culprit, later.rank, later.node == topo.node(3)
+(True, 3, True)
 """
 
 from __future__ import annotations
@@ -57,6 +67,8 @@ def episode(
         if not bursts.get(culprit):
             continue
         theirs = earlier.named
+        if culprit != inc.culprit and _host_and_rank(earlier, inc):
+            return _on_host(earlier, inc, topo)
         if culprit != inc.culprit and not mine & set(theirs):
             group = tp_group(theirs, topo) & tp_group(mine, topo)
             if not group:
@@ -75,6 +87,23 @@ def episode(
                           pp_stage=topo.coords(r)[0])  # fmt: skip
         return out
     return inc
+
+
+def _host_and_rank(a: Incident, b: Incident) -> bool:
+    """Whether one of ``a`` and ``b`` names a host and the other one rank on it (a rank
+    that stalls holds its host's others up with it: their bursts name the host)."""
+    host, rank = (a, b) if a.culprit.kind == "node" else (b, a)
+    return host.culprit.kind == "node" and len(rank.named) == 1 and rank.node == host.node
+
+
+def _on_host(earlier: Incident, inc: Incident, topo: Topology) -> Incident:
+    """A host's bursts and one of its ranks' as one episode (``earlier``'s), named as
+    the rank: the host's others were held up with it."""
+    evidence = {**earlier.evidence, **inc.evidence}
+    r = earlier.rank if earlier.rank is not None else inc.rank
+    assert r is not None
+    return replace(earlier, rank=r, gpu=topo.gpu(r), node=topo.node(r),
+                   pp_stage=topo.coords(r)[0], evidence=evidence)  # fmt: skip
 
 
 def tp_group(ranks: tuple[int, ...] | set[int], topo: Topology) -> set[int]:

@@ -34,10 +34,11 @@ What they miss or add, with the reason seen in the records:
   unlocalised slowdown (its only false alarm over the healthy steps). Missed in runs 1
   and 2, the mixture of experts' rank under a quota beside a slow link (under 5% of
   what the link leaves in run 1, 8% in run 2);
-- intermittent stragglers 1 of 3 in each, Megatron's, none false (DDP's stalls fall
-  while its gradient all-reduces are in flight: no rank late, or bursts named on
-  another host; the mixture of experts' as a transient of its rank, or inside the
-  slowdown told of its job);
+- intermittent stragglers 1 of 3 in runs 1 and 2, Megatron's, and 2 of 3 in run 3,
+  Megatron's and the mixture of experts' (its bursts named its rank's host, then its
+  rank: one episode), none false (DDP's stalls fall while its gradient all-reduces are
+  in flight: no rank late, or bursts named on another host; the mixture of experts' as
+  a transient of its rank, or inside the slowdown told of its job);
 - transient stragglers 2 of 3 in run 1 (Megatron's 1.8x step is inside its job's noise),
   1 false (DDP's rank held just under what it uses, a burst of it before its slowdown
   was told); 1 of 3 in run 2, none false (Megatron's and the mixture of experts' steps
@@ -85,17 +86,18 @@ class Bars:
     culprits: int  # slowdowns with the culprit right
     transient: int
     transient_false: int
+    intermittent: int
     healthy_alarms: int
 
 
 BARS = {
-    "run1": Bars(links=8, slowdowns=14, culprits=13, transient=2, transient_false=1,
+    "run1": Bars(links=8, slowdowns=14, culprits=13, transient=2, transient_false=1, intermittent=1,
                  healthy_alarms=0),
-    "run2": Bars(links=7, slowdowns=14, culprits=14, transient=1, transient_false=0,
+    "run2": Bars(links=7, slowdowns=14, culprits=14, transient=1, transient_false=0, intermittent=1,
                  healthy_alarms=0),
-    "run3": Bars(links=6, slowdowns=15, culprits=14, transient=3, transient_false=2,
+    "run3": Bars(links=6, slowdowns=15, culprits=14, transient=3, transient_false=2, intermittent=2,
                  healthy_alarms=1),
-    "run4": Bars(links=5, slowdowns=14, culprits=14, transient=2, transient_false=2,
+    "run4": Bars(links=5, slowdowns=14, culprits=14, transient=2, transient_false=2, intermittent=1,
                  healthy_alarms=0),
 }  # fmt: skip
 
@@ -128,5 +130,5 @@ def test_stragglers_no_worse_and_no_more_false_alarms_on_healthy_jobs(
     transient, intermittent = (s.kinds[k] for k in ("transient_straggler",
                                                     "intermittent_slowdown"))  # fmt: skip
     assert transient.tp >= bars.transient and transient.fp <= bars.transient_false
-    assert intermittent.tp >= 1 and intermittent.fp == 0
+    assert intermittent.tp >= bars.intermittent and intermittent.fp == 0
     assert s.healthy_steps == 541 and s.healthy_alarms <= bars.healthy_alarms

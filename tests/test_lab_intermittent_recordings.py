@@ -6,9 +6,14 @@ so its bursts name it, its peers or both: still one rank's stalls."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.recordings import ORDERS, last_verdicts
+from schemas.codec import read_jsonl
+from tests.recordings import ORDERS, last_verdicts, replayed
+
+LAB41 = Path(__file__).parent / "corpus" / "lab41"
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -55,3 +60,14 @@ def test_bursts_naming_a_rank_and_then_its_tensor_parallel_peer_are_one_rank_s_s
     (v,) = [v for v in vs if v.kind.value == "intermittent_slowdown"]
     assert (v.rank, sorted(v.culprit_ranks), v.onset_step) == (1, [0, 1], 9)
     assert all(1 in v.culprit_ranks for v in vs), [(v.kind, v.culprit_ranks) for v in vs]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_bursts_naming_a_host_then_one_of_its_ranks_are_that_rank_s_stalls(order: str) -> None:
+    """Case moe-intermittent, kept in `tests/corpus/lab41/run3`: a mixture of experts,
+    rank 1's cgroup frozen for two steps every 8. The first stall held both ranks of
+    lab-n0 up (a burst of its host, 2.9x), the second named rank 1 (2.5x): one
+    straggler's stalls, an intermittent slowdown of rank 1 from the first."""
+    records = list(read_jsonl(LAB41 / "run3" / "moe-intermittent" / "records.jsonl.gz"))
+    (v,) = [v for v in replayed(records, order) if v.kind.value == "intermittent_slowdown"]
+    assert (v.rank, v.node, v.onset_step) == (1, "lab-n0", 13)
