@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from detectors.cpu_counters import CpuWaits
 from detectors.cpu_wait import quota_holds
-from detectors.incidents import Culprit, Incident, StepTimeLedger
+from detectors.incidents import Incident, StepTimeLedger
 from detectors.steps import StepReport
 from detectors.topology import Topology
 from schemas.enums import Cause
@@ -29,7 +29,8 @@ class QuotaBursts:
     ledger: StepTimeLedger
     cpu: CpuWaits | None
     settle_s: float
-    locate: Callable[[list[StepReport], Topology, Culprit | None, bool], Incident | None]
+    #: (steps, topology, the incident localised again or None, whether a burst's)
+    locate: Callable[..., Incident | None]
 
     def _cpu_pending(self, onset: int, length: int, rep: StepReport) -> bool:
         """Whether, as of step ``rep``, the ranks' CPU counters have not come yet for all

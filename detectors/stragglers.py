@@ -29,7 +29,6 @@ ledger and localisation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -70,7 +69,6 @@ class Stragglers(QuotaBursts):
 
     shift: ShiftDetector
     localizer: SlowdownLocalizer
-    locate: Callable[[list[StepReport], Topology, Culprit | None, bool], Incident | None]
     #: each culprit's bursts as last named (a later burst naming one of its ranks goes
     #: on from them; None: one pickled before)
     _burst_named: dict[Culprit, Incident] | None = None
