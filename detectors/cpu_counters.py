@@ -109,41 +109,34 @@ class CpuWaits:
         nearest ``start_ns`` to its last one at or before ``end_ns`` (NaN: no such
         interval). A thread that ended takes its counts with it, and a process moved to
         another cgroup takes up that group's, so a counter that went down adds nothing."""
-        ts, waits, held = self._in_order()
-        counter = held if throttled else waits
-        cols = np.arange(self.keep)
-        kept = cols >= (self.keep - np.asarray(self.count, dtype=np.int64))[:, None]
+        ts, kept, total = self._totals(throttled)
         a = np.argmin(np.where(kept, np.abs(ts - start_ns), np.iinfo(np.int64).max), axis=1)
         upto = kept & (ts <= end_ns)
         b = self.keep - 1 - np.argmax(upto[:, ::-1], axis=1)
-        ok = upto.any(axis=1) & (b > a)
-        grew = np.where(kept[:, 1:], np.clip(np.diff(counter, axis=1), 0, None), 0)
-        waited = np.concatenate([np.zeros((len(b), 1)), np.cumsum(grew, axis=1)], axis=1)
-        rows = np.arange(len(b))
-        span = (ts[rows, b] - ts[rows, a]).astype(float)
-        done = waited[rows, b] - waited[rows, a]
-        return np.where(ok, done / np.where(ok, span, 1.0), np.nan)
+        return _rate(ts, total, a, b, upto.any(axis=1) & (b > a))
 
     def covering(self, start_ns: int, end_ns: int, throttled: bool = False) -> np.ndarray:
-        """Every rank's wait (or ``throttled``) share over the heartbeat intervals that cover
-        ``start_ns`` to ``end_ns``: from its last heartbeat at or before the start to its
-        first at or after the end (NaN: either not kept, or not come yet). A burst of a
-        step or two is shorter than a heartbeat interval: :meth:`rates` over it, from
+        """Every rank's wait (or ``throttled``) share over the heartbeat intervals that
+        cover ``start_ns`` to ``end_ns``: from its last heartbeat at or before the start to
+        its first at or after the end (NaN: either not kept, or not come yet). A burst of
+        a step or two is shorter than a heartbeat interval: :meth:`rates` over it, from
         the heartbeat nearest its start to the last before its end, has none."""
+        ts, kept, total = self._totals(throttled)
+        before, after = kept & (ts <= start_ns), kept & (ts >= end_ns)
+        a = self.keep - 1 - np.argmax(before[:, ::-1], axis=1)
+        b = np.argmax(after, axis=1)
+        return _rate(ts, total, a, b, before.any(axis=1) & after.any(axis=1) & (b > a))
+
+    def _totals(self, throttled: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rings' times oldest to newest, which columns are kept samples, and each
+        rank's counter (waits, or ``throttled``) summed up to each column, what went down
+        counted as nothing."""
         ts, waits, held = self._in_order()
         counter = held if throttled else waits
         kept = np.arange(self.keep) >= (self.keep - np.asarray(self.count, dtype=np.int64))[:, None]
-        before = kept & (ts <= start_ns)
-        after = kept & (ts >= end_ns)
-        ok = before.any(axis=1) & after.any(axis=1)
-        a = self.keep - 1 - np.argmax(before[:, ::-1], axis=1)
-        b = np.argmax(after, axis=1)
         grew = np.where(kept[:, 1:], np.clip(np.diff(counter, axis=1), 0, None), 0)
-        total = np.concatenate([np.zeros((len(a), 1)), np.cumsum(grew, axis=1)], axis=1)
-        rows = np.arange(len(a))
-        span = (ts[rows, b] - ts[rows, a]).astype(float)
-        ok &= span > 0
-        return np.where(ok, (total[rows, b] - total[rows, a]) / np.where(ok, span, 1.0), np.nan)
+        total = np.concatenate([np.zeros((len(ts), 1)), np.cumsum(grew, axis=1)], axis=1)
+        return ts, kept, total
 
     def covered(self, end_ns: int) -> bool:
         """Whether every rank heard from has a heartbeat at or after ``end_ns`` (what it
@@ -206,6 +199,17 @@ class CpuWaits:
         n = int(np.flatnonzero(self.count).max()) + 1 if not self.empty else 0  # ranks heard
         after = self.rates(start_ns, end_ns, throttled)[:n]
         return after, self.rates(start_ns - BEFORE_NS, start_ns, throttled)[:n]
+
+
+def _rate(
+    ts: np.ndarray, total: np.ndarray, a: np.ndarray, b: np.ndarray, ok: np.ndarray
+) -> np.ndarray:
+    """Each row's counter grown from column ``a`` to ``b`` per unit of time (NaN where not
+    ``ok``)."""
+    rows = np.arange(len(a))
+    span = (ts[rows, b] - ts[rows, a]).astype(float)
+    ok = ok & (span > 0)
+    return np.where(ok, (total[rows, b] - total[rows, a]) / np.where(ok, span, 1.0), np.nan)
 
 
 __all__ = ["BEFORE_NS", "CpuWaits"]
