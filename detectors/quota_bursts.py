@@ -37,13 +37,14 @@ class QuotaBursts:
         of the burst's ``length`` steps from ``onset`` (heartbeats come less often than a
         short step ends), or a CPU quota still holds ranks back since it
         (:func:`~detectors.cpu_wait.quota_holds`: a burst it began is the first of a
-        slowdown, told as that once it lasted): waited for up to ``settle_s`` past it."""
+        slowdown, told as that once it lasted): waited for up to ``settle_s`` past it, and
+        no longer than the job's recent steps keep its own."""
         cpu = self.cpu
         if cpu is None or cpu.empty:
             return False
         ends = [r.end_ns for r in self.ledger.since(onset) if r.step < onset + length]
         end = ends[-1] if ends else rep.end_ns
-        if rep.end_ns >= end + self.settle_s * 1e9:
+        if rep.end_ns >= end + self.settle_s * 1e9 or rep.step - onset >= self.ledger.keep - 1:
             return False
         return not cpu.covered(end) or quota_holds(cpu, end, rep.end_ns)
 
