@@ -336,6 +336,8 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
             return self._update(rep, ratio)
         inc = found or Incident(JOB, Cause.UNKNOWN)
         culprit = inc.culprit
+        if culprit not in self.open and self._stalls_again(inc, topo):
+            return self._update(rep, ratio)  # its intermittent verdict carries it
         # a rank named from a shift's first steps may have been this culprit seen early:
         # checked again first, so that one fault stays one incident
         out = self._recheck(rep, topo) if culprit not in self.open and self._unsettled else []

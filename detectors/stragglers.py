@@ -20,7 +20,10 @@ A burst is judged once as many steps as confirm a shift have followed it: slow s
 that come back within them and stay are the first of a slowdown (a CPU quota lets a
 fast step through now and then), reported as that slowdown alone; another burst within
 them, of the same culprit, its host or one of its host's ranks (or none named), is the
-same episode, judged as one once the steps after it passed.
+same episode, judged as one once the steps after it passed. While a straggler's stalls
+recur (its intermittent slowdown open), a slower stretch of the job's steps that names
+its rank, its tensor-parallel peer or its host is those stalls again: its verdict
+carries it, and no slowdown is opened beside it.
 
 :class:`Stragglers` is the part of :class:`~detectors.slowdown_tracker.SlowdownTracker`
 that judges the change-point detector's bursts; it uses the tracker's verdict book,
@@ -350,6 +353,20 @@ class Stragglers(QuotaBursts):
         )
         done = self.book.resolve(kind.value, key, end)
         return [x for x in (v, done) if x is not None]
+
+    def _stalls_again(self, inc: Incident, topo: Topology) -> bool:
+        """Whether a shift localised to ``inc`` is a straggler's recurring stalls: an
+        intermittent slowdown is open whose bursts named its rank, its tensor-parallel
+        peer or its host (:func:`~detectors.episodes.episode`). Stalls that come every few
+        steps make a slower stretch of the job's steps, which names the stalled rank or
+        one it held up with it: no new fault."""
+        if inc.rank is None and inc.culprit.kind != "node":
+            return False
+        ep = episode(inc, self._burst_named or {}, self.bursts, topo)
+        if ep is inc:
+            return False
+        key = ep.culprit.key
+        return self.book.current(VerdictKind.INTERMITTENT_SLOWDOWN.value, key) is not None
 
 
 def _lost(reps: list[StepReport], level: float) -> float:

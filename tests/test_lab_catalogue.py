@@ -25,8 +25,9 @@ What they miss or add, with the reason seen in the records:
 - slowdowns: 14 of 15 in runs 1 and 2, 15 of 15 in run 3. Run 1: one with the wrong
   culprit (Megatron's rank held just under what it uses named as its tensor-parallel
   peer, the job's steps 1.9x slower from step 6 on a machine busier than the fault;
-  the same in run 3); 2 false, the Megatron intermittent job's slower stretches told
-  as slowdowns of rank 1's tensor-parallel peer. Run 2: 2 false, DDP's rank under a
+  the same in run 3); none false (the Megatron intermittent job's slower stretches,
+  which named rank 1's tensor-parallel peer, are its stalls again: its intermittent
+  slowdown, open, names both ranks). Run 2: 2 false, DDP's rank under a
   quota just under what it uses told again after its steps came back for a while, and
   the mixture of experts' intermittent job (its steps vary from 57 to 123 ms) 1.5x
   slower than three quiet steps after its warm-up. Run 3: 1 false, Megatron's healthy
@@ -84,6 +85,7 @@ class Bars:
     links: int  # degraded links found (the rest missed)
     slowdowns: int
     culprits: int  # slowdowns with the culprit right
+    slowdowns_false: int
     transient: int
     transient_false: int
     intermittent: int
@@ -91,14 +93,14 @@ class Bars:
 
 
 BARS = {
-    "run1": Bars(links=8, slowdowns=14, culprits=13, transient=2, transient_false=1, intermittent=1,
-                 healthy_alarms=0),
-    "run2": Bars(links=7, slowdowns=14, culprits=14, transient=1, transient_false=0, intermittent=1,
-                 healthy_alarms=0),
-    "run3": Bars(links=6, slowdowns=15, culprits=14, transient=3, transient_false=2, intermittent=2,
-                 healthy_alarms=1),
-    "run4": Bars(links=5, slowdowns=14, culprits=14, transient=2, transient_false=2, intermittent=1,
-                 healthy_alarms=0),
+    "run1": Bars(links=8, slowdowns=14, culprits=13, slowdowns_false=0, transient=2,
+                 transient_false=1, intermittent=1, healthy_alarms=0),
+    "run2": Bars(links=7, slowdowns=14, culprits=14, slowdowns_false=2, transient=1,
+                 transient_false=0, intermittent=1, healthy_alarms=0),
+    "run3": Bars(links=6, slowdowns=15, culprits=14, slowdowns_false=1, transient=3,
+                 transient_false=2, intermittent=2, healthy_alarms=1),
+    "run4": Bars(links=5, slowdowns=14, culprits=14, slowdowns_false=1, transient=2,
+                 transient_false=2, intermittent=1, healthy_alarms=0),
 }  # fmt: skip
 
 
@@ -120,7 +122,8 @@ def test_every_hang_and_degraded_link_is_found_with_its_culprit(scored: tuple[Ba
 def test_slowdowns_no_worse(scored: tuple[Bars, Score]) -> None:
     bars, s = scored
     k = s.kinds["slowdown"]
-    assert k.tp >= bars.slowdowns and k.culprit_ok >= bars.culprits and k.fp <= 2
+    assert k.tp >= bars.slowdowns and k.culprit_ok >= bars.culprits
+    assert k.fp <= bars.slowdowns_false
 
 
 def test_stragglers_no_worse_and_no_more_false_alarms_on_healthy_jobs(

@@ -71,3 +71,18 @@ def test_bursts_naming_a_host_then_one_of_its_ranks_are_that_rank_s_stalls(order
     records = list(read_jsonl(LAB41 / "run3" / "moe-intermittent" / "records.jsonl.gz"))
     (v,) = [v for v in replayed(records, order) if v.kind.value == "intermittent_slowdown"]
     assert (v.rank, v.node, v.onset_step) == (1, "lab-n0", 13)
+
+
+def test_a_slower_stretch_while_the_stalls_recur_is_no_slowdown_of_the_peer() -> None:
+    """Case megatron-intermittent, kept in `tests/corpus/lab41/run1`: rank 1 frozen for
+    two steps every 8. Once its stalls recurred (an intermittent slowdown of ranks 1
+    and 0, its tensor-parallel peer), the job's steps ran 1.3-1.6x slower for stretches
+    of ten steps or more, which named rank 0: the stalls again, carried by their
+    intermittent verdict, not slowdowns of rank 0 (two false ones, before)."""
+    records = list(read_jsonl(LAB41 / "run1" / "megatron-intermittent" / "records.jsonl.gz"))
+    got = replayed(records)
+    assert [v.kind.value for v in got if v.kind.value != "transient_straggler"] == [
+        "intermittent_slowdown"
+    ]
+    (v,) = [v for v in got if v.kind.value == "intermittent_slowdown"]
+    assert (v.rank, sorted(v.culprit_ranks), v.onset_step) == (1, [0, 1], 9)
