@@ -191,13 +191,15 @@ class CpuWaits:
         return None if np.isnan(x) else float(x)
 
     def shares(
-        self, start_ns: int, end_ns: int, throttled: bool = False
+        self, start_ns: int, end_ns: int, throttled: bool = False, burst: bool = False
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Every rank's wait (or ``throttled``) share from ``start_ns`` to ``end_ns``, and
+        """Every rank's wait (or ``throttled``) share from ``start_ns`` to ``end_ns`` (for
+        a ``burst``, over the heartbeat intervals that cover it: :meth:`covering`), and
         before it (over :data:`BEFORE_NS`); NaN where unknown. Ranks are 0..the highest
         seen."""
         n = int(np.flatnonzero(self.count).max()) + 1 if not self.empty else 0  # ranks heard
-        after = self.rates(start_ns, end_ns, throttled)[:n]
+        read = self.covering if burst else self.rates
+        after = read(start_ns, end_ns, throttled)[:n]
         return after, self.rates(start_ns - BEFORE_NS, start_ns, throttled)[:n]
 
 

@@ -125,10 +125,8 @@ def starved(
     once its node-mates' shares are known. Nothing where a share is missing for half the
     job or more. A ``burst`` (a step or a few, shorter than a heartbeat interval) is read
     over the heartbeat intervals that cover it (:meth:`CpuWaits.covering`)."""
-    after, before = cpu.shares(start_ns, end_ns)
+    after, before = cpu.shares(start_ns, end_ns, burst=burst)
     read = cpu.covering if burst else cpu.rates
-    if burst:
-        after = cpu.covering(start_ns, end_ns)[: len(after)]
     n = len(nodes)
     if len(after) < n or n < 2:
         return ()

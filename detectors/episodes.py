@@ -92,8 +92,8 @@ def episode(
 def _host_and_rank(a: Incident, b: Incident) -> bool:
     """Whether one of ``a`` and ``b`` names a host and the other one rank on it (a rank
     that stalls holds its host's others up with it: their bursts name the host)."""
-    host, rank = (a, b) if a.culprit.kind == "node" else (b, a)
-    return host.culprit.kind == "node" and len(rank.named) == 1 and rank.node == host.node
+    kinds = {a.culprit.kind, b.culprit.kind}
+    return kinds == {"node", "rank"} and a.node == b.node is not None
 
 
 def _on_host(earlier: Incident, inc: Incident, topo: Topology) -> Incident:

@@ -49,19 +49,18 @@ class QuotaBursts:
         return not cpu.covered(end) or quota_holds(cpu, end, rep.end_ns)
 
     def _quota_held(
-        self, onset: int, length: int, rep: StepReport, topo: Topology
+        self, reps: list[StepReport], rep: StepReport, topo: Topology
     ) -> Incident | None:
-        """The burst from ``onset`` (``length`` steps) localised again by the CPU counters
-        that cover it, where a CPU quota held its culprit back then and let go since (up
-        to step ``rep``; the kernel's count of it, not the job's timings): None
-        otherwise. The kernel names the cause, so the burst needs neither to stand out of
-        the job's noise nor to cost the time a scheduler's hiccup does. A quota that holds
-        on is a slowdown's, judged as any."""
+        """The burst of steps ``reps`` localised again by the CPU counters that cover it,
+        where a CPU quota held its culprit back then and let go since (up to step ``rep``;
+        the kernel's count of it, not the job's timings): None otherwise. The kernel names
+        the cause, so the burst needs neither to stand out of the job's noise nor to cost
+        the time a scheduler's hiccup does. A quota that holds on is a slowdown's, judged
+        as any."""
         cpu = self.cpu
-        if cpu is None or not cpu.throttled.any():
+        if cpu is None or not reps or not cpu.throttled.any():
             return None
-        reps = [r for r in self.ledger.since(onset) if r.step < onset + length]
-        if not reps or quota_holds(cpu, reps[-1].end_ns, rep.end_ns):
+        if quota_holds(cpu, reps[-1].end_ns, rep.end_ns):
             return None
         inc = self.locate(reps, topo, None, True)
         if inc is None or inc.cause is not Cause.HOST_CPU:

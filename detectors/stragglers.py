@@ -158,7 +158,7 @@ class Stragglers(QuotaBursts):
         onset, ratio, length, _, inc, bar = held
         reps, level, measured = self._over_level(onset, onset + length)
         ratio = measured or ratio
-        quota = self._quota_held(onset, length, rep, topo)
+        quota = self._quota_held(reps, rep, topo)
         if quota is not None:
             inc = quota
         if quota is not None or self._held_others_up(inc, reps):
