@@ -14,6 +14,8 @@ from schemas.results import Verdict
 DATA = Path(__file__).parent / "data"
 #: the kept lab runs (one folder per case), which `megatrace eval --corpus` scores
 CORPUS = Path(__file__).parent / "corpus" / "lab"
+#: the whole catalogue's kept live runs (``run1`` to ``run4``, one folder per case)
+LAB41 = Path(__file__).parent / "corpus" / "lab41"
 
 #: how the records reach the detectors: in the order they were read; as the flow
 #: batches a poll (each communicator's share of it at once); and with the job's
@@ -25,6 +27,11 @@ ORDERS = ["as-read", "polled", "markers-first"]
 def read_records(name: str) -> list:
     """Recording ``name``'s records, in the order they were read."""
     return list(read_jsonl(DATA / name))
+
+
+def case_records(run: str, case: str) -> list:
+    """The records of case ``case`` of kept live run ``run`` (:data:`LAB41`)."""
+    return list(read_jsonl(LAB41 / run / case / "records.jsonl.gz"))
 
 
 def last_verdicts(name: str, order: str = "as-read") -> list[Verdict]:

@@ -68,14 +68,12 @@ the healthy steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from detectors.scoring import Score
 from megatrace.evaluate import Results, corpus, score
-
-RUNS = Path(__file__).parent / "corpus" / "lab41"
+from tests.recordings import LAB41
 
 
 @dataclass(frozen=True)
@@ -107,7 +105,7 @@ BARS = {
 @pytest.fixture(scope="module", params=sorted(BARS))
 def scored(request: pytest.FixtureRequest) -> tuple[Bars, Score]:
     res = Results()
-    res.add(score(corpus(RUNS / request.param), baselines=False, progress=lambda _: None))
+    res.add(score(corpus(LAB41 / request.param), baselines=False, progress=lambda _: None))
     assert res.cases == 41
     return BARS[request.param], res.scores["megatrace"]
 

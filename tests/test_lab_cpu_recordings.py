@@ -3,16 +3,13 @@ rank's or a node's cgroup), alone and beside a slow link: see tests/recordings.p
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import msgspec
 import pytest
 
 from detectors.replay import Replay
-from schemas.codec import read_jsonl
 from schemas.records import Heartbeat
 from schemas.results import Verdict
-from tests.recordings import ORDERS, last_verdicts, read_records, replayed
+from tests.recordings import ORDERS, case_records, last_verdicts, read_records, replayed
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -225,11 +222,8 @@ def test_a_quota_letting_fast_steps_through_is_no_recovery_while_it_holds(order:
     assert (v.kind.value, v.rank, v.cause.value) == ("slowdown", 1, "host_cpu")
 
 
-TRANSIENT = Path(__file__).parent / "corpus" / "lab41"
-
-
 def _transient_records(run: str, counted: bool = True) -> list:
-    records = list(read_jsonl(TRANSIENT / run / "ddp-transient" / "records.jsonl.gz"))
+    records = case_records(run, "ddp-transient")
     if counted:
         return records
     return [  # a source that does not read the cgroup's throttled counter

@@ -6,14 +6,9 @@ so its bursts name it, its peers or both: still one rank's stalls."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from schemas.codec import read_jsonl
-from tests.recordings import ORDERS, last_verdicts, replayed
-
-LAB41 = Path(__file__).parent / "corpus" / "lab41"
+from tests.recordings import ORDERS, case_records, last_verdicts, replayed
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -68,7 +63,7 @@ def test_bursts_naming_a_host_then_one_of_its_ranks_are_that_rank_s_stalls(order
     rank 1's cgroup frozen for two steps every 8. The first stall held both ranks of
     lab-n0 up (a burst of its host, 2.9x), the second named rank 1 (2.5x): one
     straggler's stalls, an intermittent slowdown of rank 1 from the first."""
-    records = list(read_jsonl(LAB41 / "run3" / "moe-intermittent" / "records.jsonl.gz"))
+    records = case_records("run3", "moe-intermittent")
     (v,) = [v for v in replayed(records, order) if v.kind.value == "intermittent_slowdown"]
     assert (v.rank, v.node, v.onset_step) == (1, "lab-n0", 13)
 
@@ -79,7 +74,7 @@ def test_a_slower_stretch_while_the_stalls_recur_is_no_slowdown_of_the_peer() ->
     and 0, its tensor-parallel peer), the job's steps ran 1.3-1.6x slower for stretches
     of ten steps or more, which named rank 0: the stalls again, carried by their
     intermittent verdict, not slowdowns of rank 0 (two false ones, before)."""
-    records = list(read_jsonl(LAB41 / "run1" / "megatron-intermittent" / "records.jsonl.gz"))
+    records = case_records("run1", "megatron-intermittent")
     got = replayed(records)
     assert [v.kind.value for v in got if v.kind.value != "transient_straggler"] == [
         "intermittent_slowdown"
