@@ -82,6 +82,7 @@ def import_megatrace_logs(
         read_training_log,
     )
     from schemas.codec import write_jsonl
+    from schemas.files import InputFileError
 
     report = RunReport()
     try:
@@ -118,7 +119,7 @@ def import_megatrace_logs(
                 if to == "kafka"
                 else write_jsonl(Path(to), records)
             )
-    except ConfigFormatError as e:
+    except (ConfigFormatError, InputFileError) as e:
         raise click.ClickException(str(e)) from None
     what = "call lines" if follow else "records"
     click.echo(f"{n:,} {what} from {report.call_logs or 'the'} call logs in {directory}")

@@ -27,21 +27,23 @@ def analyze(path: str, as_json: bool) -> None:
     from detectors.replay import Replay
     from detectors.route import POLL
     from producers.megatron_config import ConfigFormatError
-    from schemas.codec import SchemaError, read_jsonl, verdict_json
+    from schemas.codec import SchemaError, read_jsonl, records_file, verdict_json
+    from schemas.files import InputFileError
     from schemas.results import Verdict
 
     p = Path(path)
     log = IncidentLog()
     replay = Replay(poll=POLL, rows=False)  # batched as the flow batches its polls
     try:
-        if p.is_dir() and not (p / "records.jsonl").exists():
+        kept = records_file(p) if p.is_dir() else p
+        if kept is None:
             from producers.megatrace_run import import_dir
 
             records, report = import_dir(p, None, p.resolve().name)
             for line in report.lines_out():
                 click.echo(f"  {line}", err=True)
         else:
-            records = read_jsonl(p / "records.jsonl" if p.is_dir() else p, inputs=True)
+            records = read_jsonl(kept, inputs=True)
         for out in replay.run(records):
             if not isinstance(out, Verdict):
                 continue
@@ -49,7 +51,7 @@ def analyze(path: str, as_json: bool) -> None:
                 click.echo(json.dumps(verdict_json(out)))
             elif (line := log.update(out)) is not None:
                 click.echo(line)
-    except (SchemaError, ConfigFormatError) as e:
+    except (SchemaError, ConfigFormatError, InputFileError) as e:
         raise click.ClickException(str(e)) from None
     if not as_json:
         click.echo("")
@@ -131,7 +133,7 @@ def evaluate(
     for root in corpora:
         try:
             cases = list(ev.corpus(root))
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:  # none; a file cut short, a bad line
             raise click.ClickException(str(e)) from None
         res = ev.score(cases, baselines, said)
         every.add(res)

@@ -88,13 +88,13 @@ def simulated(
 
 def corpus(root: Path) -> Iterator[Case]:
     """Every case folder under ``root`` (itself one, or its sub-folders, in name order)."""
-    from schemas.codec import read_jsonl
+    from schemas.codec import read_jsonl, records_file
 
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"no corpus folder {root}")
-    dirs = [root] if _records(root) else sorted(root.iterdir())
-    cases = [(d, rec) for d in dirs if (rec := _records(d)) is not None]
+    dirs = [root] if records_file(root) else sorted(root.iterdir())
+    cases = [(d, rec) for d in dirs if (rec := records_file(d)) is not None]
     if not cases:
         raise FileNotFoundError(
             f"{root} holds no case (a folder with a records.jsonl or records.jsonl.gz)"
@@ -103,12 +103,6 @@ def corpus(root: Path) -> Iterator[Case]:
         labels_file = d / "labels.jsonl"
         labels = list(read_jsonl(labels_file)) if labels_file.exists() else []
         yield Case(d.name, list(read_jsonl(rec)), labels)
-
-
-def _records(folder: Path) -> Path | None:
-    """A case folder's records (kept gzipped or not); None: not a case."""
-    return next((p for p in (folder / "records.jsonl", folder / "records.jsonl.gz")
-                 if p.is_file()), None)  # fmt: skip
 
 
 def score(cases: Iterable[Case], baselines: bool, progress: Callable[[str], None]) -> Results:

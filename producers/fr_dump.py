@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.enums import CollOp, DType, torch_op
+from schemas.files import InputFileError, read_bytes
 
 
 class DumpFormatError(ValueError):
@@ -55,7 +56,10 @@ class _SafeUnpickler(pickle.Unpickler):
 
 def read_dump(path: Path) -> tuple[int, dict[str, Any]]:
     """(rank, dump) of one file; the rank from the dump or the end of the file name."""
-    raw = Path(path).read_bytes()
+    try:
+        raw = read_bytes(path)  # decompressed where a copy was compressed
+    except InputFileError as e:
+        raise DumpFormatError(str(e)) from None
     try:
         if raw[:1] in (b"{", b"["):
             dump = json.loads(raw)

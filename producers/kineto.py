@@ -11,8 +11,8 @@ the trace's ``baseTimeNanoseconds``, as integer nanoseconds.
 
 from __future__ import annotations
 
-import gzip
 import json
+import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from schemas.enums import CommRole, KernelKind, torch_op
+from schemas.files import InputFileError, read_bytes
 from schemas.records import CommInfo, Kernel
 
 
@@ -42,15 +43,35 @@ def pg_hash(job: str, pg_name: str, ranks: list[int]) -> int:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rb") as fh:
-            doc = json.load(fh)
+        doc = json.loads(read_bytes(path))  # compressed or not (Kineto writes .json.gz)
+    except InputFileError as e:
+        raise TraceError(str(e)) from None
     except (OSError, ValueError) as e:
         raise TraceError(f"{path}: not a readable JSON trace ({e})") from None
     if not isinstance(doc, dict) or "traceEvents" not in doc:
         raise TraceError(f"{path}: no traceEvents: not a Kineto trace")
     return doc
+
+
+#: a rank in a trace's file name, as Holistic Trace Analysis names traces (``rank-3.json``,
+#: ``rank_3.pt.trace.json.gz``, ``sampled_rank3.json``)
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+
+
+def _rank_of(path: Path, dist: dict[str, Any]) -> int:
+    """The trace's rank: its ``distributedInfo`` (written by a distributed job), else its
+    file's name (a trace of a job that initialised no process group, or a profiler that
+    left it out, named by rank as HTA's traces are)."""
+    if "rank" in dist:
+        return int(dist["rank"])
+    m = _RANK_IN_NAME.search(path.name)
+    if m is None:
+        raise TraceError(
+            f"{path}: no distributedInfo.rank in the trace and no rank in its name: name "
+            "it by its rank (rank-3.json...)"
+        )
+    return int(m.group(1))
 
 
 def _ranks(text: Any) -> list[int]:
@@ -69,9 +90,7 @@ def read_kineto(
     doc = _load(Path(path))
     dist = doc.get("distributedInfo") or {}
     if rank is None:
-        if "rank" not in dist:
-            raise TraceError(f"{path}: no distributedInfo.rank; pass the rank explicitly")
-        rank = int(dist["rank"])
+        rank = _rank_of(Path(path), dist)
     base = int(doc.get("baseTimeNanoseconds", 0))
     for pg in dist.get("pg_config", []):
         ranks = _ranks(pg.get("ranks", []))

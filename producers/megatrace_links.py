@@ -27,6 +27,7 @@ from pathlib import Path
 
 from producers.megatron_config import MegatronConfig
 from schemas.enums import CollOp
+from schemas.files import read_text
 from schemas.layout import Layout, nic_name
 from schemas.records import LinkSample
 
@@ -49,8 +50,7 @@ LINK_COLUMNS = ("Time", "Group", "FromRank", "ToRank", "DevIndex", "Func", "Func
 def read_link_csv(path: Path, job: str, cfg: MegatronConfig) -> tuple[list[LinkSample], int]:
     """A NIC's throughput log, whole (see :func:`link_samples`): its samples, and how many
     rows were left out."""
-    with open(path, newline="", errors="replace") as f:
-        samples, _, bad = link_samples(f.read(), job, cfg)
+    samples, _, bad = link_samples(read_text(path, newline=""), job, cfg)
     return samples, bad
 
 

@@ -40,6 +40,14 @@ from producers.megatron_config import (
     read_training_log,
 )
 from producers.tail import new_lines
+from schemas.files import (
+    STREAM_ERRORS,
+    InputFileError,
+    compression,
+    inner_suffix,
+    open_text,
+    read_text,
+)
 from schemas.records import CommInfo, JobInfo, LinkSample, RankInfo
 
 #: how far into a file its kind is decided (a training log's arguments come after some
@@ -119,19 +127,27 @@ class RunReport:
         return out
 
 
+def _why(e: Exception) -> str:
+    """Why a file could not be read, without its name (said beside it)."""
+    if isinstance(e, InputFileError):
+        return str(e).split(": ", 1)[-1]
+    return getattr(e, "strerror", None) or str(e)
+
+
 def sniff(path: Path) -> str:
     """What a file of a run directory holds: ``calls``, ``csv``, ``training``,
     ``config``, or why it is none of these."""
     try:  # the NICs' throughput logs are named <host>_<NIC>_Port<i>_A.log and _B.log
-        with open(path, errors="replace") as f:
+        with open_text(path) as f:
             head = f.readline(4096)
-    except OSError as e:
-        return f"unreadable ({e.strerror})"
+    except (InputFileError, *STREAM_ERRORS) as e:
+        return f"unreadable ({_why(e)})"
+    suffix = inner_suffix(path)
     if "FromRank" in head and "Bandwidth" in head:
         return "csv"
-    if path.suffix == ".csv":
+    if suffix == ".csv":
         return "a CSV without FromRank"
-    if path.suffix in (".yaml", ".yml", ".json"):
+    if suffix in (".yaml", ".yml", ".json"):
         try:
             read_megatron_config(path, world_size=1)
         except (ConfigFormatError, OSError, ValueError) as e:
@@ -140,7 +156,7 @@ def sniff(path: Path) -> str:
     calls = others = 0
     training = False
     try:
-        with open(path, errors="replace") as f:
+        with open_text(path) as f:
             for n, line in enumerate(f):
                 if n >= _SNIFF_LINES or calls >= 20:
                     break
@@ -154,8 +170,8 @@ def sniff(path: Path) -> str:
                     calls += 1
                 except LogFormatError:
                     others += 1
-    except OSError as e:
-        return f"unreadable ({e.strerror})"
+    except (InputFileError, *STREAM_ERRORS) as e:  # (compressed, cut short in its head)
+        return f"unreadable ({_why(e)})"
     if training:
         return "training"
     if calls and calls >= others:
@@ -165,8 +181,7 @@ def sniff(path: Path) -> str:
 
 def read_call_log(path: Path, report: RunReport) -> list[CallLine]:
     """The call lines of one file, in its order; other lines are counted in ``report``."""
-    with open(path, errors="replace") as f:
-        calls, other = parse_text(f.read())
+    calls, other = parse_text(read_text(path))
     if other:
         report.skipped_lines[path.name] += other
     report.lines += len(calls)
@@ -293,7 +308,7 @@ def follow_dir(
                     report.skipped_files[path.name] = kind
                 continue
             report.skipped_files.pop(path.name, None)
-            text = new_lines(path, offsets).decode(errors="replace")
+            text = _new_text(path, offsets)
             if kind == "training":
                 training.iterations += parse_training_log(text).iterations
                 report.training_log = path.name
@@ -330,6 +345,18 @@ def follow_dir(
             report.took(reader)
             return report.lines
         time.sleep(poll_s)
+
+
+def _new_text(path: Path, offsets: dict[str, int]) -> str:
+    """What was appended to ``path`` since last time (:func:`~producers.tail.new_lines`);
+    a compressed file, which cannot be followed, is read whole once (a file compressed
+    beside the run's logs is a finished one)."""
+    if compression(path) is None:
+        return new_lines(path, offsets).decode(errors="replace")
+    if str(path) in offsets:
+        return ""
+    offsets[str(path)] = path.stat().st_size
+    return read_text(path)
 
 
 #: a call line's time (its first field), read without a Python call per line

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.enums import DType, Schedule
+from schemas.files import STREAM_ERRORS, InputFileError, open_text, read_text
 from schemas.layout import Layout
 from schemas.records import Iteration, JobInfo, RankInfo
 
@@ -182,7 +183,7 @@ def config_from_arguments(
 
 def read_megatron_config(path: Path, world_size: int | None = None) -> MegatronConfig:
     """The configuration in ``path``: any of the forms in the module docstring."""
-    text = Path(path).read_text(errors="replace")
+    text = read_text(path)
     raw: Any
     if _ARGS_START in text:
         raw = parse_training_log(text).arguments
@@ -282,8 +283,11 @@ def parse_training_log(text: str | Iterable[str]) -> TrainingLog:
 
 
 def read_training_log(path: Path) -> TrainingLog:
-    with open(path, errors="replace") as f:
-        return parse_training_log(f)
+    with open_text(path) as f:
+        try:
+            return parse_training_log(f)
+        except STREAM_ERRORS as e:  # compressed, and cut short or damaged
+            raise InputFileError(f"{path}: cut short or damaged ({e})") from None
 
 
 def iteration_marks(

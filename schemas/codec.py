@@ -18,7 +18,6 @@ out_of_range rank
 
 from __future__ import annotations
 
-import gzip
 import re
 import types
 import typing
@@ -29,6 +28,7 @@ from typing import Annotated, Any, TypeVar, Union
 import msgspec
 
 from schemas.enums import DeadLetterReason
+from schemas.files import lines
 from schemas.records import EVENT_TYPES, DeadLetter
 from schemas.results import RESULT_TYPES
 from schemas.units import SCHEMA_VERSION
@@ -249,18 +249,26 @@ def write_jsonl(path: Path, records: Iterable[msgspec.Struct]) -> int:
 
 
 def read_jsonl(path: Path, inputs: bool = False) -> Iterator[Any]:
-    """Read a JSON-lines file of records, gzipped where its name ends in ``.gz``
-    (``inputs``: only what a node producer may send, see :func:`decode_input`); a bad
-    line raises :class:`SchemaError` with its number."""
+    """Read a JSON-lines file of records, compressed or not (:mod:`schemas.files`;
+    ``inputs``: only what a node producer may send, see :func:`decode_input`); a bad
+    line raises :class:`SchemaError` with its number, a compressed file cut short
+    :class:`~schemas.files.InputFileError`."""
     read = decode_input if inputs else decode
-    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                yield read(line)
-            except SchemaError as e:
-                raise SchemaError(e.reason, f"{path}:{lineno}: {e}", e.field) from None
+    for lineno, line in enumerate(lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            yield read(line)
+        except SchemaError as e:
+            raise SchemaError(e.reason, f"{path}:{lineno}: {e}", e.field) from None
+
+
+def records_file(folder: Path) -> Path | None:
+    """A recording folder's records (``records.jsonl``, as ``megatrace simulate`` and
+    ``megatrace lab`` leave them, or kept compressed: ``records.jsonl.gz``...); None: it
+    holds none."""
+    names = ("records.jsonl", "records.jsonl.gz", "records.jsonl.bz2", "records.jsonl.xz")
+    return next((p for name in names if (p := Path(folder) / name).is_file()), None)
 
 
 # --------------------------------------------------------------------------- JSON Schema
