@@ -111,6 +111,17 @@ class Passed(NamedTuple):
     key: Key
 
 
+class OpenTimes(NamedTuple):
+    """How long a communicator's completed calls stayed open at most, from the first
+    member's arrival to the last end (its first calls, which absorb the start's own
+    waits, left out), told at the end of a recording: the yardstick of a call it ended in
+    (:meth:`~detectors.hang_pace.HangPace.outwaited`)."""
+
+    job: str
+    comm_hash: int
+    longest_ns: int
+
+
 @dataclass(slots=True)
 class _Open:
     first_seen_ns: int

@@ -49,24 +49,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from detectors.align import Instance, Key, Passed
+from detectors.align import Instance, Key, OpenTimes, Passed
 from detectors.aligned_rows import instance_row
 from detectors.folder_compat import restore
 from detectors.parts import StepPart
 from detectors.sealing import PartSealing
-from detectors.step_clock import (
-    StepClock,
-    by_role,
-    layout_hint,
-    learning_note,
-    place,
-)
+from detectors.step_clock import StepClock, by_role, layout_hint, learning_note, place
 from detectors.topology import Position, Topology
 from schemas.enums import CommRole, Phase
 from schemas.results import AlignedCollective, CommStructure
 
 Extent = tuple[int, int, int]  # an instance's first arrival, last arrival, last end
 _UNKNOWN = Phase.UNKNOWN.value
+#: a communicator's first calls, left out of how long its calls stay open (the ranks join
+#: them at the pace they start at)
+_START_CALLS = 2
 
 
 class StepFolder(PartSealing):
@@ -128,6 +125,8 @@ class StepFolder(PartSealing):
         self._announced = False  # the job was told the communicator will send parts
 
     _announced = True  # (one resumed from a version that placed by the layout sent parts)
+    #: complete instances folded, and the longest any stayed open (see OpenTimes)
+    _opens = (0, 0)
 
     def __getstate__(self) -> dict[str, Any]:
         # the caches rebuild themselves: a snapshot keeps what was learned, not them
@@ -242,6 +241,10 @@ class StepFolder(PartSealing):
             self._last_arrival = ext[1]
         if ext[2] > self._last_end:
             self._last_end = ext[2]
+        n, longest = self._opens
+        if n >= _START_CALLS and ext[2] - ext[0] > longest:
+            longest = ext[2] - ext[0]
+        self._opens = (n + 1, longest)
         if self.topo is None:
             out += self._before_schedule(inst)
             return "held"
@@ -317,6 +320,8 @@ class StepFolder(PartSealing):
         rows, out = self._release(force=True, final=True)
         out = [*self._give_early(), *out, *(self._parts[s].seal() for s in sorted(self._parts))]
         self._parts = {}
+        if self._opens[1]:
+            out.append(OpenTimes(self.job, self.comm_hash, self._opens[1]))
         return rows, out
 
     def saw_time(self, ts_ns: int) -> None:

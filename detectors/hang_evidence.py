@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from detectors.align import Instance, Key
 from detectors.edges import StuckProxies
 from detectors.hang import (
@@ -71,6 +73,30 @@ class HangEvidence:
     stuck: StuckProxies
     hb_progress_ns: int
     hb_now_ns: int
+
+    def stopped(
+        self, members: dict[int, tuple[int, ...]], seen: np.ndarray | None
+    ) -> HangDiagnosis | None:
+        """Without heartbeats: the member missing from a call the others wait in that was
+        not seen calling since it began (``seen``: each rank's newest call end in the
+        steps still open; the calls open count too), where the
+        job stopped; one seen calling since was on its way to it (a pipeline's first
+        stage still draining its backward when the stage it waits for stopped). None
+        where every member missing was seen since (a mismatched call, not a stop)."""
+        if seen is None:
+            return None
+        newest = {int(r): int(t) for r, t in enumerate(seen)}
+        for p in self.partials.values():  # the calls open: their members were seen too
+            for r, t in zip(p.ranks, p.arrival, strict=True):
+                if t > newest.get(r, 0):
+                    newest[r] = t
+
+        def past_or_on_its_way(rank: int, inst: Instance) -> bool:  # not missing from it
+            return newest.get(rank, 0) > inst.first_arrival_ns or self.went_past(rank, inst)
+
+        diag = diagnose_hang(list(self.partials.values()), list(self.stuck.ops.values()),
+                             members, past_or_on_its_way)  # fmt: skip
+        return diag if diag is not None and diag.cause is Cause.COMPUTE else None
 
     def localise(self, topo: Topology, members: dict[int, tuple[int, ...]]) -> HangDiagnosis | None:
         """Who never joined the earliest call the others wait in, from the heartbeats

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import msgspec
+import numpy as np
 
 from detectors import texts
 from detectors.align import Instance
@@ -45,6 +46,8 @@ class JobView(NamedTuple):
     coll_now_ns: int  # the newest time the collective records showed
     place: Place
     settings: DetectSettings = DetectSettings()
+    #: each rank's newest call end in the steps still open (None: not known)
+    last_seen: Callable[[], np.ndarray | None] = lambda: None
 
 
 def report_hang(

@@ -41,7 +41,7 @@ import msgspec
 import numpy as np
 
 from detectors import refusals
-from detectors.align import Instance, Passed
+from detectors.align import Instance, OpenTimes, Passed
 from detectors.aligned_rows import aligned_record
 from detectors.changepoint import ShiftDetector
 from detectors.cpu_wait import CpuWaits
@@ -228,11 +228,6 @@ class JobAnalyzer(SideInputs):
         rows, items = self.own.noted(note)
         return [note, *rows, *self._from_folder(items)]
 
-    def _passed(self, p: Passed) -> Out:
-        """A partial instance its missing members went past: no hang's evidence."""
-        self.hangs.completed(p.key)
-        return []
-
     def _progress_in(self, p: CommLiveness) -> Out:
         return self._progress(p.last_arrival_ns, p.last_end_ns)
 
@@ -347,8 +342,9 @@ class JobAnalyzer(SideInputs):
         self.now_ns = max(self.now_ns, now_ns)
         if self.topo is None:
             return []
+        seen = self.assembler.last_seen if self.assembler is not None else lambda: None
         view = JobView(self.topo, self.book, self.expected_step_ns() or 0.0, self.coll_now_ns,
-                       self._place, self.settings)  # fmt: skip
+                       self._place, self.settings, seen)  # fmt: skip
         return self.hangs.tick(now_ns, view, final, ended)
 
     def _place(
@@ -389,6 +385,7 @@ _HANDLERS: dict[type, Callable[[JobAnalyzer, Any], Out]] = {
     CommLiveness: JobAnalyzer._progress_in,
     Instance: JobAnalyzer._instance,
     Passed: JobAnalyzer._passed,
+    OpenTimes: JobAnalyzer._open_times_in,
     ProxySummary: JobAnalyzer._proxy_in,
     JobInfo: JobAnalyzer._job_in,
     RankInfo: JobAnalyzer._meta_in,

@@ -1,7 +1,8 @@
 """The job analyzer's inputs beside its collectives (:class:`SideInputs`, a part of
 :class:`~detectors.job.JobAnalyzer`, which holds the state below): heartbeats
-(liveness, CPU waits, checkpoint saves, a restart), stuck proxy operations for the hang
-diagnosis, link samples through their node's analyzer, the nodes' digests of links that
+(liveness, CPU waits, checkpoint saves, a restart), stuck proxy operations, calls
+reported partial that were passed and how long each communicator's calls stay open for the
+hang diagnosis, link samples through their node's analyzer, the nodes' digests of links that
 changed, and the proxies' throughput per edge (GPU-wait evidence, and the links'
 measure for jobs without link samples)."""
 
@@ -11,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from detectors.align import OpenTimes, Passed
 from detectors.cpu_wait import CpuWaits
 from detectors.edges import EdgeThroughput
 from detectors.gpu_wait import GpuWaitBaseline
@@ -74,6 +76,16 @@ class SideInputs:
             self.saves.update(hb.rank, hb.ts_ns, hb.save_ns, hb.saving_since_ns,
                               (before.ts_ns, before.save_ns or 0))  # fmt: skip
         return out + self.hangs.heartbeat(hb, self.book)
+
+    def _passed(self, p: Passed) -> Out:
+        """A partial instance its missing members went past: no hang's evidence."""
+        self.hangs.completed(p.key)
+        return []
+
+    def _open_times_in(self, t: OpenTimes) -> Out:
+        """How long a communicator's calls stayed open, at the end of a recording."""
+        self.hangs.open_times[t.comm_hash] = t.longest_ns
+        return []
 
     def _proxy_in(self, p: ProxySummary) -> Out:
         """Stuck proxy operations (and their completion) for the hang diagnosis."""

@@ -303,6 +303,13 @@ class StepAssembler:
     def open_steps(self) -> list[int]:
         return sorted(self._acc)
 
+    def last_seen(self) -> np.ndarray:
+        """Each rank's newest call end in the steps still open (0: none there): which
+        ranks were seen calling lately, when the job stopped."""
+        world = self.topo.job.world_size
+        parts = [p for s, acc in self._acc.items() for p in (acc, *self._parts.get(s, []))]
+        return dense_ranks(parts, world)["last_end"] if parts else np.zeros(world, np.int64)
+
 
 def step_tables(
     job: str, topo: Topology, rep: StepReport, assembler: StepAssembler, baseline: float | None

@@ -7,17 +7,19 @@ posted and not completed. :meth:`HangWatch.tick` calls a hang when the job made 
 progress for ``hang_factor`` x its expected step time, or x a silence it came out of
 lately where that was longer (its present pace: a job slowed by a link under a large
 call is silent in it every step; at least ``min_hang_ms``; a recording's end is silence
-that goes on; while a rank saves a checkpoint, at least ``save_hang_s``: the job's own
-pause, which its peers wait out at their next collective, and no pace; before a start of
-the job completed a collective, at least ``start_hang_s``; a call every member joined,
-with no proxy operation to show its transfer stopped, at least ``stall_hang_s``: a slow
-transfer is silent as long), and localises it from what
-its records say of each rank (:mod:`detectors.hang_evidence`, with :mod:`detectors.hang`):
+that goes on, and where it ended before a step's silence, a call it ended in that had
+stayed open twice as long as any call of its communicator did is where the job stopped:
+:mod:`detectors.hang_pace`; while a rank saves a checkpoint, at least ``save_hang_s``:
+the job's own pause, which its peers wait out at their next collective, and no pace;
+before a start of the job completed a collective, at least ``start_hang_s``; a call
+every member joined, with no proxy operation to show its transfer stopped, at least
+``stall_hang_s``: a slow transfer is silent as long), and localises it from what its
+records say of each rank (:mod:`detectors.hang_evidence`, with :mod:`detectors.hang`):
 the member missing from the earliest call the others wait in (several, if several never
-joined it), or, where every member joined, the edge whose proxy operations never
-completed and whether the network or a GPU stopped. The verdict
-is written by :func:`detectors.hang_report.report_hang`. Progress after the call
-resolves it.
+joined it; without heartbeats, one not seen calling since it began before one that
+was), or, where every member joined, the edge whose proxy operations never completed
+and whether the network or a GPU stopped. The verdict is written by
+:func:`detectors.hang_report.report_hang`. Progress after the call resolves it.
 
 It is pure: the job's clock comes in the records and in :meth:`tick`'s argument, what
 it needs of the job (its layout, where a call sits in the schedule, the verdict book)
@@ -60,17 +62,14 @@ from detectors.hang import (
     diagnose_hang,
 )
 from detectors.hang_evidence import HangEvidence
+from detectors.hang_pace import HangPace
 from detectors.hang_report import JobView, report_hang
 from detectors.verdicts import VerdictBook
 from schemas.enums import VerdictKind
 from schemas.records import Heartbeat, ProxySummary
 
-#: how long the job's pace (a silence it came out of) holds unless another about as long
-#: renews it: this many times its length
-SILENCES_KEPT = 4
 
-
-class HangWatch:
+class HangWatch(HangPace):
     """Liveness of one job, and its hang verdict (see the module docstring)."""
 
     def __init__(self) -> None:
@@ -88,6 +87,7 @@ class HangWatch:
         self.__dict__.setdefault("silence", (0, 0, 0))
         self.__dict__.setdefault("starting", False)  # (a snapshot of a job under way)
         self.__dict__.setdefault("woke_ns", 0)
+        self.__dict__.setdefault("open_times", {})
 
     def _reset(self) -> None:
         self.partials: dict[Key, Instance] = {}
@@ -108,6 +108,7 @@ class HangWatch:
         self.exited: dict[int, int] = {}  # rank -> its process's last heartbeat (exiting)
         self.starting = True  # this start of the job has completed no collective yet
         self.woke_ns = 0  # the first heartbeat after the job's last progress
+        self.open_times: dict[int, int] = {}  # comm -> the longest its calls stayed open
 
     # ------------------------------------------------------------------ inputs
     def heartbeat(self, hb: Heartbeat, book: VerdictBook) -> list[msgspec.Struct]:
@@ -174,19 +175,6 @@ class HangWatch:
         none)."""
         return hb.pid != before.pid and bool(hb.pid and before.pid)
 
-    def ended(self, world: int, silent_ns: float) -> bool:
-        """Whether the job's processes ended: some said their last heartbeat was their last
-        (failed because a peer was gone, or done), and every other rank has been silent
-        for ``silent_ns`` (a rank killed outright says nothing; one alive beats)."""
-        exited = self.exited
-        if not exited:
-            return False
-        before = self.hb_now_ns - silent_ns
-        latest = self.hb_latest
-        return all(
-            r in exited or (hb := latest.get(r)) is None or hb.ts_ns < before for r in range(world)
-        )
-
     def progress(self, end_ns: int, book: VerdictBook) -> list[msgspec.Struct]:
         """Collectives completed up to ``end_ns``: the job moves (without heartbeats, and
         with nothing open, that ends a hang)."""
@@ -198,28 +186,6 @@ class HangWatch:
         if self.open and not self.partials and not self.hb_latest:
             return self._resolve(book, end_ns)
         return []
-
-    def _came_out(self, since_ns: int, gap_ns: int, at_ns: int) -> None:
-        """The job, silent since ``since_ns`` for ``gap_ns`` at least, was seen moving at
-        ``at_ns``. Its pace is the longest such silence lately: one at least half as long
-        as the pace kept renews it for ``SILENCES_KEPT`` times its length (a job slowed
-        down comes out of silences about as long, step after step, and each is seen a
-        heartbeat apart or less); shorter ones leave it to lapse. Each rank's heartbeats
-        see the end of one silence at their own time: the longest account counts."""
-        kept, until, began = self.silence
-        if at_ns > until:
-            kept = 0
-        if since_ns != began and 2 * gap_ns < kept:
-            return
-        pace = max(kept, gap_ns)
-        self.silence = (pace, at_ns + SILENCES_KEPT * pace, since_ns)
-
-    def silence_lately(self, now_ns: int) -> int:
-        """The job's present pace between progress (0: none, or it lapsed; see
-        :meth:`_came_out`). A hang's silence must exceed it, as it must the usual step
-        time."""
-        gap, until, _ = self.silence
-        return gap if now_ns <= until else 0
 
     def partial(self, inst: Instance) -> None:
         """An instance open too long: a hang's evidence, until it completes. Its members
@@ -295,7 +261,7 @@ class HangWatch:
         diag: HangDiagnosis | None
         if self.hb_latest:
             silent = self.hb_now_ns - self.hb_progress_ns
-            if not self.hb_progress_ns or silent <= limit:
+            if not self.hb_progress_ns or (silent <= limit and not self.outwaited(final)):
                 return []
             if self.saw_save_ns > self.hb_progress_ns:  # a rank saved a checkpoint in it:
                 # the job's own pause, until a save goes on too long; once over, the job's
@@ -326,10 +292,15 @@ class HangWatch:
         else:
             now = max(view.coll_now_ns, now_ns)
             silent = now - self.last_progress_ns
-            if not self.last_progress_ns or silent <= limit or not self.partials:
+            if not self.partials or not self.last_progress_ns:
                 return []
-            diag = diagnose_hang(list(self.partials.values()), list(self.stuck.ops.values()),
-                                 _members(view), self.evidence().went_past)  # fmt: skip
+            if silent <= limit and not self.outwaited(final, now):
+                return []
+            members, evidence = _members(view), self.evidence()
+            diag = evidence.stopped(members, view.last_seen()) or diagnose_hang(
+                list(self.partials.values()), list(self.stuck.ops.values()), members,
+                evidence.went_past,
+            )  # fmt: skip
             detected = now
         if diag is None or (diag.unwitnessed and not final and silent <= st.stall_hang_s * 1e9):
             return []  # (a transfer every member joined, slow or stuck: only time tells)
