@@ -65,17 +65,17 @@ class HangPace:
             r in exited or (hb := latest.get(r)) is None or hb.ts_ns < before for r in range(world)
         )
 
-    def outwaited(self, final: bool, end_ns: int = 0) -> bool:
-        """Whether a recording ended (``final``, at ``end_ns``: its newest call, by default
-        its newest heartbeat) in a call some ranks posted that had stayed open by then
-        ``OUTWAITED`` times as long as any call of its communicator did before it completed:
-        the job stopped there, though its other ranks went on for a while (a pipeline's
-        other stages, to the step's end), and the recording ended before a step's silence
-        (a recording cut while the job ran ends in calls their ranks still join at their
-        usual pace)."""
+    def outwaited(self, final: bool, end_ns: int) -> bool:
+        """Whether a recording with no heartbeats (nothing to time a silence by once the
+        calls stop) ended (``final``, at ``end_ns``: its newest call) in a call some ranks
+        posted that had stayed open by then ``OUTWAITED`` times as long as any call of its
+        communicator did before it completed: the job stopped there, though its other
+        ranks went on for a while (a pipeline's other stages, to the step's end), and the
+        recording ended before a step's silence (a recording cut while the job ran ends in
+        calls their ranks still join at their usual pace). With heartbeats, their silence
+        after the calls is the measure."""
         if not final:
             return False
-        end_ns = end_ns or self.hb_now_ns
         times = self.open_times
         return any(
             (usual := times.get(p.comm_hash, 0)) > 0 and end_ns - min(p.arrival) > OUTWAITED * usual

@@ -261,7 +261,7 @@ class HangWatch(HangPace):
         diag: HangDiagnosis | None
         if self.hb_latest:
             silent = self.hb_now_ns - self.hb_progress_ns
-            if not self.hb_progress_ns or (silent <= limit and not self.outwaited(final)):
+            if not self.hb_progress_ns or silent <= limit:
                 return []
             if self.saw_save_ns > self.hb_progress_ns:  # a rank saved a checkpoint in it:
                 # the job's own pause, until a save goes on too long; once over, the job's
