@@ -79,10 +79,10 @@ class HangEvidence:
     ) -> HangDiagnosis | None:
         """Without heartbeats: the member missing from a call the others wait in that was
         not seen calling since it began (``seen``: each rank's newest call end in the
-        steps still open; the calls open count too), where the
-        job stopped; one seen calling since was on its way to it (a pipeline's first
-        stage still draining its backward when the stage it waits for stopped). None
-        where every member missing was seen since (a mismatched call, not a stop)."""
+        steps still open; the calls open count too), where the job stopped; one seen
+        calling since was on its way to it (a pipeline's first stage still draining its
+        backward when the stage it waits for stopped). None where every member missing
+        was seen since (a mismatched call, not a stop)."""
         if seen is None:
             return None
         newest = {int(r): int(t) for r, t in enumerate(seen)}

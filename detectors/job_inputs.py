@@ -1,10 +1,10 @@
 """The job analyzer's inputs beside its collectives (:class:`SideInputs`, a part of
 :class:`~detectors.job.JobAnalyzer`, which holds the state below): heartbeats
-(liveness, CPU waits, checkpoint saves, a restart), stuck proxy operations, calls
-reported partial that were passed and how long each communicator's calls stay open for the
-hang diagnosis, link samples through their node's analyzer, the nodes' digests of links that
-changed, and the proxies' throughput per edge (GPU-wait evidence, and the links'
-measure for jobs without link samples)."""
+(liveness, CPU waits, checkpoint saves, a restart); for the hang diagnosis, stuck proxy
+operations, calls reported partial that were passed since, and how long each
+communicator's calls stayed open; link samples through their node's analyzer, the nodes'
+digests of links that changed, and the proxies' throughput per edge (GPU-wait evidence,
+and the links' measure for jobs without link samples)."""
 
 from __future__ import annotations
 
