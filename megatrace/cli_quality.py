@@ -22,7 +22,21 @@ def analyze(path: str, as_json: bool) -> None:
     """Run the detectors over recorded records: a JSON-lines file, a folder holding one
     (`megatrace simulate`, `megatrace lab`), or a run of the original MEGATRACE collector
     read in place (as `megatrace import megatrace-logs` reads it; its job: the folder's
-    name)."""
+    name); any of these as a tar archive too (compressed or not)."""
+    import tempfile
+
+    from schemas.files import InputFileError, is_archive, unpack
+
+    with tempfile.TemporaryDirectory(prefix="megatrace-") as tmp:
+        try:
+            p = unpack(path, Path(tmp)) if is_archive(path) else Path(path)
+        except InputFileError as e:
+            raise click.ClickException(str(e)) from None
+        _analyze(p, as_json)
+
+
+def _analyze(p: Path, as_json: bool) -> None:
+    """:func:`analyze` on a folder or file."""
     from detectors.console import IncidentLog
     from detectors.replay import Replay
     from detectors.route import POLL
@@ -31,7 +45,6 @@ def analyze(path: str, as_json: bool) -> None:
     from schemas.files import InputFileError
     from schemas.results import Verdict
 
-    p = Path(path)
     log = IncidentLog()
     replay = Replay(poll=POLL, rows=False)  # batched as the flow batches its polls
     try:

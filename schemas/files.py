@@ -6,7 +6,8 @@ bytes, never by its name, and read decompressed by every reader (call logs, trai
 logs, throughput CSVs, configurations, Flight Recorder dumps, Kineto traces, the NCCL
 Inspector's output, JSON-lines records). A compressed file cut short (a copy that was
 interrupted) or damaged is an :class:`InputFileError` that names it; so is a format the
-standard library cannot read (zstd, a zip archive), with the command that unpacks it.
+standard library cannot read (zstd, a zip archive), with the command that unpacks it. A
+tar archive of a run's folder, as a run is shipped, is unpacked (:func:`unpack`).
 
 >>> import gzip, pathlib, tempfile
 >>> p = pathlib.Path(tempfile.mkdtemp()) / "rank_0.log"
@@ -27,6 +28,7 @@ import bz2
 import gzip
 import io
 import lzma
+import tarfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,6 +120,28 @@ def lines(path: str | Path) -> Iterator[bytes]:
             raise _damaged(path, kind, e) from None
 
 
+def is_archive(path: str | Path) -> bool:
+    """Whether ``path`` is a tar archive (of a run's folder, as one is shipped), compressed
+    or not."""
+    try:
+        return Path(path).is_file() and tarfile.is_tarfile(path)
+    except (tarfile.TarError, *STREAM_ERRORS):
+        return False
+
+
+def unpack(path: str | Path, into: Path) -> Path:
+    """The tar archive ``path`` unpacked into ``into`` (a member that would land outside
+    it, or be a device or a link out of it, refused: tarfile's ``data`` filter): the one
+    folder it holds, else ``into``."""
+    try:
+        with tarfile.open(path) as t:
+            t.extractall(into, filter="data")
+    except (tarfile.TarError, *STREAM_ERRORS) as e:
+        raise InputFileError(f"{path}: an archive that cannot be unpacked ({e})") from None
+    entries = list(into.iterdir())
+    return entries[0] if len(entries) == 1 and entries[0].is_dir() else into
+
+
 def _damaged(path: str | Path, kind: str, e: BaseException) -> InputFileError:
     return InputFileError(f"{path}: a {kind} file cut short or damaged ({e})")
 
@@ -127,9 +151,11 @@ __all__ = [
     "InputFileError",
     "compression",
     "inner_suffix",
+    "is_archive",
     "lines",
     "open_binary",
     "open_text",
     "read_bytes",
     "read_text",
+    "unpack",
 ]

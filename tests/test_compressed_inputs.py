@@ -158,3 +158,24 @@ def test_a_kineto_trace_without_distributed_info_takes_its_rank_from_its_name(
     unnamed.write_text(json.dumps(doc))
     with pytest.raises(TraceError, match="no rank in its name"):
         list(read_kineto(unnamed, job="j", node="n"))
+
+
+@pytest.mark.parametrize("mode", ["w:xz", "w"])
+def test_a_run_shipped_as_a_tar_archive_is_analysed_as_its_folder(
+    run_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    """``megatrace analyze run.tar.xz``: the run's folder unpacked (its name the job's),
+    the verdict its folder gives; an archive cut short is named, not a crash."""
+    archive = tmp_path / ("run.tar.xz" if mode == "w:xz" else "run.tar")
+    with tarfile.open(archive, mode) as t:
+        t.add(run_dir, arcname=run_dir.name)
+    found = []
+    for target in (run_dir, archive):
+        res = CliRunner().invoke(cli, ["analyze", str(target), "--json"])
+        assert res.exit_code == 0, res.output
+        found.append([(v["kind"], v["rank"]) for v in latest_verdicts(res.stdout)])
+    assert found[0] == found[1] and found[0][0][0] == "slowdown"
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(archive.read_bytes()[: archive.stat().st_size * 2 // 3])
+    res = CliRunner().invoke(cli, ["analyze", str(cut)])
+    assert res.exit_code == 1 and str(cut) in res.output, res.output
