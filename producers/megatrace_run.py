@@ -130,7 +130,7 @@ class RunReport:
 def _why(e: Exception) -> str:
     """Why a file could not be read, without its name (said beside it)."""
     if isinstance(e, InputFileError):
-        return str(e).split(": ", 1)[-1]
+        return e.why
     return getattr(e, "strerror", None) or str(e)
 
 
@@ -350,13 +350,20 @@ def follow_dir(
 def _new_text(path: Path, offsets: dict[str, int]) -> str:
     """What was appended to ``path`` since last time (:func:`~producers.tail.new_lines`);
     a compressed file, which cannot be followed, is read whole once (a file compressed
-    beside the run's logs is a finished one)."""
-    if compression(path) is None:
-        return new_lines(path, offsets).decode(errors="replace")
-    if str(path) in offsets:
+    beside the run's logs is a finished one). A file is told compressed once, when it is
+    first read, not at every poll."""
+    key = str(path)
+    read = offsets.get(key)
+    if read == _READ_WHOLE:
         return ""
-    offsets[str(path)] = path.stat().st_size
-    return read_text(path)
+    if read is None and compression(path) is not None:
+        offsets[key] = _READ_WHOLE
+        return read_text(path)
+    return new_lines(path, offsets).decode(errors="replace")
+
+
+#: a compressed file's offset once it was read whole
+_READ_WHOLE = -1
 
 
 #: a call line's time (its first field), read without a Python call per line

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.enums import DType, Schedule
-from schemas.files import STREAM_ERRORS, InputFileError, open_text, read_text
+from schemas.files import read_text, text_lines
 from schemas.layout import Layout
 from schemas.records import Iteration, JobInfo, RankInfo
 
@@ -283,11 +283,7 @@ def parse_training_log(text: str | Iterable[str]) -> TrainingLog:
 
 
 def read_training_log(path: Path) -> TrainingLog:
-    with open_text(path) as f:
-        try:
-            return parse_training_log(f)
-        except STREAM_ERRORS as e:  # compressed, and cut short or damaged
-            raise InputFileError(f"{path}: cut short or damaged ({e})") from None
+    return parse_training_log(text_lines(path))
 
 
 def iteration_marks(

@@ -51,7 +51,7 @@ import msgspec
 
 from producers.nccl_inspector_ops import OPS, US, Context, Op, ProxyOp, comm_hash, proxy_op
 from schemas.enums import CommRole, Direction, DType
-from schemas.files import STREAM_ERRORS, InputFileError, open_text
+from schemas.files import InputFileError, lines
 from schemas.records import Collective, CommInfo, JobInfo, ProxySummary, RankInfo
 
 
@@ -340,11 +340,8 @@ def import_files(paths: Iterable[Path], job: str) -> tuple[list[msgspec.Struct],
         raise InspectorFormatError("no Inspector output files given")
     for f in files:
         try:
-            with open_text(f) as fh:
-                reader.feed(str(f), fh)
-        except STREAM_ERRORS as e:  # compressed, and cut short or damaged
-            raise InspectorFormatError(f"{f}: cut short or damaged ({e})") from None
-        except InputFileError as e:
+            reader.feed(str(f), lines(f))
+        except InputFileError as e:  # compressed, and cut short or damaged
             raise InspectorFormatError(str(e)) from None
     records = reader.finish()
     if not records:

@@ -32,7 +32,7 @@ import tarfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 #: first bytes -> the compression they begin (read by the standard library)
 _READ = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz"}
@@ -48,7 +48,11 @@ _SUFFIXES = (".gz", ".bz2", ".xz")
 
 class InputFileError(ValueError):
     """A file that cannot be read as it is: compressed and cut short or damaged, or in a
-    compression only another tool unpacks (the message names the file and why)."""
+    compression only another tool unpacks (``path``, and ``why``)."""
+
+    def __init__(self, path: str | Path, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path, self.why = str(path), why
 
 
 def compression(path: str | Path) -> str | None:
@@ -61,7 +65,7 @@ def compression(path: str | Path) -> str | None:
             return name
     for magic, (name, tool) in _UNREAD.items():
         if head.startswith(magic):
-            raise InputFileError(f"{path}: a {name} file: unpack it first ({tool} {path})")
+            raise InputFileError(path, f"a {name} file: unpack it first ({tool} {path})")
     return None
 
 
@@ -74,9 +78,12 @@ def inner_suffix(path: str | Path) -> str:
 
 def open_binary(path: str | Path) -> IO[bytes]:
     """``path`` opened for reading, decompressed as it is read where it is compressed
-    (a damaged stream raises as it is met: use :func:`read_bytes` or :func:`lines`, which
-    say so)."""
-    kind = compression(path)
+    (a damaged stream raises as it is met: use :func:`read_bytes`, :func:`lines` or
+    :func:`text_lines`, which say so)."""
+    return _open(path, compression(path))
+
+
+def _open(path: str | Path, kind: str | None) -> IO[bytes]:
     return _OPEN[kind](path, "rb") if kind else open(path, "rb")  # type: ignore[return-value]
 
 
@@ -110,10 +117,21 @@ def read_text(path: str | Path, newline: str | None = None) -> str:
 
 def lines(path: str | Path) -> Iterator[bytes]:
     """The lines of ``path`` (with their ends), decompressed as they are read."""
+    return _lines(path, text=False)
+
+
+def text_lines(path: str | Path) -> Iterator[str]:
+    """The lines of ``path`` as text (as :func:`open_text` reads them), decompressed as
+    they are read."""
+    return _lines(path, text=True)
+
+
+def _lines(path: str | Path, text: bool) -> Iterator[Any]:
     kind = compression(path)
-    with open_binary(path) as fh:
+    fh = _open(path, kind)
+    with io.TextIOWrapper(fh, encoding="utf-8", errors="replace") if text else fh as f:
         try:
-            yield from fh
+            yield from f
         except STREAM_ERRORS as e:
             if kind is None:
                 raise
@@ -137,13 +155,13 @@ def unpack(path: str | Path, into: Path) -> Path:
         with tarfile.open(path) as t:
             t.extractall(into, filter="data")
     except (tarfile.TarError, *STREAM_ERRORS) as e:
-        raise InputFileError(f"{path}: an archive that cannot be unpacked ({e})") from None
+        raise InputFileError(path, f"an archive that cannot be unpacked ({e})") from None
     entries = list(into.iterdir())
     return entries[0] if len(entries) == 1 and entries[0].is_dir() else into
 
 
 def _damaged(path: str | Path, kind: str, e: BaseException) -> InputFileError:
-    return InputFileError(f"{path}: a {kind} file cut short or damaged ({e})")
+    return InputFileError(path, f"a {kind} file cut short or damaged ({e})")
 
 
 __all__ = [
@@ -157,5 +175,6 @@ __all__ = [
     "open_text",
     "read_bytes",
     "read_text",
+    "text_lines",
     "unpack",
 ]
