@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from producers.megatrace_lines import parse_line
 from producers.megatrace_run import import_dir
 from producers.megatron_config import read_megatron_config
 from producers.sim.scenarios import build
@@ -68,23 +69,22 @@ def test_a_healthy_job_cut_while_it_ran_is_no_hang(case: str) -> None:
         assert not [v for v in replayed(kept) if v.kind is VerdictKind.HANG], (case, k)
 
 
-def _cut_logs(src: Path, dst: Path, at_ns: int, stopped: int | None, went_on_ns: int) -> None:
-    """The original tool's call logs of ``src`` as a recording that ended: every rank's up
-    to ``at_ns`` + ``went_on_ns``, rank ``stopped``'s (None: none) up to ``at_ns`` (the
-    NICs' throughput logs left out: they would go on to the job's end)."""
+def _cut_logs(src: Path, dst: Path, at_ns: int, stopped: int | None, went_on_ns: int) -> Path:
+    """The original tool's logs of ``src`` as a recording that ended: every rank's call log
+    up to ``at_ns`` + ``went_on_ns``, rank ``stopped``'s (None: none) up to ``at_ns``; its
+    other files as they are, but the NICs' throughput logs (they would go on to the job's
+    end)."""
     dst.mkdir()
     for f in src.iterdir():
-        if not f.name.startswith("rank_"):
+        if "_Port" in f.name:
             continue
-        rank = int(f.stem.split("_")[1])
-        end = at_ns + (0 if rank == stopped else went_on_ns)
-        kept = [ln for ln in f.read_text().splitlines() if _line_ns(ln) <= end]
+        if not f.name.startswith("rank_"):
+            (dst / f.name).write_bytes(f.read_bytes())
+            continue
+        end = at_ns + (0 if f.name == f"rank_{stopped}.log" else went_on_ns)
+        kept = [ln for ln in f.read_text().splitlines() if parse_line(ln).ts_ns <= end]
         (dst / f.name).write_text("".join(ln + "\n" for ln in kept))
-
-
-def _line_ns(line: str) -> int:
-    sec, _, frac = line[1 : line.index("]")].partition(".")
-    return int(sec) * 10**9 + int(frac.ljust(9, "0")[:9])
+    return dst
 
 
 def test_a_rank_that_stopped_in_the_original_tool_s_logs_is_named(tmp_path: Path) -> None:
@@ -131,33 +131,16 @@ def example(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "TP2PP4DP8"
 
 
-def _example_cut(example: Path, dst: Path, at_ns: int, stopped: int | None) -> Path:
-    """The example's logs as a recording that ended: rank ``stopped``'s at ``at_ns``, the
-    others' where the prefix ends (None: every rank's at ``at_ns``)."""
-    dst.mkdir()
-    (dst / "training_performance.log").write_bytes(
-        (example / "training_performance.log").read_bytes()
-    )
-    for f in example.glob("rank_*.log"):
-        cut = stopped is None or f.name == f"rank_{stopped}.log"
-        lines = f.read_text().splitlines()
-        kept = [ln for ln in lines if not cut or _line_ns(ln) <= at_ns]
-        (dst / f.name).write_text("".join(ln + "\n" for ln in kept))
-    return dst
-
-
 def test_a_rank_that_stopped_in_a_real_run_s_logs_is_named(example: Path, tmp_path: Path) -> None:
     """The published example's logs, ended as if rank 40 (its third pipeline stage) had
     stopped 0.2 s before the others' logs end: rank 40 is named, not the 16 ranks of the
     first stage, which were still draining their backward and had not yet joined the
     job-wide all-reduce the later stages had begun (they were seen calling since); the
     same logs cut at one moment (every rank's at once) are no hang."""
-    end = EXAMPLE_END_NS
-    got, _ = import_dir(_example_cut(example, tmp_path / "stopped", end - 200_000_000, 40),
-                        None, "example")  # fmt: skip
+    at, went_on = EXAMPLE_END_NS - 200_000_000, 200_000_000
+    got, _ = import_dir(_cut_logs(example, tmp_path / "stopped", at, 40, went_on), None, "ex")
     (v,) = [v for v in replayed(got) if v.kind is VerdictKind.HANG]
     assert (v.rank, v.culprit_ranks or [v.rank]) == (40, [40]), v.summary
     assert "the recording ended there" in v.summary
-    got, _ = import_dir(_example_cut(example, tmp_path / "cut", end - 200_000_000, None),
-                        None, "example")  # fmt: skip
+    got, _ = import_dir(_cut_logs(example, tmp_path / "cut", at, None, 0), None, "ex")
     assert not [v for v in replayed(got) if v.kind is VerdictKind.HANG]
