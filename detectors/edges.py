@@ -29,6 +29,7 @@ EdgeCause(cause=<Cause.COMPUTE: 'compute'>, rank=0, state='send_gpu_wait')
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from schemas.enums import Cause, Direction
@@ -107,3 +108,50 @@ class EdgeThroughput(NamedTuple):
     size_bytes: int
     throughput_gbps: float
     gpu_wait_ns: int = 0
+
+
+def stuck_edge(
+    comm_hash: int, seq: int | None, proxies: Sequence[ProxySummary]
+) -> tuple[Cause, int, tuple[int, int], dict[str, float]] | None:
+    """(cause, culprit rank, (src, dst), evidence) of the stuck edge, if proxies show one.
+
+    Of several stuck sends, the one that waited longest; its cause from its wait states
+    and the receiving end's (:func:`~detectors.edges.edge_cause`).
+    """
+
+    def waited(p: ProxySummary) -> tuple[int, int]:
+        return p.send_gpu_wait_ns + p.send_peer_wait_ns + p.send_wait_ns, p.last_ns - p.first_ns
+
+    send = None
+    for p in proxies:
+        if p.comm_hash != comm_hash or p.direction != Direction.SEND:
+            continue
+        if (seq is not None and p.seq != seq) or p.steps_done >= p.steps_posted:
+            continue
+        if send is None or waited(p) > waited(send):
+            send = p
+    if send is None:
+        return None
+    recv = next(
+        (
+            p
+            for p in proxies
+            if p.direction == Direction.RECV
+            and (p.comm_hash, p.seq, p.channel, p.rank, p.peer)
+            == (send.comm_hash, send.seq, send.channel, send.peer, send.rank)
+        ),
+        None,
+    )
+    found = edge_cause(send, recv)
+    cause = Cause.NETWORK_LINK if found.cause == Cause.UNKNOWN else found.cause
+    ev = {
+        "stuck_send_wait_ns": float(send.send_wait_ns),
+        "stuck_send_gpu_wait_ns": float(send.send_gpu_wait_ns),
+        "stuck_send_peer_wait_ns": float(send.send_peer_wait_ns),
+        "steps_not_done": float(send.steps_posted - send.steps_done),
+    }
+    if recv is not None:
+        ev["stuck_recv_wait_ns"] = float(recv.recv_wait_ns)
+        ev["stuck_recv_gpu_wait_ns"] = float(recv.recv_gpu_wait_ns)
+    culprit = found.rank if cause == Cause.COMPUTE else send.rank
+    return cause, culprit, (send.rank, send.peer), ev

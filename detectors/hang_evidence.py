@@ -33,13 +33,8 @@ import numpy as np
 
 from detectors.align import Instance, Key
 from detectors.edges import StuckProxies
-from detectors.hang import (
-    HangDiagnosis,
-    diagnose_from_heartbeats,
-    diagnose_hang,
-    held_up_by,
-    issued_seqs,
-)
+from detectors.hang import HangDiagnosis, diagnose_hang
+from detectors.hang_heartbeats import diagnose_from_heartbeats, held_up_by, issued_seqs
 from detectors.hang_report import earliest_call
 from detectors.topology import Topology
 from schemas.enums import Cause

@@ -3,7 +3,7 @@ whose link degraded under a large call is silent in it every step, and moves on)
 
 from __future__ import annotations
 
-from detectors.hang import diagnose_from_heartbeats
+from detectors.hang_heartbeats import diagnose_from_heartbeats
 from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
 from detectors.watchdog import HangWatch, JobView
