@@ -124,8 +124,12 @@ class IncidentLog:
         """The lines for several revisions in order."""
         return [line for v in verdicts if (line := self.update(v)) is not None]
 
-    def summary(self) -> list[str]:
-        """One table of every incident seen, with its newest figures."""
+    def summary(self, judged: bool = True) -> list[str]:
+        """One table of every incident seen, with its newest figures; where there were
+        none and nothing was ``judged`` (no collective call or link sample among the
+        records), says so."""
+        if not judged and not self._latest:
+            return [NOTHING_JUDGED]
         return summary_table(list(self._latest.values()))
 
     def _line(self, event: str, text: str, v: Verdict) -> str:
@@ -140,6 +144,15 @@ def _name(v: Verdict) -> str:
 def _from_step(v: Verdict) -> str:
     step = v.onset_step if v.onset_step is not None else v.step
     return "" if step is None else str(step)
+
+
+#: what the summary says where the records held no collective call and no link sample:
+#: kernels alone (a profiler trace, CUPTI's activity) say nothing of who waited for whom
+NOTHING_JUDGED = (
+    "nothing judged: the records hold no collective call and no link sample (kernels "
+    "are stored, not judged); read the job's calls: its MEGATRACE logs, Flight Recorder "
+    "dumps, NCCL Inspector output, or the collector"
+)
 
 
 def summary_table(verdicts: list[Verdict]) -> list[str]:

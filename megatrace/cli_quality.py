@@ -68,7 +68,9 @@ def _analyze(p: Path, as_json: bool) -> None:
         raise click.ClickException(str(e)) from None
     if not as_json:
         click.echo("")
-        for line in log.summary():
+        # with no collective call nor link sample read there was nothing to judge: that
+        # is no healthy job
+        for line in log.summary(judged=bool(replay.comms or replay.nodes)):
             click.echo(line)
 
 

@@ -48,3 +48,26 @@ def test_not_a_trace_is_a_clear_error(tmp_path: Path) -> None:
     bad.write_text('{"hello": 1}')
     with pytest.raises(TraceError, match="not a Kineto trace"):
         list(read_kineto(bad, job="j", node="n"))
+
+
+def test_a_trace_analysed_alone_is_nothing_judged_not_a_healthy_job(tmp_path: Path) -> None:
+    """A profiler trace gives kernels, and kernels are stored, not judged: analysing them
+    alone says nothing was judged; it does not call the job healthy. A healthy job's
+    calls still read as one."""
+    from click.testing import CliRunner
+
+    from megatrace.cli import cli
+    from producers.sim.scenarios import build
+    from schemas.codec import write_jsonl
+
+    write_jsonl(tmp_path / "kernels.jsonl", read_kineto(FIXTURE, job="hta", node="host-a"))
+    res = CliRunner().invoke(cli, ["analyze", str(tmp_path / "kernels.jsonl")])
+    assert res.exit_code == 0, res.output
+    assert "nothing judged: the records hold no collective call" in res.output
+    assert "healthy" not in res.output
+
+    run = build("healthy", scale="tiny", seed=0, steps=20)
+    write_jsonl(tmp_path / "calls.jsonl", run.records(emit_kernels=True))
+    res = CliRunner().invoke(cli, ["analyze", str(tmp_path / "calls.jsonl")])
+    assert res.exit_code == 0, res.output
+    assert "no incidents: the job looks healthy" in res.output
