@@ -1,8 +1,8 @@
-"""The lab's whole catalogue, kept: four runs of ``megatrace lab`` over its 41 jobs (the
+"""The lab's whole catalogue, kept: five runs of ``megatrace lab`` over its 41 jobs (the
 24 of ``tests/corpus/lab`` and a mixture of experts' nine, a rank held just under what
 it uses, a rank stalled now and then, a job killed and started again, jobs saving
 checkpoints), recorded live through the broker and the flow and kept as the flow read
-them, in ``tests/corpus/lab41/run1`` to ``run4``. Scored as ``megatrace eval
+them, in ``tests/corpus/lab41/run1`` to ``run5``. Scored as ``megatrace eval
 --corpus tests/corpus/lab41/run1 --no-simulator`` scores them; the bars are what the
 detectors do on each now, so that a change that helps one kind of job and hurts another
 shows here.
@@ -63,6 +63,24 @@ missed: its 2.6x step inside a noise bar of 1.2, its steps 24-62 ms, is no burst
 false (a burst of Megatron's rank held just under what it uses, named as its
 tensor-parallel peer, and a burst of an intermittent job's stalls); no false alarm over
 the healthy steps.
+
+Run 5, recorded live on the release that split the diagnosis from heartbeats out of
+``detectors/hang.py`` (its detection code the release before's): hangs 9 of 9, none false;
+links 7 of 8 (Megatron's beside a rank under a quota missed, as in runs 2-4); slowdowns
+15 of 15 with the culprit, 3 false: Megatron's healthy job saving checkpoints slower by
+a quarter from soon after its first save (its eight ranks waiting for a CPU three
+quarters of the time, the four that save and the four that do not alike) named on
+ranks 6 and 7; Megatron's transient (its rank's step 1.8x, a CPU quota's) opened as a
+slowdown of its rank that the job's noisier steps after it kept open for 17 steps, too
+long to be told again as a straggler; Megatron's intermittent job's stretch named on
+its stalled rank's tensor-parallel peer; intermittent stragglers 1 of 3 and with the
+wrong rank (the mixture of experts' rank 1 frozen four times, three of them inside
+all-to-alls every member had joined: no rank late, its bursts named rank 0 or its
+host, and its heartbeats, every 250 ms, 90-140 ms late at those stalls, within what a
+busy host delays a heartbeat); transient stragglers 1 of 3 (the mixture of experts'),
+2 false (a burst of DDP's rank held just under what it uses before its slowdown was
+told, and the mixture of experts' intermittent job's first burst named on rank 0); 1
+false alarm over the healthy steps (the checkpointing job's).
 """
 
 from __future__ import annotations
@@ -99,6 +117,8 @@ BARS = {
                  transient_false=2, intermittent=2, healthy_alarms=1),
     "run4": Bars(links=5, slowdowns=14, culprits=14, slowdowns_false=1, transient=2,
                  transient_false=2, intermittent=1, healthy_alarms=0),
+    "run5": Bars(links=7, slowdowns=15, culprits=15, slowdowns_false=3, transient=1,
+                 transient_false=2, intermittent=1, healthy_alarms=1),
 }  # fmt: skip
 
 
