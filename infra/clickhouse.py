@@ -66,7 +66,7 @@ def connect(url: str) -> Any:
                 _embedded[path] = client
             return _embedded[path]
     if parts.scheme in ("http", "https"):
-        from schemas.config import redact_url
+        from schemas.secrets import redact_url
 
         try:
             return clickhouse_connect.get_client(

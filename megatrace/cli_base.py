@@ -97,7 +97,7 @@ def tune_gc() -> None:
 
 
 def _redact(url: str) -> str:
-    from schemas.config import redact_url
+    from schemas.secrets import redact_url
 
     return redact_url(url)
 

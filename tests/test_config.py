@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import ConfigError, Secret, config_file_path, load_settings
+from schemas.config import ConfigError, config_file_path, load_settings
+from schemas.secrets import Secret
 
 
 def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
