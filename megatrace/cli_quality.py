@@ -184,7 +184,7 @@ def lab(obj: _Ctx, names: tuple[str, ...], quick: bool, listing: bool, out: str 
     the operating system, scored like the simulator (needs root and PyTorch)."""
     from infra.netlab import LabError
     from infra.netlab import cleanup as lab_cleanup
-    from megatrace.lab import CASES, QUICK, too_few_steps
+    from megatrace.lab_cases import CASES, QUICK, too_few_steps
 
     if why := too_few_steps(steps):  # before anything starts
         raise click.BadParameter(why, param_hint="--steps")

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from infra.netlab import Node
-from megatrace.lab import CaseRun, Fault, Injected
+from megatrace.lab import CaseRun, Injected
+from megatrace.lab_cases import Fault
 from schemas.enums import Cause, VerdictKind
 from schemas.records import Iteration
 from schemas.results import FaultLabel

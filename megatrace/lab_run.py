@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from infra.netlab import LabError, NetLab, missing
-from megatrace.lab import CASES, CaseRun, Ranks, inject, too_few_steps
+from megatrace.lab import CaseRun, Ranks, inject
+from megatrace.lab_cases import CASES, too_few_steps
 from megatrace.lab_labels import labels_of, step_ns
 from schemas.config import AgentSettings, Settings
 from schemas.records import Iteration, event_time

@@ -39,7 +39,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, broker, clickhouse_url: str):
     """The CI subset, a killed rank, a transient straggler and a rank that stalls now and
     then, through the real broker and ClickHouse."""
     from infra.clickhouse import connect, init_db
-    from megatrace.lab import QUICK
+    from megatrace.lab_cases import QUICK
     from megatrace.lab_run import run_lab
     from schemas.config import load_settings
 

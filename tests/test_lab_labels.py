@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatrace.lab import Fault, Injected
+from megatrace.lab import Injected
+from megatrace.lab_cases import Fault
 from megatrace.lab_labels import _cost, labels_of
 from schemas.records import Iteration
 
@@ -57,7 +58,7 @@ def test_a_rank_stalled_now_and_then_is_labelled_intermittent_at_the_time_its_st
     added over the steps from the first to the last (their median step is as usual)."""
     from types import SimpleNamespace
 
-    from megatrace.lab import CASES
+    from megatrace.lab_cases import CASES
     from schemas.enums import VerdictKind
 
     stalled = {12, 22, 32, 42}
