@@ -124,12 +124,25 @@ class IncidentLog:
         """The lines for several revisions in order."""
         return [line for v in verdicts if (line := self.update(v)) is not None]
 
-    def summary(self, judged: bool = True) -> list[str]:
-        """One table of every incident seen, with its newest figures; where there were
-        none and nothing was ``judged`` (no collective call or link sample among the
-        records), says so."""
-        if not judged and not self._latest:
-            return [NOTHING_JUDGED]
+    def summary(
+        self, judged: bool = True, steps: int | None = None, least_steps: int = 0
+    ) -> list[str]:
+        """One table of every incident seen, with its newest figures. Where there were
+        none, says why that is no clean bill of health if it is not: nothing was
+        ``judged`` (no collective call or link sample among the records), or the job's
+        ``steps`` were fewer than the ``least_steps`` a slowdown takes to be told.
+
+        >>> IncidentLog().summary(steps=4, least_steps=9)
+        ['no incidents over 4 steps: too few to tell a slowdown (it takes 9)']
+        """
+        if not self._latest:
+            if not judged:
+                return [NOTHING_JUDGED]
+            if steps is not None and steps < least_steps:
+                return [
+                    f"no incidents over {texts.plural(steps, 'step')}: too few to tell a "
+                    f"slowdown (it takes {least_steps})"
+                ]
         return summary_table(list(self._latest.values()))
 
     def _line(self, event: str, text: str, v: Verdict) -> str:

@@ -43,10 +43,11 @@ def _analyze(p: Path, as_json: bool) -> None:
     from producers.megatron_config import ConfigFormatError
     from schemas.codec import SchemaError, read_jsonl, records_file, verdict_json
     from schemas.files import InputFileError
-    from schemas.results import Verdict
+    from schemas.results import StepSummary, Verdict
 
     log = IncidentLog()
     replay = Replay(poll=POLL, rows=False)  # batched as the flow batches its polls
+    steps = 0  # closed, over every job
     try:
         kept = records_file(p) if p.is_dir() else p
         if kept is None:
@@ -59,6 +60,7 @@ def _analyze(p: Path, as_json: bool) -> None:
             records = read_jsonl(kept, inputs=True)
         for out in replay.run(records):
             if not isinstance(out, Verdict):
+                steps += isinstance(out, StepSummary)
                 continue
             if as_json:  # every revision, as the verdicts table keeps them
                 click.echo(json.dumps(verdict_json(out)))
@@ -68,9 +70,12 @@ def _analyze(p: Path, as_json: bool) -> None:
         raise click.ClickException(str(e)) from None
     if not as_json:
         click.echo("")
-        # with no collective call nor link sample read there was nothing to judge: that
-        # is no healthy job
-        for line in log.summary(judged=bool(replay.comms or replay.nodes)):
+        # with no collective call nor link sample read there was nothing to judge, and a
+        # job's first steps are its usual, learnt: neither is a healthy job
+        st = replay.settings
+        least = st.warmup_steps + st.persistence + 1  # its step 0 is no step's time
+        judged = bool(replay.comms or replay.nodes)
+        for line in log.summary(judged, steps if replay.jobs else None, least):
             click.echo(line)
 
 

@@ -190,6 +190,26 @@ def test_analyze_tells_each_incident_change_once_and_ends_with_a_table(tmp_path)
         assert bad not in res.output
 
 
+@pytest.mark.parametrize(("steps", "told"), [
+    (8, "no incidents over 8 steps: too few to tell a slowdown (it takes 9)"),
+    (9, "no incidents: the job looks healthy"),
+])  # fmt: skip
+def test_analyze_calls_a_job_healthy_only_over_steps_enough_to_tell(
+    tmp_path, steps: int, told: str
+) -> None:
+    """A recording of a job's first few steps has no incident, but its detectors were
+    still learning the job's usual step: it is not called healthy. With the steps a
+    slowdown takes to be told (the warm-up's five, three more to confirm it, step 0
+    being no step's time), it is."""
+    from producers.sim.scenarios import build
+    from schemas.codec import write_jsonl
+
+    write_jsonl(tmp_path / "r.jsonl", build("healthy", scale="tiny", seed=0, steps=steps).records())
+    res = CliRunner().invoke(cli, ["analyze", str(tmp_path / "r.jsonl")])
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[-1] == told
+
+
 def test_eval_scores_folders_of_recordings_each_and_together(tmp_path) -> None:
     """Two folders of labelled recordings (one case with a hang, one healthy): each folder
     gets its table, then one over both, with what the missed and found faults cost."""
