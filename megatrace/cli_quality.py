@@ -37,6 +37,8 @@ def analyze(path: str, as_json: bool) -> None:
 
 def _analyze(p: Path, as_json: bool) -> None:
     """:func:`analyze` on a folder or file."""
+    from collections import Counter
+
     from detectors.console import IncidentLog
     from detectors.replay import Replay
     from detectors.route import POLL
@@ -47,7 +49,7 @@ def _analyze(p: Path, as_json: bool) -> None:
 
     log = IncidentLog()
     replay = Replay(poll=POLL, rows=False)  # batched as the flow batches its polls
-    steps = 0  # closed, over every job
+    steps: Counter[str] = Counter()  # each job's steps closed
     try:
         kept = records_file(p) if p.is_dir() else p
         if kept is None:
@@ -60,7 +62,8 @@ def _analyze(p: Path, as_json: bool) -> None:
             records = read_jsonl(kept, inputs=True)
         for out in replay.run(records):
             if not isinstance(out, Verdict):
-                steps += isinstance(out, StepSummary)
+                if isinstance(out, StepSummary):
+                    steps[out.job] += 1
                 continue
             if as_json:  # every revision, as the verdicts table keeps them
                 click.echo(json.dumps(verdict_json(out)))
@@ -75,7 +78,8 @@ def _analyze(p: Path, as_json: bool) -> None:
         st = replay.settings
         least = st.warmup_steps + st.persistence + 1  # its step 0 is no step's time
         judged = bool(replay.comms or replay.nodes)
-        for line in log.summary(judged, steps if replay.jobs else None, least):
+        fewest = min((steps[job] for job in replay.jobs), default=None)
+        for line in log.summary(judged, fewest, least):
             click.echo(line)
 
 
