@@ -210,6 +210,22 @@ def test_analyze_calls_a_job_healthy_only_over_steps_enough_to_tell(
     assert res.output.splitlines()[-1] == told
 
 
+def test_analyze_over_kernels_alone_says_nothing_was_judged(tmp_path) -> None:
+    """Kernels (a profiler trace's, CUPTI's) are stored, not judged: a job's kernels with
+    none of its calls are no healthy job, and are not called one."""
+    from producers.sim.scenarios import build
+    from schemas.codec import write_jsonl
+    from schemas.records import Kernel
+
+    run = build("compute-hang", scale="tiny", seed=0, steps=20)
+    kernels = [r for r in run.records(emit_kernels=True) if isinstance(r, Kernel)]
+    assert kernels
+    write_jsonl(tmp_path / "k.jsonl", kernels)
+    res = CliRunner().invoke(cli, ["analyze", str(tmp_path / "k.jsonl")])
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[-1].startswith("nothing judged: the records hold no ")
+
+
 def test_eval_scores_folders_of_recordings_each_and_together(tmp_path) -> None:
     """Two folders of labelled recordings (one case with a hang, one healthy): each folder
     gets its table, then one over both, with what the missed and found faults cost."""
