@@ -183,6 +183,13 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
     def shift(self) -> ShiftDetector:
         return self.ledger.shift
 
+    @property
+    def steps_to_tell(self) -> int:
+        """The fewest steps of a job in which a slowdown can be told: its first (step 0,
+        no step's time: :meth:`step` leaves it out), the warm-up that learns its usual
+        step, and the values that confirm a shift."""
+        return 1 + self.shift.warmup + self.shift.persistence
+
     # ------------------------------------------------------------------ steps
     def step(self, rep: StepReport, topo: Topology) -> list[msgspec.Struct]:
         """A closed step (already among the ledger's recent ones)."""

@@ -75,10 +75,10 @@ def _analyze(p: Path, as_json: bool) -> None:
         click.echo("")
         # with no collective call nor link sample read there was nothing to judge, and a
         # job's first steps are its usual, learnt: neither is a healthy job
-        st = replay.settings
-        least = st.warmup_steps + st.persistence + 1  # its step 0 is no step's time
+        jobs = replay.jobs.values()
+        least = max((a.slowdowns.steps_to_tell for a in jobs), default=0)
+        fewest = min((steps[a.job] for a in jobs), default=None)
         judged = bool(replay.comms or replay.nodes)
-        fewest = min((steps[job] for job in replay.jobs), default=None)
         for line in log.summary(judged, fewest, least):
             click.echo(line)
 
