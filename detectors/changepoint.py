@@ -25,14 +25,21 @@ slowdown they make.
 A further shift on top of a shift must stand out of the shifted level's own noise too,
 once it has enough values to tell it: a job that got noisier as it slowed (a shared
 host busier) varies by more than its warm-up did, and its own spikes are no new change.
+Fewer of them than a shift takes, well clear of that noise (twice its bar, as a lone
+value over the baseline must be), are a burst on top of the shift: a rank that stalls
+now and then in a job slowed by something else (its stalls would be the slowdown's own
+steps otherwise); the shift goes on. Spikes under that bar are the level's own values.
 
 >>> import numpy as np
 >>> rng = np.random.default_rng(1)
 >>> det = ShiftDetector()
 >>> xs = list(100 + rng.normal(0, 1, 20)) + list(125 + rng.normal(0, 1, 10))
+>>> xs += [375.0] + list(125 + rng.normal(0, 1, 5))  # a stall, three times the level
 >>> events = [(i, e.kind, e.onset) for i, x in enumerate(xs) if (e := det.update(x, i))]
 >>> events
-[(22, 'shift', 20)]
+[(22, 'shift', 20), (31, 'burst', 30)]
+>>> det.shifted
+True
 """
 
 from __future__ import annotations
@@ -146,6 +153,10 @@ class ShiftDetector:
     _normal: deque[float] | None = None
     #: the current excursion's first value over the baseline, unclipped
     _first: float = 0.0
+    #: in a shift, the first value of the values over its level (unclipped), and that
+    #: level and its bar when they began
+    _more_first: float = 0.0
+    _more_bar: tuple[float, float] = (1.0, 0.0)
     #: an excursion one normal value interrupted: (its onset, its high values); it goes
     #: on if the next value is high again (None: none)
     _gap: tuple[int, int] | None = None
@@ -231,7 +242,7 @@ class ShiftDetector:
         self._drift = self._drift or self._ph.drift_detected
         high = rel >= 1.0 + bar
         if self.shifted:  # a further shift stands out of the noise; explained is not calm
-            return self._while_shifted(rel, index, noise_bar, explained)
+            return self._while_shifted(rel, index, noise_bar, explained, raw)
         if high:
             if not self._run:
                 self._onset, self._first = index, raw
@@ -277,26 +288,28 @@ class ShiftDetector:
         return event
 
     def _while_shifted(
-        self, rel: float, index: int, bar: float, explained: bool
+        self, rel: float, index: int, bar: float, explained: bool, raw: float
     ) -> ShiftEvent | None:
         if rel < 1.0 + bar / 2 and not explained:
             self._calm += 1
-            self._more = []
+            spike = self._spike_on_level()  # (where it recovers too, the recovery is told)
             if self._calm >= self.persistence:
                 self.shifted = False
                 ev = ShiftEvent("recovered", index - self._calm + 1, rel, self._calm, self.baseline)
                 self._run = []
                 self._restart_test()
                 return ev
-            return None
+            return spike
         self._calm = 0
         recent = self._run[-4 * self.persistence :]
         level = sum(recent) / len(recent)
         # a further shift on top of this one: out of this level's noise as well
         known = len(self._run) >= _LEVEL_NOISE_MIN  # else its values are still learned
-        if known and rel >= level * (1.0 + max(bar, _NOISE_SIGMAS * _spread(self._run))):
+        level_bar = max(bar, _NOISE_SIGMAS * _spread(self._run)) if known else 0.0
+        if known and rel >= level * (1.0 + level_bar):
             if not self._more:
-                self._more_onset = index
+                self._more_onset, self._more_first = index, raw
+                self._more_bar = (level, level_bar)
             self._more.append(rel)
             if len(self._more) >= self.persistence:
                 self._run, self._more = self._more, []
@@ -304,10 +317,27 @@ class ShiftDetector:
                     "shift", self._more_onset, self._mean(), len(self._run), self.baseline
                 )
         else:
-            self._more = []
+            spike = self._spike_on_level()
             self._run.append(rel)
             del self._run[:-_NOISE_WINDOW]
+            return spike
         return None
+
+    def _spike_on_level(self) -> ShiftEvent | None:
+        """The values high over the shifted level just ended, too few for a further shift:
+        a burst where well clear of the level's noise (twice its bar, as a lone value
+        over the baseline must be), told with its values over the baseline; else the
+        level's own values (left out, its noise would read lower than it is)."""
+        more, self._more = self._more, []
+        if not more:
+            return None
+        level, level_bar = self._more_bar
+        ratio = self._more_first if len(more) == 1 else sum(more) / len(more)
+        if ratio < level * (1.0 + 2 * level_bar):
+            self._run += more
+            del self._run[:-_NOISE_WINDOW]
+            return None
+        return ShiftEvent("burst", self._more_onset, ratio, len(more), self.baseline)
 
     def _spike(self, bar: float) -> ShiftEvent | None:
         """A shift about to be confirmed that began with a spike: its first value far above

@@ -125,3 +125,35 @@ def test_a_shift_right_after_a_lone_high_step_is_still_a_shift() -> None:
     values = [100.0] * 10 + [108.0, 103.0] + [139.0] * 10
     events = [(e.kind, e.onset) for i, x in enumerate(values) if (e := det.update(x, i))]
     assert events == [("shift", 12)]
+
+
+def test_a_stall_on_top_of_a_slowdown_is_a_burst_and_the_slowdown_goes_on() -> None:
+    """A job slowed by half, its steps then varying by 10%, has a rank stall for one step
+    (the step three times the slowed level): that step is a burst of its own, told with
+    its ratio over the baseline, and the slowdown stays open. The level's own spikes are
+    no burst (they are not clear of its noise)."""
+
+    def bursts(xs: list[float]) -> list[tuple[range, float]]:
+        """The bursts told: the steps each covers, and its ratio over the baseline."""
+        det = ShiftDetector()
+        out = []
+        for i, x in enumerate(xs):
+            e = det.update(x, i)
+            if e is not None and e.kind == "burst":
+                out.append((range(e.onset, e.onset + e.length), e.ratio))
+            assert e is None or e.kind != "recovered", f"recovered at {i}"
+        return out
+
+    own, missed = 0, 0
+    for seed in range(50):
+        rng = np.random.default_rng(seed)
+        quiet = 100 + rng.normal(0, 1, 10)
+        noisy = 150 * np.exp(rng.normal(0, 0.1, 60))
+        own += len(bursts([*quiet, *noisy]))
+        stalled = noisy.copy()
+        stalled[30] = 450.0
+        # the stall, alone 4.5 times the baseline of 100 (or with a high step beside it)
+        found = [r for steps, r in bursts([*quiet, *stalled]) if 40 in steps]
+        missed += not found or not 2.0 <= found[0] <= 4.6
+    assert own <= 2, f"{own} bursts from 50 slowed jobs' own noise"
+    assert missed == 0, f"{missed} of 50 stalls on top of a slowdown not told"
