@@ -6,7 +6,8 @@ stalled rank do not always name it: they name it, a peer it held inside the call
 both, and now and then a neighbour the stall held up besides. The members of one
 tensor-parallel group leave every all-reduce of theirs together (the group is the unit
 the critical path is made of), so a burst naming one of them and a burst naming
-another are one rank's stalls as much as two bursts naming the same rank. So are a burst
+another are one rank's stalls as much as two bursts naming the same rank; and so are a
+burst naming a rank and one naming its pipeline neighbour, which waited for it. So are a burst
 naming a host and one naming a rank on it: a rank that stalls holds its host's others
 up with it, and a burst names the host where they all came late.
 
@@ -26,6 +27,20 @@ up with it, and a burst names the host where they all came late.
 >>> later.culprit == first.culprit, later.rank, later.ranks
 (True, 1, (1, 0))
 >>> episode(burst(2), named, bursts, topo) == burst(2)  # another group: its own
+True
+
+A stalled rank's pipeline neighbour waits for its activations, then arrives last at its
+own group's collectives: a burst naming it alone goes on from the stalled rank's, named
+as the two (the rank they share, and the neighbour).
+
+>>> for h, ranks in enumerate(([0, 4], [1, 5], [2, 6], [3, 7]), start=4):
+...     topo.add(CommInfo(job="j", ts_ns=0, comm_hash=h, role=CommRole.PP, ranks=ranks))
+>>> first = burst(0, 1)  # rank 1 stalled inside its group's all-reduce
+>>> named, bursts = {first.culprit: first}, {first.culprit: [(9, 2.5, 1)]}
+>>> later = episode(burst(5), named, bursts, topo)
+>>> later.culprit == first.culprit, later.rank, later.ranks
+(True, 1, (1, 5))
+>>> episode(burst(6), named, bursts, topo) == burst(6)  # another pipeline's: its own
 True
 
 A host's burst, then one of its ranks': one episode, named as the rank.
@@ -55,11 +70,11 @@ def episode(
 ) -> Incident:
     """The bursts ``inc``'s burst goes on from: those of a culprit (``named``: each
     culprit's bursts as last named; ``bursts``: theirs, kept while they may recur) that
-    named a rank it names too, or a rank of one tensor-parallel group with one it names.
-    Named as the ranks of both; in a group they share, as the ranks of it that the two
-    named (the first of them the incident's rank). Else ``inc``'s own. Not where the
-    ranks would be too many to be culprits (:func:`~detectors.who_waits.too_many`):
-    they are what the job does."""
+    named a rank it names too, or a rank that a stall of one it names holds up with it
+    (:func:`held_with`). Named as the ranks of both; where only held up together, as
+    the ranks of the two held up with both (the first of them the incident's rank).
+    Else ``inc``'s own. Not where the ranks would be too many to be culprits
+    (:func:`~detectors.who_waits.too_many`): they are what the job does."""
     mine = set(inc.named)
     own = [inc.culprit] if inc.culprit in named else []  # its own bursts first
     for culprit in own + [c for c in named if c != inc.culprit]:
@@ -70,7 +85,7 @@ def episode(
         if culprit != inc.culprit and _host_and_rank(earlier, inc):
             return _on_host(earlier, inc, topo)
         if culprit != inc.culprit and not mine & set(theirs):
-            group = tp_group(theirs, topo) & tp_group(mine, topo)
+            group = held_with(theirs, topo) & held_with(mine, topo)
             if not group:
                 continue
             theirs = tuple(r for r in theirs if r in group)
@@ -106,13 +121,14 @@ def _on_host(earlier: Incident, inc: Incident, topo: Topology) -> Incident:
                    pp_stage=topo.coords(r)[0], evidence=evidence)  # fmt: skip
 
 
-def tp_group(ranks: tuple[int, ...] | set[int], topo: Topology) -> set[int]:
-    """The ranks that share a tensor-parallel communicator with one of ``ranks`` (none
-    where the job has no such communicator)."""
+def held_with(ranks: tuple[int, ...] | set[int], topo: Topology) -> set[int]:
+    """The ranks a stall of one of ``ranks`` holds up with it: those of its
+    tensor-parallel group, and its pipeline neighbours (they wait for its activations or
+    gradients, then arrive last at their own group's collectives)."""
     mine = set(ranks)
     out: set[int] = set()
     for info in topo.comms.values():
-        if info.role is CommRole.TP and not mine.isdisjoint(info.ranks):
+        if info.role in (CommRole.TP, CommRole.PP) and not mine.isdisjoint(info.ranks):
             out.update(info.ranks)
     return out
 
@@ -125,4 +141,4 @@ def one_culprit(a: Incident | None, b: Incident) -> bool:
     return {a.culprit.kind, b.culprit.kind} <= {"node", "rank"} and a.node == b.node is not None
 
 
-__all__ = ["episode", "one_culprit", "tp_group"]
+__all__ = ["episode", "held_with", "one_culprit"]
