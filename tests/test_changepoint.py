@@ -4,6 +4,8 @@ noise (learnt as it goes) unless a cause explains it, and River's Page-Hinkley u
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from detectors.changepoint import ShiftDetector
@@ -88,6 +90,16 @@ def test_a_job_noisier_than_its_warm_up_learns_its_noise_and_quota_bursts_stay_a
     assert missed == 0, f"{missed} of 50 quotas not found"
 
 
+def slowed_jobs(
+    level: float, spread: float
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.random.Generator]]:
+    """50 seeded jobs steady at 100 in their warm-up (10 steps), then slowed to ``level``
+    with steps varying by ``spread`` (60 steps): each (warm-up, slowed steps, its rng)."""
+    for seed in range(50):
+        rng = np.random.default_rng(seed)
+        yield 100 + rng.normal(0, 1, 10), level * np.exp(rng.normal(0, spread, 60)), rng
+
+
 def test_a_slowed_job_noisier_than_its_warm_up_has_no_further_shift_from_its_own_spikes() -> None:
     """A job steady in its warm-up slows by a quarter and its steps then vary by 15% (a
     shared host busier): one shift. Its own spikes on top of that level are not a further
@@ -106,10 +118,7 @@ def test_a_slowed_job_noisier_than_its_warm_up_has_no_further_shift_from_its_own
         return n
 
     extra, missed = 0, 0
-    for seed in range(50):
-        rng = np.random.default_rng(seed)
-        quiet = 100 + rng.normal(0, 1, 10)
-        noisy = 125 * np.exp(rng.normal(0, 0.15, 60))
+    for quiet, noisy, rng in slowed_jobs(125.0, 0.15):
         extra += further([*quiet, *noisy]) > 0
         doubled = 250 * np.exp(rng.normal(0, 0.05, 10))
         missed += further([*quiet, *noisy[:30], *doubled]) == 0
@@ -145,10 +154,7 @@ def test_a_stall_on_top_of_a_slowdown_is_a_burst_and_the_slowdown_goes_on() -> N
         return out
 
     own, missed = 0, 0
-    for seed in range(50):
-        rng = np.random.default_rng(seed)
-        quiet = 100 + rng.normal(0, 1, 10)
-        noisy = 150 * np.exp(rng.normal(0, 0.1, 60))
+    for quiet, noisy, _ in slowed_jobs(150.0, 0.1):
         own += len(bursts([*quiet, *noisy]))
         stalled = noisy.copy()
         stalled[30] = 450.0
