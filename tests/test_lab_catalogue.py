@@ -96,16 +96,16 @@ healthy steps). Over the five runs: intermittent 9 of 15 found (6 before), trans
 of 22 (13), 12 false (11).
 
 Run 6, recorded live on the release that tells those stalls (scored by the release
-before it: intermittent 1 of 3, the rest the same): hangs 9 of 9, none false; links 4
-of the 7 that cost throughput (Megatron's slow link missed alone for the first time: one
-of its four communicators across the nodes 1.2-1.9x slower, under the twice a network
-must show; and the three beside a rank under a quota); slowdowns 15 of 15, the culprit
-right in 14, 3 false (Megatron's transient opened as a slowdown of its rank, as in
-run 5; the Megatron intermittent job's stretch named on rank 0; the mixture of
-experts' intermittent job's, unlocalised); intermittent stragglers 3 of 3 (DDP's as
-its rank's; Megatron's on ranks 0 and 1; the mixture of experts' on rank 1's host);
-transient stragglers 1 of 3 (the mixture of experts'), 2 false: the first bursts of
-Megatron's and the mixture of experts' intermittent jobs, named on rank 1's
+before it: intermittent 1 of 3, the rest the same): hangs 9 of 9, none false; links 4 of
+the 7 that cost throughput (Megatron's slow link missed alone for the first time: one of
+its four communicators across the nodes 1.3-2.1x slower over five steps, never at twice
+its usual while the other three were too; and the three beside a rank under a quota);
+slowdowns 15 of 15, the culprit right in 14, 3 false (Megatron's transient opened as a
+slowdown of its rank, as in run 5; the Megatron intermittent job's stretch named on rank
+0; the mixture of experts' intermittent job's, unlocalised); intermittent stragglers 3
+of 3 (DDP's as its rank's; Megatron's on ranks 0 and 1; the mixture of experts' on rank
+1's host); transient stragglers 1 of 3 (the mixture of experts'), 2 false: the first
+bursts of Megatron's and the mixture of experts' intermittent jobs, named on rank 1's
 tensor-parallel peer and on its host; no false alarm over the healthy steps.
 """
 
