@@ -6,10 +6,11 @@ stalled rank do not always name it: they name it, a peer it held inside the call
 both, and now and then a neighbour the stall held up besides. The members of one
 tensor-parallel group leave every all-reduce of theirs together (the group is the unit
 the critical path is made of), so a burst naming one of them and a burst naming
-another are one rank's stalls as much as two bursts naming the same rank; and so are a
-burst naming a rank and one naming its pipeline neighbour, which waited for it. So are a burst
-naming a host and one naming a rank on it: a rank that stalls holds its host's others
-up with it, and a burst names the host where they all came late.
+another are one rank's stalls as much as two bursts naming the same rank. So are a burst
+naming a rank and one naming its pipeline neighbour (the neighbour waited for it, then
+came last at its own group's collectives), and a burst naming a host and one naming a
+rank on it (a rank that stalls holds its host's others up with it, and a burst names
+the host where they all came late).
 
 >>> from detectors.incidents import Culprit, Incident
 >>> from detectors.topology import Topology
