@@ -16,8 +16,12 @@ and by the least slowdown worth a verdict, the remainder is localised again with
 that culprit: what is found opens an incident of its own beside it, and the starved
 one is charged no more than it explains (:meth:`~detectors.incidents.StepTimeLedger.cap`;
 its verdict's evidence says how much: ``step_share_explained``).
-A quota can cost more than it holds back (a transfer stalls while its throttled end
-cannot drain it), hence ``amplifies``.
+A rank kept from running a share of the time, on the critical path all along, makes
+the step longer by at most that share of the new step; a quota can cost a little more
+than it holds back (a transfer stalls while its throttled end cannot drain it, and TCP
+waits out its backoff), hence ``amplifies``: a quarter over once, under what a second
+fault behind the starved one adds and over what a quota alone was seen to cost
+(``docs/lab.md``).
 
 :class:`Remainders` is the part of :class:`~detectors.slowdown_tracker.SlowdownTracker`
 that does this; it uses the tracker's ledger, localisation and CPU waits.

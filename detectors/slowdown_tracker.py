@@ -86,7 +86,8 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         heartbeats carry them: a burst the job spent saving a checkpoint is no straggler.
     amplifies, look_beats
         A rank or host starved of CPU explains at most this many times the share of the
-        time it was kept from running; once its shares are read over this many
+        time it was kept from running (a little over once: see
+        :mod:`detectors.remainders`); once its shares are read over this many
         heartbeats, what the step lost beyond that is localised again
         (:mod:`detectors.remainders`).
     held_share
@@ -103,7 +104,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
     _unsettled: dict[Culprit, int] | None = None
     cpu: CpuWaits | None = None
     saves: Saves | None = None
-    amplifies: float = 2.0
+    amplifies: float = 1.25
     look_beats: int = 8
 
     def __init__(
@@ -125,7 +126,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         transient_floor: float = 0.3,
         transient_min_lost_ms: float = 50.0,
         held_share: float = 0.25,
-        amplifies: float = 2.0,
+        amplifies: float = 1.25,
         look_beats: int = 8,
         cpu: CpuWaits | None = None,
         saves: Saves | None = None,

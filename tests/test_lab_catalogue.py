@@ -141,11 +141,11 @@ BARS = {
                  transient_false=0, intermittent=2, healthy_alarms=0),
     "run3": Bars(links=6, slowdowns=15, culprits=14, slowdowns_false=1, transient=3,
                  transient_false=2, intermittent=2, healthy_alarms=1),
-    "run4": Bars(links=5, slowdowns=14, culprits=14, slowdowns_false=1, transient=2,
+    "run4": Bars(links=6, slowdowns=14, culprits=14, slowdowns_false=1, transient=2,
                  transient_false=2, intermittent=2, healthy_alarms=0),
     "run5": Bars(links=7, slowdowns=15, culprits=15, slowdowns_false=3, transient=1,
                  transient_false=3, intermittent=2, healthy_alarms=2),
-    "run6": Bars(links=4, slowdowns=15, culprits=14, slowdowns_false=3, transient=1,
+    "run6": Bars(links=6, slowdowns=15, culprits=14, slowdowns_false=3, transient=1,
                  transient_false=2, intermittent=3, healthy_alarms=0),
 }  # fmt: skip
 

@@ -75,6 +75,26 @@ def test_a_slow_link_behind_a_rank_its_quota_holds_back_is_found_beside_it(order
     assert link.evidence["step_share_unexplained_by_cpu"] > 0.6
 
 
+@pytest.mark.parametrize(("run", "case"), [("run4", "ddp-link-and-rank"),
+                                         ("run6", "ddp-link-and-rank"),
+                                         ("run6", "moe-link-and-rank")])  # fmt: skip
+def test_a_slow_link_behind_a_rank_kept_from_a_cpu_half_the_time_is_found_beside_it(
+    run: str, case: str
+) -> None:
+    """The same two faults in later live runs, on a busier host: rank 3 waited for a CPU
+    (its quota's throttling and the host's other ranks together) a third to three fifths
+    of the time more than usual, while the step lost nine tenths of its throughput. A
+    rank kept from running that share of the time explains at most that share of the
+    step: the rest is the network's, found beside it."""
+    got = {v.kind.value: v for v in replayed(case_records(run, case))}
+    assert set(got) == {"slowdown", "link_degradation"}
+    rank, link = got["slowdown"], got["link_degradation"]
+    assert (rank.rank, rank.cause.value) == (3, "host_cpu")
+    assert (link.link, link.cause.value) == ("lab-n0<->lab-n1", "network_link")
+    assert rank.evidence["step_share_explained"] < 0.7
+    assert link.evidence["step_share_unexplained_by_cpu"] > 0.25
+
+
 @pytest.mark.parametrize(
     "name", ["lab_ddp_slow_rank1.jsonl.gz", "lab_ddp_slow_rank1_cpu.jsonl.gz",
              "lab_ddp_slow_node1_run3.jsonl.gz", "lab_zero_slow_rank1.jsonl.gz",
