@@ -207,10 +207,17 @@ class NetLab:
         for ns, dev in ((node.ns, node.dev), (self.switch, node.switch_dev)):
             _run("ip", "-n", ns, "link", "set", dev, state, check=cut)
 
-    def cgroup(self, name: str, pids: list[int]) -> str:
-        """A cpu and a freezer cgroup holding ``pids``; returns its name."""
+    def cgroup(
+        self, name: str, pids: list[int], controllers: tuple[str, ...] = ("cpu", "freezer")
+    ) -> str:
+        """A cgroup of each of ``controllers`` holding ``pids``; returns its name.
+
+        A process in a cpu cgroup of its own is scheduled as one entity beside its
+        session's others together (the kernel's autogroups), not as one of them: what
+        only freezes a rank must not put it in one, and a rank whose quota ended goes
+        back (:meth:`leave`)."""
         full = f"{self.prefix}-{name}"
-        for controller in ("cpu", "freezer"):
+        for controller in controllers:
             path = CGROUP_ROOT / controller / full
             self._state.cgroups.append(f"{controller}/{full}")
             self._save()
@@ -219,6 +226,13 @@ class NetLab:
                 with contextlib.suppress(ProcessLookupError):  # it ended
                     (path / "cgroup.procs").write_text(str(pid))
         return full
+
+    def leave(self, group: str, controller: str = "cpu") -> None:
+        """``group``'s processes back in ``controller``'s root group, where they were."""
+        path = CGROUP_ROOT / controller / group
+        for task in (path / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError, OSError):  # it ended
+                (path.parent / "cgroup.procs").write_text(task)
 
     def quota(self, group: str, cpus: float | None, period_us: int = _PERIOD_US) -> None:
         """Hold ``group`` to ``cpus`` CPUs (a fraction: 0.1 is a tenth of one) in every

@@ -52,6 +52,9 @@ STALL_HOLD_S = HANG_S + DetectSettings().stall_hang_s
 #: how long after a rank is killed the job is started again, where a case restarts it
 #: (torchrun's agent sees a worker fail within its monitor interval, 5 s by default)
 RESTART_S = 4.0
+#: a transient straggler's rank goes back to its usual CPU group this long after its
+#: quota ended: two of its heartbeats (every 0.25 s) read the time it was throttled first
+LEAVE_AFTER_S = 0.6
 #: the Flight Recorder ring every rank keeps (entries)
 FR_ENTRIES = 4000
 
@@ -268,8 +271,13 @@ def _inject(
                 time.sleep(0.002)
             _lift(lab, group, inj)
             inj.ended_ns = time.time_ns()
+            # back with its session's other processes once its heartbeats read the
+            # throttled time (in a cpu group of its own, it would get as much of the CPU
+            # as all of them together for the rest of the job: a fault of its own)
+            time.sleep(LEAVE_AFTER_S)
+            lab.leave(group)
         elif f.kind == "stall":  # frozen, as a GPU stalls: late, yet waiting for nothing
-            group = lab.cgroup(f"{case.name[:20]}-{i}", ranks.pids([f.target]))
+            group = lab.cgroup(f"{case.name[:20]}-{i}", ranks.pids([f.target]), ("freezer",))
             for k in range(f.times):
                 if k and not ranks.wait_step(f.at_step + k * f.every, timeout_s=300):
                     break
