@@ -15,6 +15,17 @@ more than ``min_change``, more bursts, resolution) raises ``revision``.
 True
 >>> book.resolve("slowdown", "rank:5", 9).status.value
 'resolved'
+
+A lasting incident (a slowdown, a degraded link) whose culprit is reported again within
+``reopen_ns`` of its resolution is the same incident reopened, not a new one: a quota
+or a busy host lets a few steps through at the old speed now and then, and one fault
+that flaps is one incident on the pager and in the table (the same ``verdict_id``, its
+first onset kept).
+
+>>> w = book.report(VerdictKind.SLOWDOWN, Cause.HOST_CPU, "rank:5", onset_step=20,
+...                 onset_ns=19, detected_ns=20, severity=0.3, confidence=0.9, rank=5)
+>>> (w.verdict_id == v.verdict_id, w.status.value, w.revision, w.onset_step, w.cause.value)
+(True, 'update', 2, 12, 'host_cpu')
 """
 
 from __future__ import annotations
@@ -40,14 +51,20 @@ _CULPRIT_FIELDS = ("rank", "node", "gpu", "link", "src_rank", "dst_rank", "pp_st
 class VerdictBook:
     """Open incidents of one job."""
 
-    def __init__(self, job: str, min_change: float = 0.05) -> None:
+    #: the kinds of lasting incidents, reopened rather than told anew (see the module
+    #: docstring); a hang or a straggler's burst that comes again is another
+    REOPENS = frozenset({VerdictKind.SLOWDOWN.value, VerdictKind.LINK_DEGRADATION.value})
+
+    def __init__(self, job: str, min_change: float = 0.05, reopen_ns: int = 60_000_000_000) -> None:
         self.job = job
         self.min_change = min_change
+        self.reopen_ns = reopen_ns
         self._open: dict[tuple[str, str], Verdict] = {}
+        self._closed: dict[tuple[str, str], Verdict] = {}  # lately resolved, reopenable
 
     def __setstate__(self, state: dict[str, object]) -> None:
         state.pop("history", None)  # every revision, kept by a version that grew it forever
-        self.__dict__.update(state)
+        self.__dict__.update({"reopen_ns": 60_000_000_000, "_closed": {}, **state})
 
     def report(
         self,
@@ -66,6 +83,10 @@ class VerdictBook:
         key = (kind.value, culprit)
         severity = min(max(severity, 0.0), 1.0)
         current = self._open.get(key)
+        reopened = False
+        closed = self._closed.pop(key, None) if current is None else None
+        if closed is not None and detected_ns - (closed.resolved_ns or 0) <= self.reopen_ns:
+            current, reopened = msgspec.structs.replace(closed, resolved_ns=None), True
         if current is None:
             v = Verdict(
                 job=self.job,
@@ -86,7 +107,8 @@ class VerdictBook:
             )  # type: ignore[arg-type]
         else:
             changed = (
-                abs(severity - current.severity) > self.min_change
+                reopened
+                or abs(severity - current.severity) > self.min_change
                 or cause != current.cause
                 or any(
                     getattr(current, k) != v
@@ -115,6 +137,10 @@ class VerdictBook:
         v = msgspec.structs.replace(
             current, revision=current.revision + 1, status=VerdictStatus.RESOLVED, resolved_ns=ts_ns
         )
+        if kind in self.REOPENS:
+            self._closed = {k: c for k, c in self._closed.items()
+                            if ts_ns - (c.resolved_ns or 0) <= self.reopen_ns}  # fmt: skip
+            self._closed[(kind, culprit)] = v
         return v
 
     def retell(

@@ -1,8 +1,8 @@
-"""The lab's whole catalogue, kept: six runs of ``megatrace lab`` over its 41 jobs (the
+"""The lab's whole catalogue, kept: seven runs of ``megatrace lab`` over its 41 jobs (the
 24 of ``tests/corpus/lab`` and a mixture of experts' nine, a rank held just under what
 it uses, a rank stalled now and then, a job killed and started again, jobs saving
 checkpoints), recorded live through the broker and the flow and kept as the flow read
-them, in ``tests/corpus/lab41/run1`` to ``run6``. Scored as ``megatrace eval
+them, in ``tests/corpus/lab41/run1`` to ``run7``. Scored as ``megatrace eval
 --corpus tests/corpus/lab41/run1 --no-simulator`` scores them; the bars are what the
 detectors do on each now, so that a change that helps one kind of job and hurts another
 shows here.
@@ -107,6 +107,28 @@ of 3 (DDP's as its rank's; Megatron's on ranks 0 and 1; the mixture of experts' 
 1's host); transient stragglers 1 of 3 (the mixture of experts'), 2 false: the first
 bursts of Megatron's and the mixture of experts' intermittent jobs, named on rank 1's
 tensor-parallel peer and on its host; no false alarm over the healthy steps.
+
+Runs 1 to 6 carry a fault of the lab's own that no label tells: the rank of a
+transient straggler or of stalls stayed in a CPU cgroup of its own after its fault
+(scheduled as one entity beside all of the job's other ranks together), and the job
+ran 1.1-1.5x slower to its end: Megatron's transients opened as slowdowns, and the
+Megatron intermittent jobs' slower stretches named on rank 1's peer (``docs/lab.md``).
+Run 7, recorded live on the release that fixed it (the release before scores it the
+same): hangs 9 of 9, none false; links 7 of 8 (Megatron's beside a rank under a quota
+missed, as in runs 2-6); slowdowns 15 of 15, the culprit right in 14 (Megatron's rank
+held just under what it uses named as its tensor-parallel peer), none false;
+intermittent stragglers 3 of 3, each named on its stalled rank (Megatron's with ranks 0
+and 3 beside it); transient stragglers 1 of 3, Megatron's (DDP's and the mixture of
+experts' 2.1x steps not told), 1 false: a step of the healthy sharded data-parallel job
+named on host lab-n0, its one false alarm over the healthy steps.
+
+A rank starved of CPU explains at most 1.25 times the share of the time it was kept from
+running (twice, before): the slow links beside a rank under a quota are found in runs 4
+and 6 too, DDP's in both and the mixture of experts' in run 6, where that rank waited
+for a CPU a third to three fifths of the time more than usual. A slowdown of one culprit
+told again within a minute of its resolution is that incident reopened: run 2's DDP
+rank held just under what it uses, and Megatron's slow rank in run 7 (resolved for
+three steps), are one incident each, not two.
 """
 
 from __future__ import annotations
@@ -137,7 +159,7 @@ class Bars:
 BARS = {
     "run1": Bars(links=8, slowdowns=14, culprits=13, slowdowns_false=0, transient=2,
                  transient_false=1, intermittent=1, healthy_alarms=0),
-    "run2": Bars(links=7, slowdowns=14, culprits=14, slowdowns_false=2, transient=1,
+    "run2": Bars(links=7, slowdowns=14, culprits=14, slowdowns_false=1, transient=1,
                  transient_false=0, intermittent=2, healthy_alarms=0),
     "run3": Bars(links=6, slowdowns=15, culprits=14, slowdowns_false=1, transient=3,
                  transient_false=2, intermittent=2, healthy_alarms=1),
@@ -147,6 +169,8 @@ BARS = {
                  transient_false=3, intermittent=2, healthy_alarms=2),
     "run6": Bars(links=6, slowdowns=15, culprits=14, slowdowns_false=3, transient=1,
                  transient_false=2, intermittent=3, healthy_alarms=0),
+    "run7": Bars(links=7, slowdowns=15, culprits=14, slowdowns_false=0, transient=1,
+                 transient_false=1, intermittent=3, healthy_alarms=1),
 }  # fmt: skip
 
 

@@ -95,6 +95,21 @@ def test_a_slow_link_behind_a_rank_kept_from_a_cpu_half_the_time_is_found_beside
     assert link.evidence["step_share_unexplained_by_cpu"] > 0.25
 
 
+@pytest.mark.parametrize(("run", "case", "onset"), [("run7", "megatron-slow-rank", 10),
+                                                  ("run2", "ddp-mild-rank", 37)])  # fmt: skip
+def test_a_slowdown_that_came_back_after_a_few_quiet_steps_is_one_incident(
+    run: str, case: str, onset: int
+) -> None:
+    """Rank 1 under a CPU quota to the end of the job. Megatron's steps came back to their
+    old speed for three steps 27 steps after its onset, and the slowdown was resolved; the
+    next steps were slow again. DDP's rank held just under what it uses did the same.
+    Each is one incident, reopened (the same verdict, its first onset kept), not a
+    resolved one and a new one beside it."""
+    got = [v for v in replayed(case_records(run, case)) if v.kind.value == "slowdown"]
+    (v,) = got
+    assert (v.rank, v.onset_step, v.status.value) == (1, onset, "update")
+
+
 @pytest.mark.parametrize(
     "name", ["lab_ddp_slow_rank1.jsonl.gz", "lab_ddp_slow_rank1_cpu.jsonl.gz",
              "lab_ddp_slow_node1_run3.jsonl.gz", "lab_zero_slow_rank1.jsonl.gz",
