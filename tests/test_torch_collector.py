@@ -189,15 +189,19 @@ def test_cuda_calls_take_their_times_from_the_device_not_the_host(pg: None) -> N
         assert not [r for r in col.drain() if isinstance(r, Collective)]
         (partial,) = [r for r in col.drain(now_ns=2**62) if isinstance(r, Collective)]
         assert partial.start_ns is None and partial.end_ns is None  # not even arrived
-        before.t = 5.0  # the GPU arrives 5 ms after the anchor
+        # the GPU arrives 5 ms after the host enqueued the call (device times are on the
+        # anchor's clock: milliseconds since it), however long the host took to get there
+        enqueued_ms = (entry[5] - anchor_host) / 1e6
+        before.t = enqueued_ms + 5.0
         (joined,) = [r for r in col.drain(now_ns=2**62) if isinstance(r, Collective)] or [None]
         assert joined is None  # reported once as unfinished, then only when it ends
-        after.t = 12.5  # ... and finishes 7.5 ms later
+        after.t = before.t + 7.5  # ... and finishes 7.5 ms later
         (done,) = [r for r in col.drain() if isinstance(r, Collective)]
     finally:
         col.uninstall()
-    assert done.start_ns == anchor_host + 5_000_000
-    assert done.end_ns == anchor_host + 12_500_000
+    assert done.start_ns == anchor_host + round(before.t * 1e6)
+    assert done.end_ns == anchor_host + round(after.t * 1e6)
+    assert abs(done.end_ns - done.start_ns - 7_500_000) <= 1  # (float milliseconds)
     assert done.enqueue_ns < done.start_ns
     assert col.heartbeat().comms[0].completed_seq == 0
 
