@@ -229,10 +229,7 @@ class NetLab:
 
     def leave(self, group: str, controller: str = "cpu") -> None:
         """``group``'s processes back in ``controller``'s root group, where they were."""
-        path = CGROUP_ROOT / controller / group
-        for task in (path / "cgroup.procs").read_text().split():
-            with contextlib.suppress(ProcessLookupError, OSError):  # it ended
-                (path.parent / "cgroup.procs").write_text(task)
+        _empty(CGROUP_ROOT / controller / group)
 
     def quota(self, group: str, cpus: float | None, period_us: int = _PERIOD_US) -> None:
         """Hold ``group`` to ``cpus`` CPUs (a fraction: 0.1 is a tenth of one) in every
@@ -261,6 +258,13 @@ class NetLab:
             os.kill(pid, sig)
 
 
+def _empty(path: Path) -> None:
+    """The processes of cgroup ``path`` moved back to the group above it (the root)."""
+    for task in (path / "cgroup.procs").read_text().split():
+        with contextlib.suppress(ProcessLookupError, OSError):  # it ended
+            (path.parent / "cgroup.procs").write_text(task)
+
+
 def cleanup(state_dir: Path, prefix: str = "mtlab") -> list[str]:
     """Remove what a lab (even one that crashed) made: the cgroups and namespaces its state
     file lists, and any namespace named with the prefix. Returns what was removed."""
@@ -280,9 +284,7 @@ def cleanup(state_dir: Path, prefix: str = "mtlab") -> list[str]:
             continue
         if entry.startswith("freezer/"):
             (path / "freezer.state").write_text("THAWED")
-        for task in (path / "cgroup.procs").read_text().split():  # back to the root group
-            with contextlib.suppress(ProcessLookupError, OSError):
-                (path.parent / "cgroup.procs").write_text(task)
+        _empty(path)
         for _ in range(20):
             try:
                 path.rmdir()
