@@ -164,6 +164,10 @@ class ShiftDetector:
     #: where that began
     _chained: int = 0
     _chain_onset: int = -1
+    #: the lone high value the last update ended within the noise, (its index, its
+    #: ratio to the baseline, unclipped), else None: the signal's own unless something
+    #: beside it tells its cause (a CPU quota's count)
+    lone: tuple[int, float] | None = None
 
     def _reset(self) -> None:
         self._seed: list[float] = []
@@ -225,6 +229,7 @@ class ShiftDetector:
         which is no explanation for it."""
         if self._normal is None:
             self._normal = deque(maxlen=_NOISE_WINDOW)
+        self.lone = None
         if self.baseline is None:
             self._seed.append(float(x))
             self._normal.append(float(x))
@@ -277,6 +282,7 @@ class ShiftDetector:
                 event = ShiftEvent("burst", self._onset, ratio, len(self._run), self.baseline)
             else:  # a lone value within the noise: one of the signal's own
                 self._normal.append(self._first * self.baseline)
+                self.lone = (self._onset, self._first)
             # the test goes on: the excursion may too, at the next value
             self._gap = (self._chain_onset, len(self._run) + self._chained)
             self._run = []

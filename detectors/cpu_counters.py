@@ -161,6 +161,23 @@ class CpuWaits:
             out[held_back] = np.nanquantile(rate, q, axis=1, method="lower")
         return out
 
+    def throttled_in(self, start_ns: int, end_ns: int) -> np.ndarray:
+        """Every rank's time throttled (ns) between consecutive heartbeats of its that both
+        lie from ``start_ns`` to ``end_ns`` (NaN: no such interval). A quota lifted at
+        ``start_ns`` throttles nothing in them; one that holds on, however lightly (just
+        under what the rank uses), throttles it in most.
+
+        >>> cpu = CpuWaits()
+        >>> for t in range(8):  # rank 1 throttled 0.2 s in its second 4 only
+        ...     for r in range(2):
+        ...         cpu.update(r, t * 10**9, 0, int(0.2e9) if r == 1 and t >= 4 else 0)
+        >>> cpu.throttled_in(4 * 10**9, 7 * 10**9), cpu.throttled_in(3 * 10**9, 7 * 10**9)
+        (array([0., 0.]), array([0.e+00, 2.e+08]))
+        """
+        ends, span, grew, ok = self._held_intervals()
+        pair = ok & (ends - span >= start_ns) & (ends <= end_ns)
+        return np.where(pair.any(axis=1), np.where(pair, grew, 0).sum(axis=1), np.nan)
+
     def _held_intervals(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Between each rank's consecutive heartbeats kept: when the interval ended, how
         long it was, how long the rank was throttled in it, and whether it is one (both

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from detectors.cpu_counters import CpuWaits
 from detectors.cpu_wait import quota_holds
 from detectors.incidents import Incident, StepTimeLedger
@@ -37,19 +39,27 @@ class QuotaBursts:
         of the burst's ``length`` steps from ``onset`` (heartbeats come less often than a
         short step ends), or a CPU quota still holds ranks back since it
         (:func:`~detectors.cpu_wait.quota_holds`: a burst it began is the first of a
-        slowdown, told as that once it lasted): waited for up to ``settle_s`` past it, and
-        no longer than the job's recent steps keep its own."""
+        slowdown, told as that once it lasted), or the ranks a quota held back in it have
+        no heartbeat interval after it yet (:meth:`_quota_held` asks whether it let them
+        go): waited for up to ``settle_s`` past it, and no longer than the job's recent
+        steps keep its own."""
         cpu = self.cpu
         if cpu is None or cpu.empty:
             return False
-        ends = [r.end_ns for r in self.ledger.since(onset) if r.step < onset + length]
-        end = ends[-1] if ends else rep.end_ns
+        reps = [r for r in self.ledger.since(onset) if r.step < onset + length]
+        end = reps[-1].end_ns if reps else rep.end_ns
         if rep.end_ns >= end + self.settle_s * 1e9 or rep.step - onset >= self.ledger.keep - 1:
             return False
-        return not cpu.covered(end) or quota_holds(cpu, end, rep.end_ns)
+        if not cpu.covered(end) or quota_holds(cpu, end, rep.end_ns):
+            return True
+        # the ranks a quota held back in it: whether it let them go needs a heartbeat
+        # interval of theirs after it
+        start = reps[0].start_ns if reps else rep.start_ns
+        held = np.nan_to_num(cpu.covering(start, end, throttled=True)) > 0
+        return bool(np.isnan(cpu.throttled_in(end, rep.end_ns))[held].any())
 
     def _quota_held(
-        self, reps: list[StepReport], rep: StepReport, topo: Topology
+        self, reps: list[StepReport], rep: StepReport, topo: Topology, proven: bool = False
     ) -> Incident | None:
         """The burst of steps ``reps`` localised again by the CPU counters that cover it,
         where a CPU quota held its culprit back then and let go since (up to step ``rep``;
@@ -60,7 +70,15 @@ class QuotaBursts:
         cpu = self.cpu
         if cpu is None or not reps or not cpu.throttled.any():
             return None
-        if quota_holds(cpu, reps[-1].end_ns, rep.end_ns):
+        end = reps[-1].end_ns
+        if quota_holds(cpu, end, rep.end_ns):
+            return None
+        # let go: its ranks not throttled since, in a heartbeat interval of theirs after
+        # it (however lightly throttled: a quota just under what a rank uses lets most
+        # steps through, and holds on)
+        held = np.nan_to_num(cpu.covering(reps[0].start_ns, end, throttled=True)) > 0
+        since = cpu.throttled_in(end, rep.end_ns)[held]
+        if (np.nan_to_num(since) > 0).any() or (proven and np.isnan(since).any()):
             return None
         inc = self.locate(reps, topo, None, True)
         if inc is None or inc.cause is not Cause.HOST_CPU:

@@ -10,7 +10,10 @@ scheduler kept waiting for a few of its time slices loses tens of milliseconds, 
 job of 20 ms steps that is a step 2-3x slower, as often as every few hundred steps on a
 busy host; a straggler worth a verdict costs more (a GPU twice as slow for one step
 costs its step, 0.1 s or more in training). Unless the kernel counted why: a burst a
-CPU quota made is that quota's straggler, whatever it cost (:mod:`detectors.quota_bursts`).
+CPU quota made is that quota's straggler, whatever it cost (:mod:`detectors.quota_bursts`),
+and so is a step whose timings name nobody (its transfers took longer, nobody came late:
+on CPU collectives a busy host as much as a network), or a lone slow step within the
+job's noise, where the kernel counted a quota that held a rank back then and let it go.
 
 A burst the job spent saving a checkpoint is none either: a rank saving for at least half
 the time the burst lost (:class:`~detectors.saves.Saves`, where the heartbeats carry the
@@ -48,8 +51,9 @@ from detectors.verdicts import VerdictBook
 from schemas.enums import VerdictKind
 
 #: a burst waiting to be reported: (onset, ratio, length, the step it is reported at,
-#: its incident, and the change-point detector's bar when it ended)
-HeldBurst = tuple[int, float, int, int, Incident, float]
+#: its incident (None: no rank or host named, held for a CPU quota's count only), and
+#: the change-point detector's bar when it ended)
+HeldBurst = tuple[int, float, int, int, Incident | None, float]
 
 if TYPE_CHECKING:
     from detectors.changepoint import ShiftDetector
@@ -79,19 +83,37 @@ class Stragglers(QuotaBursts):
     _held: HeldBurst | None = None
 
     def _hold_burst(
-        self, onset: int, ratio: float, length: int, rep: StepReport, topo: Topology
+        self,
+        onset: int,
+        ratio: float,
+        length: int,
+        rep: StepReport,
+        topo: Topology,
+        lone: bool = False,
     ) -> list[msgspec.Struct]:
         """A burst that ended at step ``rep``, localised now: reported once the steps that
         would confirm a shift followed (an earlier one held is reported now). A burst is
         a straggler's only with a rank or host named (transfers that took longer for a
-        step are as often a busy host's collectives as its network's)."""
+        step are as often a busy host's collectives as its network's), or where the CPU
+        counters that cover it name a quota that held a rank back then and let it go
+        since; so is a ``lone`` slow step within the job's noise (the job's own
+        otherwise, its timings name nobody), unless a burst is held: that one is judged
+        as it would be without it."""
+        if lone and (self.cpu is None or self.cpu.empty or self._held is not None):
+            return []
         # the burst and the step after it (where its waits may spill): for a burst that
         # just ended, every step since its onset; for a spike that opened a shift, not
         # the shift's steps that followed
-        inc = self.locate([r for r in self.ledger.since(onset) if r.step <= onset + length], topo)
-        named = inc is not None and (inc.rank is not None or inc.culprit.kind == "node")
+        reps = [r for r in self.ledger.since(onset) if r.step <= onset + length]
+        inc = None if lone else self.locate(reps, topo)
+        if inc is not None and inc.rank is None and inc.culprit.kind != "node":
+            inc = None
         held, due = self._held, rep.step + self.shift.persistence
-        if held is not None and rep.step <= held[3] and (not named or one_culprit(inc, held[4])):
+        if (
+            held is not None
+            and rep.step <= held[3]
+            and (inc is None or (held[4] is not None and one_culprit(inc, held[4])))
+        ):
             # another burst before the held one was due, of its culprit (or its host's,
             # or one of its host's ranks) or of none named: one episode (a CPU quota lets
             # a fast step through), held as one
@@ -99,8 +121,8 @@ class Stragglers(QuotaBursts):
             self._held = (first, max(top, ratio), onset + length - first, due, found, bar)
             return []
         out = self._release_burst(rep, topo)
-        if named:
-            assert inc is not None
+        if inc is not None or (self.cpu is not None and not self.cpu.empty):
+            # one that names nobody may still be a CPU quota's, once its counters came
             self._held = (onset, ratio, length, due, inc, self.shift.bar)
         return out
 
@@ -140,6 +162,8 @@ class Stragglers(QuotaBursts):
         held = self._held
         if held is None:
             return onset, []
+        if held[4] is None:  # nobody named: not the shift's first steps, but a quota's?
+            return onset, self._release_burst(rep, topo)
         if held[1] - 1.0 >= SPIKE_OVER_REST * max(ratio - 1.0, 0.0):
             return onset, self._release_burst(rep, topo)
         self._held = None
@@ -158,9 +182,11 @@ class Stragglers(QuotaBursts):
         onset, ratio, length, _, inc, bar = held
         reps, level, measured = self._over_level(onset, onset + length)
         ratio = measured or ratio
-        quota = self._quota_held(reps, rep, topo)
+        quota = self._quota_held(reps, rep, topo, proven=inc is None)
         if quota is not None:
             inc = quota
+        if inc is None:  # nobody named, and no quota's count names anyone
+            return []
         if quota is not None or self._held_others_up(inc, reps):
             bar = 0.0
         if ratio < 1.0 + 2 * bar:
