@@ -1,8 +1,8 @@
-"""The lab's whole catalogue, kept: seven runs of ``megatrace lab`` over its 41 jobs (the
+"""The lab's whole catalogue, kept: eight runs of ``megatrace lab`` over its 41 jobs (the
 24 of ``tests/corpus/lab`` and a mixture of experts' nine, a rank held just under what
 it uses, a rank stalled now and then, a job killed and started again, jobs saving
 checkpoints), recorded live through the broker and the flow and kept as the flow read
-them, in ``tests/corpus/lab41/run1`` to ``run7``. Scored as ``megatrace eval
+them, in ``tests/corpus/lab41/run1`` to ``run8``. Scored as ``megatrace eval
 --corpus tests/corpus/lab41/run1 --no-simulator`` scores them; the bars are what the
 detectors do on each now, so that a change that helps one kind of job and hurts another
 shows here.
@@ -136,6 +136,13 @@ straggler where the kernel counted a rank throttled over it and not at all in it
 heartbeat interval: DDP's transients in runs 4, 5 and 7 and the mixture of experts' in
 runs 2 and 7 are told (transient stragglers 21 of 28 over the kept runs, 16 before, as
 many false). A quota that goes on throttling its rank, however little, is a slowdown's.
+
+Run 8, live on that release: hangs 9 of 9; links 5 of 7 (Megatron's and the mixture of
+experts' beside a rank under a quota missed); slowdowns 14 of 15, the culprit right in
+13, none false (DDP's rank under a quota beside a slow link missed, 9% of the throughput;
+Megatron's rank held just under what it uses named as its tensor-parallel peer);
+intermittent stragglers 3 of 3; transient stragglers 2 of 3, none false (DDP's 1.5x and
+1.9x steps inside its job's noise); no false alarm over the healthy steps.
 """
 
 from __future__ import annotations
@@ -178,6 +185,8 @@ BARS = {
                  transient_false=2, intermittent=3, healthy_alarms=0),
     "run7": Bars(links=7, slowdowns=15, culprits=14, slowdowns_false=0, transient=3,
                  transient_false=1, intermittent=3, healthy_alarms=1),
+    "run8": Bars(links=5, slowdowns=14, culprits=13, slowdowns_false=0, transient=2,
+                 transient_false=0, intermittent=3, healthy_alarms=0),
 }  # fmt: skip
 
 
