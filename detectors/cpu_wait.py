@@ -17,8 +17,13 @@ Heartbeats may also carry the kernel's account of the rank's CPU quota
 share cannot: a rank that mostly sleeps in its transfers behind a slow link waits
 little for a CPU, yet its quota holds back what it does compute. It stands apart
 from a tenth of a second a second (:data:`THROTTLED_APART`; the kernel counts each
-CPU the quota held back, so a busy rank on several CPUs can pass 1): below that the
-quota cost less than the least slowdown worth a verdict. A quota that held ranks back
+CPU the quota held back, so a busy rank on several CPUs can pass 1), limits that every
+rank meets now and then varying by a few points of the time; from half that where no
+other rank of the job is throttled at all (:data:`OWN_QUOTA_APART`: the count is exact,
+and the quota is the rank's own). A quota's stalls cost more than the time they hold
+the rank back where its collectives stop whole with it (a tensor-parallel all-reduce,
+and TCP waiting out its backoff): a rank held just under what it uses, throttled 0.03-0.08
+s a second, made a Megatron job's steps 1.3-1.4x as long. A quota that held ranks back
 through most of the time a shift must last (:func:`quota_holds`) is a cause seen beside
 a slower step, as a rank that holds the others up is: the change-point detector judges
 the step against its least shift, not against the job's noise (a rank a little slower
@@ -69,6 +74,8 @@ APART = 0.5
 #: seconds throttled per second by which ranks held back by their CPU quota stand apart
 #: from the others, and by which each grew over its own before
 THROTTLED_APART = 0.1
+#: the same where no other rank of the job is throttled at all (a quota of its own)
+OWN_QUOTA_APART = 0.05
 #: ranks kept from a CPU wait at least this share of their wait before
 STILL = 0.9
 #: a rank's quieter times: this quantile of its throttled shares between heartbeats
@@ -93,6 +100,16 @@ def _held_before(cpu: CpuWaits, start_ns: int, n: int) -> np.ndarray:
     began a few steps before a shift did)."""
     before = cpu.rates(start_ns - BEFORE_NS, start_ns, throttled=True)[:n]
     return np.fmin(before, cpu.held_through(0, start_ns, QUIET)[:n])
+
+
+def _quota_apart(t: np.ndarray, before: np.ndarray) -> float:
+    """How far a rank's throttled share ``t`` must stand apart: :data:`OWN_QUOTA_APART`
+    where at most one rank of the job was throttled at all, now or before (the kernel's
+    count is exact, and nobody else's limit is met: a quota of its own), else
+    :data:`THROTTLED_APART` (limits that every rank meets now and then vary by a few
+    points of the time)."""
+    some = (np.nan_to_num(t) > 0) | (np.nan_to_num(before) > 0)
+    return OWN_QUOTA_APART if some.sum() <= 1 else THROTTLED_APART
 
 
 def _standing(
@@ -139,7 +156,7 @@ def starved(
     t_before = _held_before(cpu, start_ns, n)
     # a quota already holding a rank back varies with what it runs: it began at the
     # shift only where it at least doubled
-    held, usual_t = _standing(t, t_before, known, THROTTLED_APART, doubled=True)
+    held, usual_t = _standing(t, t_before, known, _quota_apart(t, t_before), doubled=True)
     score = np.maximum(waiting, held)
     top = [int(r) for r in known[np.argsort(-score[known], kind="stable")] if score[r] >= 1]
     if not top:
@@ -195,7 +212,8 @@ def quota_holds(cpu: CpuWaits, start_ns: int, end_ns: int) -> bool:
     known = np.flatnonzero(~np.isnan(now))
     if len(known) * 2 <= n:
         return False
-    held, _ = _standing(now, _held_before(cpu, start_ns, n), known, THROTTLED_APART, doubled=True)
+    before = _held_before(cpu, start_ns, n)
+    held, _ = _standing(now, before, known, _quota_apart(now, before), doubled=True)
     return bool((held >= 1).any())
 
 
@@ -276,6 +294,7 @@ def findings(
 __all__ = [
     "APART",
     "BEFORE_NS",
+    "OWN_QUOTA_APART",
     "STILL",
     "THROTTLED_APART",
     "CpuStarved",

@@ -93,7 +93,6 @@ class Remainders:
         """What starved ``culprit``'s incident (since step ``onset``; ``reps``: its steps
         kept) added beyond what it explains: localised, and opened beside it."""
         assert self.cpu is not None
-        ranks = set(_ranks(culprit, topo))
         start = self.ledger.onset_ns(culprit)
         cpu = cpu_findings(self.cpu, reps, topo, start)
         starved = [f for f in cpu if _names(f, culprit, topo)]
@@ -111,9 +110,13 @@ class Remainders:
         if added < max(self.amplifies * explained, explained + self.ledger.min_shift):
             return []
         rest = increase * (added - explained) / added
+        # a rank of its own is no second culprit: every rank waits for the starved one
+        # through some group (its pipeline, its tensor- and data-parallel peers), and a
+        # quota's stalls stop their collectives whole (TCP then waits out its backoff), so
+        # who came late says nothing more; the network between nodes, and a host, do
         found = [
             f for f in self.findings(reps, topo, rest, cpu)
-            if not _names(f, culprit, topo) and (f.rank is None or f.rank not in ranks)
+            if not _names(f, culprit, topo) and f.rank is None
         ]  # fmt: skip
         inc = first_culprit(found, self.links.ends_before(start), rest, topo)
         if inc is None or inc.culprit in self.open:

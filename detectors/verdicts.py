@@ -90,11 +90,8 @@ class VerdictBook:
         if current is None:
             v = Verdict(
                 job=self.job,
-                verdict_id=verdict_id(
-                    self.job,
-                    kind.value,
-                    culprit,
-                    onset_step if onset_step is not None else onset_ns,
+                verdict_id=self._new_id(
+                    kind.value, culprit, onset_step if onset_step is not None else onset_ns
                 ),
                 kind=kind,
                 cause=cause,
@@ -129,6 +126,27 @@ class VerdictBook:
             )
         self._open[key] = v
         return v
+
+    def _new_id(self, kind: str, culprit: str, onset: int) -> str:
+        """A new incident's :func:`verdict_id`; where an incident still open (or
+        reopenable) has it, one blamed on ``culprit`` at first and on another since, the
+        next of the same culprit's and onset's (as stable on re-processing).
+
+        >>> book = VerdictBook("job-1")
+        >>> v = book.report(VerdictKind.SLOWDOWN, Cause.COMPUTE, "rank:0", onset_step=7,
+        ...                 onset_ns=1, detected_ns=2, severity=0.3, confidence=0.9, rank=0)
+        >>> book.rename("slowdown", "rank:0", "rank:1")
+        >>> w = book.report(VerdictKind.SLOWDOWN, Cause.COMPUTE, "rank:0", onset_step=7,
+        ...                 onset_ns=1, detected_ns=3, severity=0.1, confidence=0.9, rank=0)
+        >>> w.verdict_id != v.verdict_id, w.status.value
+        (True, 'open')
+        """
+        taken = {v.verdict_id for v in (*self._open.values(), *self._closed.values())}
+        vid, n = verdict_id(self.job, kind, culprit, onset), 1
+        while vid in taken:
+            n += 1
+            vid = verdict_id(self.job, kind, f"{culprit}#{n}", onset)
+        return vid
 
     def resolve(self, kind: str, culprit: str, ts_ns: int) -> Verdict | None:
         current = self._open.pop((kind, culprit), None)

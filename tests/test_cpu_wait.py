@@ -153,6 +153,19 @@ def test_quotas_that_throttle_a_little_everywhere_name_nobody() -> None:
     assert named == 0
 
 
+@pytest.mark.parametrize("held", [0.06, 0.08])
+def test_a_rank_the_only_one_throttled_at_all_is_named_by_a_little_of_it(held: float) -> None:
+    """A quota of its own, just under what the rank uses: throttled 6-8% of the time,
+    and no other rank of the job throttled at all (the kernel's count is exact). Named;
+    under limits that every rank meets now and then, the same share is not
+    (``test_quotas_that_throttle_a_little_everywhere_name_nobody``)."""
+    cpu = _held([0.5] * 8, [0.0] * 8, [0, held, 0, 0, 0, 0, 0, 0])
+    (got,) = starved(cpu, 5 * S, 10 * S, NODES)
+    assert got.ranks == (1,) and got.throttled is not None and got.throttled > 0.04
+    everywhere = _held([0.5] * 8, [0.02] * 8, [0.02, held, 0.02, 0.02, 0.02, 0.02, 0.02, 0.02])
+    assert starved(everywhere, 5 * S, 10 * S, NODES) == ()
+
+
 def test_a_heartbeat_without_the_throttled_counter_is_not_a_quota() -> None:
     # a read that failed once keeps the last value: no jump when it comes back
     cpu = CpuWaits()

@@ -344,3 +344,15 @@ def test_a_quota_that_throttles_on_after_a_slow_step_is_no_transient_straggler(
     let go. One slowdown of rank 1, and no straggler beside it."""
     got = replayed(case_records(run, "ddp-mild-rank"))
     assert [(v.kind.value, v.rank, v.onset_step) for v in got] == [("slowdown", 1, onset)]
+
+
+@pytest.mark.parametrize("run", ["run3", "run7", "run8"])
+def test_a_megatron_rank_held_just_under_what_it_uses_is_named_not_its_peer(run: str) -> None:
+    """Case megatron-mild-rank (TP 2 x PP 2 x DP 2): rank 1 held to 0.15 CPU, just under
+    what it uses. The kernel throttled it 0.03-0.08 s a second, and no other rank at all,
+    for steps 1.3-1.4x as long: its stalls stop its tensor-parallel all-reduces whole,
+    and its peer rank 0 comes late to the next. One slowdown of rank 1, for its quota;
+    no second one on a rank that waited for it (a rank of its own is no remainder beside
+    a starved one)."""
+    got = replayed(case_records(run, "megatron-mild-rank"))
+    assert [(v.kind.value, v.rank, v.cause.value) for v in got] == [("slowdown", 1, "host_cpu")]
