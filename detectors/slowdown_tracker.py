@@ -1,14 +1,12 @@
-"""A job's step-time incidents: slowdowns, transient stragglers and intermittent ones
-(those in :mod:`detectors.stragglers`).
+"""A job's step-time incidents: slowdowns, and stragglers (:mod:`detectors.stragglers`).
 
 Every closed step's time goes to the change-point detector
 (:class:`~detectors.changepoint.ShiftDetector`). A confirmed shift is localised
 (:class:`~detectors.slowdown.SlowdownLocalizer`: the critical path where a pipeline is
 known, then who made the others wait, then the transfers between nodes) once the
 links' samples covered it, since a degraded link explains its ends' lateness; the
-culprit's incident stays open, repriced each step, until the job recovers. A burst
-that ended already is a transient straggler (culprit, steps, time lost); the same
-culprit bursting again is intermittent.
+culprit's incident stays open, repriced each step, until the job recovers. A burst over
+already is a transient straggler; the same culprit bursting again is intermittent.
 
 A job's tracker, after a simulated GPU slowed down (rank 7 from step 15):
 

@@ -45,6 +45,7 @@ from detectors.changepoint import SPIKE_OVER_REST
 from detectors.episodes import episode, one_culprit
 from detectors.incidents import Culprit, Incident, StepTimeLedger
 from detectors.quota_bursts import QuotaBursts
+from detectors.recurrence import Recurrence
 from detectors.steps import StepReport
 from detectors.topology import Topology
 from detectors.verdicts import VerdictBook
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
     from detectors.slowdown import SlowdownLocalizer
 
 
-class Stragglers(QuotaBursts):
+class Stragglers(QuotaBursts, Recurrence):
     """Bursts of slow steps, judged with the tracker's verdict book, ledger, change-point
     detector and localisation (the attributes below)."""
 
@@ -220,54 +221,6 @@ class Stragglers(QuotaBursts):
             self._burst_named = {}
         return episode(inc, self._burst_named, self.bursts, topo)
 
-    def _recurs(self, inc: Incident, bursts: list[tuple[int, float, int]], rep: StepReport) -> bool:
-        """Whether ``inc``'s culprit bursting again (``bursts``, the newest last) is an
-        intermittent slowdown: one is open already, or its bursts cost the job what a
-        slowdown must (the change-point detector's least shift) since the first. If not,
-        the earlier ones were stragglers of their own, told already, and are forgotten:
-        a rank that straggled twice in a thousand steps is two transient stragglers."""
-        if len(bursts) < 2:
-            return False
-        key = (VerdictKind.INTERMITTENT_SLOWDOWN.value, inc.culprit.key)
-        if self.book.current(*key) is not None or _cost(bursts, rep) >= self.shift.min_shift:
-            return True
-        del bursts[:-1]
-        return False
-
-    def _intermittent(
-        self, inc: Incident, bursts: list[tuple[int, float, int]], rep: StepReport
-    ) -> list[msgspec.Struct]:
-        """``inc``'s culprit burst again (``bursts``, the newest last): an intermittent
-        slowdown, opened or revised."""
-        first = bursts[0][0]
-        severity = _cost(bursts, rep)
-        mean_ratio = float(np.mean([r for _, r, _ in bursts]))
-        inc.evidence = {
-            **inc.evidence,
-            "bursts": float(len(bursts)),
-            "mean_burst_ratio": mean_ratio,
-            "burst_period_steps": float(np.mean(np.diff([b[0] for b in bursts]))),
-        }
-        reps = [r for r in self.ledger.recent if r.step == first]
-        who = inc.who
-        summary = texts.intermittent_summary(
-            who=who, bursts=len(bursts), mean_ratio=mean_ratio, first=first, severity=severity
-        )
-        v = self.book.report(
-            VerdictKind.INTERMITTENT_SLOWDOWN,
-            inc.cause,
-            inc.culprit.key,
-            onset_step=first,
-            onset_ns=reps[0].start_ns if reps else rep.start_ns,
-            detected_ns=rep.end_ns,
-            severity=severity,
-            confidence=0.8,
-            step=first,
-            summary=summary,
-            **inc.fields(),
-        )
-        return [v] if v else []
-
     def _short_episode(self, calm: int, rep: StepReport) -> list[msgspec.Struct]:
         """The job recovered from its open slowdowns, calm since step ``calm``. Where that
         came as soon as a shift can be told from a burst (its slow steps fewer than twice
@@ -398,14 +351,6 @@ class Stragglers(QuotaBursts):
 def _lost(reps: list[StepReport], level: float) -> float:
     """The time steps ``reps`` took beyond ``level`` (ns)."""
     return sum(max(0.0, r.duration_ns - level) for r in reps)
-
-
-def _cost(bursts: list[tuple[int, float, int]], rep: StepReport) -> float:
-    """The share of the job's time that ``bursts`` (onset, ratio, steps) added from the
-    first of them to step ``rep``."""
-    span = max(1, rep.step - bursts[0][0] + 1)
-    extra = sum((r - 1) * n for _, r, n in bursts)
-    return extra / (span + extra)
 
 
 __all__ = ["Stragglers"]
