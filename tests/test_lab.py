@@ -173,8 +173,9 @@ def test_a_transient_quota_costs_a_step_or_two_then_nothing(runs) -> None:
 
 def test_a_rank_frozen_now_and_then_holds_the_job_up_each_time(runs) -> None:
     """Four stalls of rank 1 (its cgroup frozen for a tenth of a second or two usual steps,
-    every 15 steps): the job lost about the time its rank was frozen, in four separate
-    spells, and the label is an intermittent slowdown of rank 1 from the first."""
+    every 15 steps): the job lost about the time its rank was frozen (less what a stall
+    hides while the rank waits for the others), in four separate spells, and the label
+    is an intermittent slowdown of rank 1 from the first."""
     from schemas.records import Heartbeat
 
     run = runs["ddp-intermittent"]
@@ -190,7 +191,10 @@ def test_a_rank_frozen_now_and_then_holds_the_job_up_each_time(runs) -> None:
     # load can make a few ms longer or shorter: times dozens of steps, as much as a stall
     usual = float(np.median(spanned))
     frozen = 4 * max(inj.fault.stall_min_s * 1e9, 2 * before)
-    assert sum(spanned) - len(spanned) * usual > 0.7 * frozen, (spanned, usual)
+    # a stall that begins while the rank waits inside a collective for the others costs
+    # the job only what outlasts their arrival: up to a usual step of each is hidden
+    hidden = 4 * usual
+    assert sum(spanned) - len(spanned) * usual > 0.7 * (frozen - hidden), (spanned, usual)
     spells = [d for d in spanned if d > usual + 0.4 * frozen / 4]
     assert 4 <= len(spells) <= 8, spanned  # each stall in one step, or split over two
     assert label.throughput_cost > 0.05
