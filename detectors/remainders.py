@@ -13,7 +13,9 @@ So once the starved culprit's shares are read over enough heartbeats to be sure 
 it was kept from running above the job's usual (its run-queue wait or its quota's
 throttling, whichever is more). Where the step lost more than ``amplifies`` times that,
 and by the least slowdown worth a verdict, the remainder is localised again without
-that culprit: what is found opens an incident of its own beside it, and the starved
+that culprit, to the network between nodes or a host (never a rank of its own: every
+rank waits for the starved one through some group, so who came late says nothing more):
+what is found opens an incident of its own beside it, and the starved
 one is charged no more than it explains (:meth:`~detectors.incidents.StepTimeLedger.cap`;
 its verdict's evidence says how much: ``step_share_explained``).
 A rank kept from running a share of the time, on the critical path all along, makes
