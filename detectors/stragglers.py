@@ -98,9 +98,13 @@ class Stragglers(QuotaBursts, Recurrence):
         step are as often a busy host's collectives as its network's), or where the CPU
         counters that cover it name a quota that held a rank back then and let it go
         since; so is a ``lone`` slow step within the job's noise (the job's own
-        otherwise, its timings name nobody), unless a burst is held: that one is judged
-        as it would be without it."""
-        if lone and (self.cpu is None or self.cpu.empty or self._held is not None):
+        otherwise, its timings name nobody), unless a burst that names someone is held:
+        that one is judged as it would be without it; nor one held before it, unless the
+        counters that cover that one show no quota then (two lone steps are no episode:
+        each is within the noise)."""
+        if lone and (self.cpu is None or self.cpu.empty):
+            return []
+        if lone and self._held is not None and not self._unthrottled(self._held):
             return []
         # the burst and the step after it (where its waits may spill): for a burst that
         # just ended, every step since its onset; for a spike that opened a shift, not
@@ -113,6 +117,7 @@ class Stragglers(QuotaBursts, Recurrence):
         if (
             held is not None
             and rep.step <= held[3]
+            and not lone
             and (inc is None or (held[4] is not None and one_culprit(inc, held[4])))
         ):
             # another burst before the held one was due, of its culprit (or its host's,
@@ -143,6 +148,17 @@ class Stragglers(QuotaBursts, Recurrence):
             return []
         self._held = None
         return self._burst(held, rep, topo)
+
+    def _unthrottled(self, held: HeldBurst) -> bool:
+        """Whether ``held`` names nobody and the CPU counters that cover its steps are in,
+        with no rank throttled over them: no quota's, and nothing else can name it."""
+        onset, _, length, _, inc, _ = held
+        reps = [r for r in self.ledger.since(onset) if r.step < onset + length]
+        if inc is not None or self.cpu is None or not reps:
+            return False
+        t = self.cpu.covering(reps[0].start_ns, reps[-1].end_ns, throttled=True)
+        t = t[np.asarray(self.cpu.count[: len(t)]) > 0]  # the ranks heard from
+        return bool(len(t)) and not np.isnan(t).any() and not (t > 0).any()
 
     def _still_slow(self, held: HeldBurst) -> bool:
         """Whether the steps since the held burst ended are slow still: their mean over
