@@ -52,11 +52,29 @@ class QuotaBursts:
             return False
         if not cpu.covered(end) or quota_holds(cpu, end, rep.end_ns):
             return True
+        if not cpu.throttled.any():
+            return False  # no quota ever held a rank back
         # the ranks a quota held back in it: whether it let them go needs a heartbeat
         # interval of theirs after it
-        start = reps[0].start_ns if reps else rep.start_ns
-        held = np.nan_to_num(cpu.covering(start, end, throttled=True)) > 0
+        held = self._throttled_over(reps[0].start_ns if reps else rep.start_ns, end) > 0
         return bool(np.isnan(cpu.throttled_in(end, rep.end_ns))[held].any())
+
+    def _throttled_over(self, start_ns: int, end_ns: int) -> np.ndarray:
+        """Every rank's throttled share over the heartbeat intervals that cover
+        ``start_ns`` to ``end_ns`` (0 where not known)."""
+        assert self.cpu is not None
+        return np.nan_to_num(self.cpu.covering(start_ns, end_ns, throttled=True))
+
+    def _no_quota_over(self, onset: int, length: int) -> bool:
+        """Whether the CPU counters that cover the ``length`` steps from ``onset`` came from
+        every rank heard from, and show none of them throttled."""
+        cpu = self.cpu
+        reps = [r for r in self.ledger.since(onset) if r.step < onset + length]
+        if cpu is None or not reps:
+            return False
+        t = cpu.covering(reps[0].start_ns, reps[-1].end_ns, throttled=True)
+        t = t[np.asarray(cpu.count[: len(t)]) > 0]  # the ranks heard from
+        return bool(len(t)) and not np.isnan(t).any() and not (t > 0).any()
 
     def _quota_held(
         self, reps: list[StepReport], rep: StepReport, topo: Topology, proven: bool = False
@@ -76,7 +94,7 @@ class QuotaBursts:
         # let go: its ranks not throttled since, in a heartbeat interval of theirs after
         # it (however lightly throttled: a quota just under what a rank uses lets most
         # steps through, and holds on)
-        held = np.nan_to_num(cpu.covering(reps[0].start_ns, end, throttled=True)) > 0
+        held = self._throttled_over(reps[0].start_ns, end) > 0
         since = cpu.throttled_in(end, rep.end_ns)[held]
         if (np.nan_to_num(since) > 0).any() or (proven and np.isnan(since).any()):
             return None

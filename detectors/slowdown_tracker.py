@@ -208,7 +208,7 @@ class SlowdownTracker(Judgement, Stragglers, Rechecks, Remainders):
         if ev is not None:
             out += self._shift_event(ev.kind, ev.onset, ev.ratio, ev.length, rep, topo)
         elif self.shift.lone is not None:  # within the noise: a quota's, if one held it
-            out += self._hold_burst(*self.shift.lone, 1, rep, topo, lone=True)
+            out += self._hold_lone(*self.shift.lone, rep, topo)
         elif self.shift.shifted and self.open:
             out += self._update(rep, self.ledger.level_now(self.open) / self.shift.baseline)
         if ev is None and self.pending is not None:

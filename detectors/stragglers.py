@@ -84,40 +84,24 @@ class Stragglers(QuotaBursts, Recurrence):
     _held: HeldBurst | None = None
 
     def _hold_burst(
-        self,
-        onset: int,
-        ratio: float,
-        length: int,
-        rep: StepReport,
-        topo: Topology,
-        lone: bool = False,
+        self, onset: int, ratio: float, length: int, rep: StepReport, topo: Topology
     ) -> list[msgspec.Struct]:
         """A burst that ended at step ``rep``, localised now: reported once the steps that
         would confirm a shift followed (an earlier one held is reported now). A burst is
         a straggler's only with a rank or host named (transfers that took longer for a
         step are as often a busy host's collectives as its network's), or where the CPU
         counters that cover it name a quota that held a rank back then and let it go
-        since; so is a ``lone`` slow step within the job's noise (the job's own
-        otherwise, its timings name nobody), unless a burst that names someone is held:
-        that one is judged as it would be without it; nor one held before it, unless the
-        counters that cover that one show no quota then (two lone steps are no episode:
-        each is within the noise)."""
-        if lone and (self.cpu is None or self.cpu.empty):
-            return []
-        if lone and self._held is not None and not self._unthrottled(self._held):
-            return []
+        since."""
         # the burst and the step after it (where its waits may spill): for a burst that
         # just ended, every step since its onset; for a spike that opened a shift, not
         # the shift's steps that followed
-        reps = [r for r in self.ledger.since(onset) if r.step <= onset + length]
-        inc = None if lone else self.locate(reps, topo)
+        inc = self.locate([r for r in self.ledger.since(onset) if r.step <= onset + length], topo)
         if inc is not None and inc.rank is None and inc.culprit.kind != "node":
             inc = None
         held, due = self._held, rep.step + self.shift.persistence
         if (
             held is not None
             and rep.step <= held[3]
-            and not lone
             and (inc is None or (held[4] is not None and one_culprit(inc, held[4])))
         ):
             # another burst before the held one was due, of its culprit (or its host's,
@@ -130,6 +114,25 @@ class Stragglers(QuotaBursts, Recurrence):
         if inc is not None or (self.cpu is not None and not self.cpu.empty):
             # one that names nobody may still be a CPU quota's, once its counters came
             self._held = (onset, ratio, length, due, inc, self.shift.bar)
+        return out
+
+    def _hold_lone(
+        self, onset: int, ratio: float, rep: StepReport, topo: Topology
+    ) -> list[msgspec.Struct]:
+        """A lone slow step within the job's noise (the job's own, its timings name
+        nobody), held as a burst that names nobody: a CPU quota's straggler if the
+        counters that cover it name one that held a rank back then and let it go. Not
+        while a burst is held, which is judged as it would be without it, unless that
+        one is a lone step too over which the counters show no quota (two lone steps
+        are no episode: each is within the noise)."""
+        if self.cpu is None or self.cpu.empty:
+            return []
+        if self._held is not None and (
+            self._held[4] is not None or not self._no_quota_over(self._held[0], self._held[2])
+        ):
+            return []
+        out = self._release_burst(rep, topo)
+        self._held = (onset, ratio, 1, rep.step + self.shift.persistence, None, self.shift.bar)
         return out
 
     def _release_burst(
@@ -148,17 +151,6 @@ class Stragglers(QuotaBursts, Recurrence):
             return []
         self._held = None
         return self._burst(held, rep, topo)
-
-    def _unthrottled(self, held: HeldBurst) -> bool:
-        """Whether ``held`` names nobody and the CPU counters that cover its steps are in,
-        with no rank throttled over them: no quota's, and nothing else can name it."""
-        onset, _, length, _, inc, _ = held
-        reps = [r for r in self.ledger.since(onset) if r.step < onset + length]
-        if inc is not None or self.cpu is None or not reps:
-            return False
-        t = self.cpu.covering(reps[0].start_ns, reps[-1].end_ns, throttled=True)
-        t = t[np.asarray(self.cpu.count[: len(t)]) > 0]  # the ranks heard from
-        return bool(len(t)) and not np.isnan(t).any() and not (t > 0).any()
 
     def _still_slow(self, held: HeldBurst) -> bool:
         """Whether the steps since the held burst ended are slow still: their mean over
