@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from operator import attrgetter, itemgetter
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -74,6 +75,16 @@ def figures(p: StepPart) -> np.ndarray:
     if not folded:
         return np.zeros((3 + len(_SUMS), 0))
     base = p.start if p.start != _NEVER else 0
+    got = None if _native is None else _native.figures(folded, base)
+    if got is not None:  # the compiled core did (None: what it does not take)
+        buf, k = got
+        return np.frombuffer(buf, dtype=np.float64).reshape(3 + len(_SUMS), k)
+    return reference_figures(folded, base)
+
+
+def reference_figures(folded: list, base: int) -> np.ndarray:
+    """:func:`figures` of a part's ``folded`` instances, with NumPy: the reference of the
+    compiled core (``detectors/_figures.c``), and what runs where it was not built."""
     # gathered by C-level iterators (map, attrgetter, chain): a part folds hundreds of
     # instances, and a Python generator per column cost most of this function
     insts = list(map(itemgetter(0), folded))
@@ -191,4 +202,25 @@ def _member_figures(
     return np.array(rows_out, dtype=np.float64)
 
 
-__all__ = ["ANY", "NEVER", "SUMS", "WAIT_MODEL", "dense_ranks", "figures"]
+def _core() -> ModuleType | None:
+    """The compiled core; None where it was not built (no C compiler at install time:
+    :func:`reference_figures` does the same, slower)."""
+    try:
+        from detectors import _figures
+    except ImportError:
+        return None
+    return _figures
+
+
+_native = _core()
+
+
+def core_name() -> str:
+    """Which code computes a part's figures (what a benchmark's numbers were measured
+    with)."""
+    if _native is not None:
+        return "compiled (detectors/_figures.c)"
+    return "NumPy (the compiled core was not built: no C compiler at install)"
+
+
+__all__ = ["ANY", "NEVER", "SUMS", "WAIT_MODEL", "core_name", "dense_ranks", "figures"]

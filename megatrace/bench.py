@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from detectors.align import core_name as align_core
+from detectors.rank_figures import core_name as figures_core
 from flows.decode import Decoded, rows_of
 from flows.flow_config import Role, flow_config
 from flows.main import build_flow
@@ -236,8 +237,8 @@ def _pipeline(
     n_detect = sum(topics.for_record(r) != topics.kernel for r in recs)
     say(
         f"{n:,} records of a {run.spec.world_size}-rank job ({n - n_detect:,} kernel records), "
-        f"{settings.kafka.partitions} partitions per topic; alignment core: {align_core()}; rows: "
-        f"{rows_core()}"
+        f"{settings.kafka.partitions} partitions per topic; alignment core: {align_core()}; "
+        f"per-rank figures: {figures_core()}; rows: {rows_core()}"
     )
     pub = KafkaPublisher(producer_config(settings.kafka, boot), topics)
     t0 = time.perf_counter()
