@@ -5,8 +5,8 @@ transfer cannot move, TCP retransmits into the link, and nothing in Gloo's calls
 the transfer's progress. From the calls alone that is a slow transfer until it lasts; the
 lab leaves the job hung 13 s, then ends it. ``run2`` keeps a sharded data-parallel job
 one of whose ranks completed the hung all-gather (its share came before the link went)
-and went on to the next call, which the others never reached; ``run3`` to ``run5`` the
-five of three later live runs of the whole lab."""
+and went on to the next call, which the others never reached; ``run3`` to ``run7`` the
+five of each of five later live runs of the whole lab."""
 
 from __future__ import annotations
 
