@@ -17,7 +17,7 @@ from detectors.align import Instance
 from detectors.rank_figures import ANY, WAIT_MODEL, figures, reference_figures
 from schemas.enums import CollOp
 
-pytestmark = pytest.mark.skipif(rf._native is None, reason="detectors/_figures.c not built")
+built = pytest.mark.skipif(rf._native is None, reason="detectors/_figures.c not built")
 
 
 def test_the_compiled_core_is_built() -> None:
@@ -47,6 +47,7 @@ def _folded(seed: int, same: bool) -> tuple[list[tuple[Instance, int]], int]:
     return out, t0 - rnd.randrange(10**6)
 
 
+@built
 @pytest.mark.parametrize("same", [True, False], ids=["one-group", "mixed"])
 def test_the_compiled_figures_equal_the_reference_bit_for_bit(same: bool) -> None:
     for seed in range(200):
@@ -58,6 +59,7 @@ def test_the_compiled_figures_equal_the_reference_bit_for_bit(same: bool) -> Non
         assert got.tobytes() == want.tobytes(), (seed, np.argwhere(got != want)[:5])
 
 
+@built
 def test_a_time_past_64_bits_is_refused_not_wrapped() -> None:
     class Part:  # what figures() reads of a StepPart
         start = 0
