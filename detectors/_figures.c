@@ -6,7 +6,8 @@
  * per member rank, the sums of the host's lead, instances, waits for the last arriver,
  * TP lateness and the last arriver's exclusive blame, then first arrival and last end as
  * offsets from ``base``. It returns (a bytearray of 9 x k doubles, row after row, k), or
- * None where it cannot (an instance that is not one, a number past 64 bits): the caller
+ * None where it cannot (not configured, an instance that is not one, a number past 64
+ * bits): the caller
  * then runs the reference. Sums are added in the reference's order (instance by
  * instance, member by member), so the floats come out the same.
  *
@@ -23,12 +24,28 @@
 #include <string.h>
 
 #define NEVER (((int64_t)1) << 62)
-/* the folded instance's flags (detectors/rank_figures.py) */
-#define WAIT_MODEL 2
-#define ANY 4
-/* Instance's fields (detectors/align.py) */
-enum { I_RANKS = 7, I_ENQ = 8, I_ARR = 9, I_END = 10, I_MIN_LEN = 11 };
 enum { ROWS = 9 };
+/* where an Instance (detectors/align.py) holds its members' ranks, enqueue times,
+ * arrivals and ends, and the folded instance's flags (detectors/rank_figures.py): handed
+ * over once by configure(), so that they have one home, the Python code */
+static Py_ssize_t i_ranks, i_enq, i_arr, i_end, min_len;
+static long wait_model, any_flag;
+static int configured;
+
+static PyObject *configure(PyObject *self, PyObject *args) {
+    if (!PyArg_ParseTuple(args, "nnnnll", &i_ranks, &i_enq, &i_arr, &i_end, &wait_model,
+                          &any_flag))
+        return NULL;
+    if (i_ranks < 0 || i_enq < 0 || i_arr < 0 || i_end < 0) {
+        PyErr_SetString(PyExc_ValueError, "field positions must not be negative");
+        return NULL;
+    }
+    min_len = 1 + (i_ranks > i_enq ? i_ranks : i_enq);
+    if (i_arr + 1 > min_len) min_len = i_arr + 1;
+    if (i_end + 1 > min_len) min_len = i_end + 1;
+    configured = 1;
+    Py_RETURN_NONE;
+}
 
 static int cmp_i64(const void *a, const void *b) {
     int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
@@ -70,6 +87,7 @@ static PyObject *figures(PyObject *self, PyObject *args) {
     PyObject *folded;
     long long base;
     if (!PyArg_ParseTuple(args, "O!L", &PyList_Type, &folded, &base)) return NULL;
+    if (!configured) Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(folded);
     /* sizes and flags of each instance, and the total of members */
     Py_ssize_t *start = PyMem_Malloc((n + 1) * sizeof(Py_ssize_t));
@@ -88,9 +106,9 @@ static PyObject *figures(PyObject *self, PyObject *args) {
         PyObject *pair = PyList_GET_ITEM(folded, j);
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) goto unsupported;
         PyObject *inst = PyTuple_GET_ITEM(pair, 0), *f = PyTuple_GET_ITEM(pair, 1);
-        if (!PyTuple_Check(inst) || PyTuple_GET_SIZE(inst) < I_MIN_LEN || !PyLong_Check(f))
+        if (!PyTuple_Check(inst) || PyTuple_GET_SIZE(inst) < min_len || !PyLong_Check(f))
             goto unsupported;
-        PyObject *ranks = PyTuple_GET_ITEM(inst, I_RANKS);
+        PyObject *ranks = PyTuple_GET_ITEM(inst, i_ranks);
         if (!PyTuple_Check(ranks)) goto unsupported;
         flag[j] = PyLong_AsLong(f);
         if (flag[j] == -1 && PyErr_Occurred()) {
@@ -114,10 +132,10 @@ static PyObject *figures(PyObject *self, PyObject *args) {
     for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *inst = PyTuple_GET_ITEM(PyList_GET_ITEM(folded, j), 0);
         Py_ssize_t s = start[j], k = start[j + 1] - s;
-        if (ints(PyTuple_GET_ITEM(inst, I_RANKS), k, rank + s) < 0 ||
-            ints(PyTuple_GET_ITEM(inst, I_ENQ), k, enq + s) < 0 ||
-            ints(PyTuple_GET_ITEM(inst, I_ARR), k, arr + s) < 0 ||
-            ints(PyTuple_GET_ITEM(inst, I_END), k, end + s) < 0)
+        if (ints(PyTuple_GET_ITEM(inst, i_ranks), k, rank + s) < 0 ||
+            ints(PyTuple_GET_ITEM(inst, i_enq), k, enq + s) < 0 ||
+            ints(PyTuple_GET_ITEM(inst, i_arr), k, arr + s) < 0 ||
+            ints(PyTuple_GET_ITEM(inst, i_end), k, end + s) < 0)
             goto unsupported;
     }
     /* the columns: the members of every instance, in their order, where all instances
@@ -159,7 +177,7 @@ static PyObject *figures(PyObject *self, PyObject *args) {
             if (arr[i] < a_min) a_min = arr[i];
             if (arr[i] > a_max) a_max = arr[i];
         }
-        int tp = (flag[j] & WAIT_MODEL) != 0, any = (flag[j] & ANY) != 0;
+        int tp = (flag[j] & wait_model) != 0, any = (flag[j] & any_flag) != 0;
         for (Py_ssize_t i = lo; i < hi; i++) rel_sum += arr[i] - a_min;
         double mean = (double)rel_sum / (double)(hi - lo);
         for (Py_ssize_t i = lo; i < hi; i++) {
@@ -209,6 +227,9 @@ done:
 }
 
 static PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS,
+     "configure(ranks, enqueue, arrival, end, wait_model, any): Instance's field positions "
+     "and the flags"},
     {"figures", figures, METH_VARARGS,
      "figures(folded, base) -> (bytearray of 9 x k doubles, k), or None: see rank_figures"},
     {NULL, NULL, 0, NULL},

@@ -209,6 +209,10 @@ def _core() -> ModuleType | None:
         from detectors import _figures
     except ImportError:
         return None
+    from detectors.align import Instance
+
+    at = Instance._fields.index
+    _figures.configure(at("ranks"), at("enqueue"), at("arrival"), at("end"), _WAIT_MODEL, _ANY)
     return _figures
 
 
